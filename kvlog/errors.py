@@ -1,0 +1,136 @@
+"""The one error tree of kvlog.
+
+Bad input raises a subclass of :class:`KvlogError`; a broken internal invariant is an
+``assert`` instead (it names a bug in kvlog, not in the caller). Every class is also a
+builtin exception, so callers that do not know kvlog can still catch ``ValueError`` or
+``OSError``::
+
+    KvlogError (Exception)
+    ├── InvalidEvent (ValueError)            an event the state machine refuses; nothing logged
+    │   ├── NotConfigured                    an event before CacheConfigured
+    │   ├── AlreadyConfigured                a second CacheConfigured
+    │   ├── BlockOutOfRange                  a GPU or CPU block id < 0 or >= the pool size
+    │   ├── BlockInUse                       a block given to two live requests (no prefix caching)
+    │   ├── DuplicateBlock                   the same block id twice in one event
+    │   ├── UnknownJob                       TransferFinished for a job that is not in flight
+    │   ├── DuplicateJob                     a job id that is in flight or already used
+    │   └── TransferSizeMismatch             GPU/CPU block counts that do not fit block_size_factor
+    ├── CorruptLogError (ValueError)         a log that is damaged other than by a torn tail
+    │   └── SchemaVersionError               a header this version cannot read
+    ├── LogWriterError (OSError)             the log writer cannot go on
+    │   ├── LogPoisoned                      an earlier write or fsync failed; no more appends
+    │   └── LogClosed                        an append after close()
+    ├── LayoutError (ValueError)             KV-cache tensors that do not match a layout
+    └── ExecutorError (RuntimeError)         an executor used wrongly (after shutdown, unknown plan)
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AlreadyConfigured",
+    "BlockInUse",
+    "BlockOutOfRange",
+    "CorruptLogError",
+    "DuplicateBlock",
+    "DuplicateJob",
+    "ExecutorError",
+    "InvalidEvent",
+    "KvlogError",
+    "LayoutError",
+    "LogClosed",
+    "LogPoisoned",
+    "LogWriterError",
+    "NotConfigured",
+    "SchemaVersionError",
+    "TransferSizeMismatch",
+    "UnknownJob",
+]
+
+
+class KvlogError(Exception):
+    """Root of every error kvlog raises on purpose."""
+
+
+class InvalidEvent(KvlogError, ValueError):
+    """An event that the state machine refuses: it is not logged and changes nothing.
+
+    ``event`` is the refused event (or None when refused before decoding), ``reason``
+    a short human sentence.
+    """
+
+    def __init__(self, reason: str, event: object = None) -> None:
+        self.reason = reason
+        self.event = event
+        name = type(event).__name__ if event is not None else "event"
+        super().__init__(f"{name} rejected: {reason}")
+
+
+class NotConfigured(InvalidEvent):
+    """An event arrived before ``CacheConfigured``."""
+
+
+class AlreadyConfigured(InvalidEvent):
+    """A second ``CacheConfigured``."""
+
+
+class BlockOutOfRange(InvalidEvent):
+    """A block id that is negative or not below the pool size."""
+
+
+class BlockInUse(InvalidEvent):
+    """A block allocated to a second live request without prefix caching."""
+
+
+class DuplicateBlock(InvalidEvent):
+    """The same block id appears twice in one event."""
+
+
+class UnknownJob(InvalidEvent):
+    """A ``TransferFinished`` for a job that is not in flight."""
+
+
+class DuplicateJob(InvalidEvent):
+    """A job id that is in flight or was used before."""
+
+
+class TransferSizeMismatch(InvalidEvent):
+    """GPU and CPU block counts of a transfer that ``block_size_factor`` cannot match."""
+
+
+class CorruptLogError(KvlogError, ValueError):
+    """A log that is damaged other than by a torn tail (which is repaired instead).
+
+    ``offset`` is the byte offset of the bad record, ``seq`` the sequence number expected
+    there (or the one read, where it was readable).
+    """
+
+    def __init__(self, message: str, *, path: str = "", offset: int = -1, seq: int = -1) -> None:
+        self.path = path
+        self.offset = offset
+        self.seq = seq
+        where = f"{path}: " if path else ""
+        super().__init__(f"{where}{message} (byte offset {offset}, sequence number {seq})")
+
+
+class SchemaVersionError(CorruptLogError):
+    """A log header whose format or schema version this kvlog cannot read."""
+
+
+class LogWriterError(KvlogError, OSError):
+    """The log writer cannot append."""
+
+
+class LogPoisoned(LogWriterError):
+    """An earlier write or fsync failed: the on-disk state is unknown, so appends stop."""
+
+
+class LogClosed(LogWriterError):
+    """An append after ``close()``."""
+
+
+class LayoutError(KvlogError, ValueError):
+    """KV-cache tensors that do not match the declared layout."""
+
+
+class ExecutorError(KvlogError, RuntimeError):
+    """An executor used wrongly: after shutdown, or with a plan it does not know."""

@@ -1,0 +1,157 @@
+"""The event and plan types of schema version 1 (see DESIGN.md).
+
+Every type is a frozen, tagged ``msgspec.Struct``; the tag is the class name and is part of
+the on-disk format, so a class is never renamed. The schema only grows: a new field goes at
+the end with a default; no field is reordered or retyped.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+__all__ = [
+    "DEFAULT_PAD_SIZES",
+    "SCHEMA_VERSION",
+    "BlocksAllocated",
+    "CacheConfigured",
+    "Checkpoint",
+    "Event",
+    "LoadRequested",
+    "Plan",
+    "Record",
+    "RequestFinished",
+    "RequestPreempted",
+    "StepEnded",
+    "StoreRequested",
+    "SwapPlan",
+    "TransferFinished",
+    "TransferPlan",
+]
+
+SCHEMA_VERSION = 1
+DEFAULT_PAD_SIZES: tuple[int, ...] = (8, 16, 32, 64, 128, 256, 512)
+
+
+class _Tagged(msgspec.Struct, frozen=True, tag_field="type", tag=True):
+    """Base of every record type: frozen, tagged by class name."""
+
+
+class CacheConfigured(_Tagged, frozen=True):
+    """First event of every log: cache geometry and defrag policy."""
+
+    num_gpu_blocks: int
+    block_size: int
+    num_cpu_blocks: int = 0
+    block_size_factor: int = 1
+    prefix_caching: bool = False
+    defrag: bool = True
+    threshold: int = 32
+    max_swaps: int = 512
+    pad_sizes: tuple[int, ...] = DEFAULT_PAD_SIZES
+    page_size_bytes: int = 0
+
+
+class BlocksAllocated(_Tagged, frozen=True):
+    """New (logical) blocks appended to a request's block table."""
+
+    req_id: str
+    block_ids: list[int]
+
+
+class RequestFinished(_Tagged, frozen=True):
+    """Release a request's blocks; a request that never got blocks is a no-op."""
+
+    req_id: str
+
+
+class RequestPreempted(_Tagged, frozen=True):
+    """Release a request's blocks; it may come back later with a fresh table."""
+
+    req_id: str
+
+
+class StepEnded(_Tagged, frozen=True):
+    """End of one scheduler step: the defrag decision is taken here."""
+
+    step: int
+
+
+class StoreRequested(_Tagged, frozen=True):
+    """Offload (logical) GPU blocks to CPU blocks."""
+
+    job_id: int
+    gpu_block_ids: list[int]
+    cpu_block_ids: list[int]
+
+
+class LoadRequested(_Tagged, frozen=True):
+    """Load CPU blocks into (logical) GPU blocks."""
+
+    job_id: int
+    cpu_block_ids: list[int]
+    gpu_block_ids: list[int]
+
+
+class TransferFinished(_Tagged, frozen=True):
+    """A transfer completed; logged by the engine where the executor reported it."""
+
+    job_id: int
+    success: bool
+
+
+class Checkpoint(_Tagged, frozen=True):
+    """A log record, not an event: the state digest after record ``seq`` was applied.
+
+    Replay verifies these as it goes and may start from the latest one that carries a
+    snapshot.
+    """
+
+    seq: int
+    digest: str
+    step: int = -1
+    snapshot: bytes = b""
+
+
+class SwapPlan(_Tagged, frozen=True):
+    """Defrag moves: ``pairs`` of physical ``(src, dst)``, highest used into lowest free.
+
+    ``mode`` is ``"swap"`` with prefix caching (free blocks may hold cached data, so both
+    move) and ``"move"`` otherwise (one-way copy). ``padded_to`` is the pad bucket.
+    """
+
+    step: int
+    pairs: list[tuple[int, int]]
+    padded_to: int
+    mode: Literal["swap", "move"]
+
+
+class TransferPlan(_Tagged, frozen=True):
+    """One store or load job, as ``(src, dst)`` sub-block pairs in physical ids.
+
+    For a store, ``src`` is a physical GPU block id and ``dst`` a CPU sub-block id
+    (``cpu_block_id * block_size_factor + k``); for a load the other way round.
+    ``after_job_id`` is the previous job of the same direction, which this one must
+    start after (-1 when there is none in flight).
+    """
+
+    job_id: int
+    kind: Literal["store", "load"]
+    pairs: list[tuple[int, int]]
+    num_bytes: int
+    after_job_id: int = -1
+
+
+Event = (
+    CacheConfigured
+    | BlocksAllocated
+    | RequestFinished
+    | RequestPreempted
+    | StepEnded
+    | StoreRequested
+    | LoadRequested
+    | TransferFinished
+)
+Record = Event | Checkpoint
+Plan = SwapPlan | TransferPlan

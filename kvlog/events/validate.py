@@ -1,0 +1,109 @@
+"""Stateless validation of event field values that msgspec types cannot express.
+
+``validate_event`` checks one event on its own (types, signs, orderings); the reducers
+check it against the state (ranges, ownership, job ids). Both raise an ``InvalidEvent``
+subclass before anything changes.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from kvlog.errors import BlockOutOfRange, DuplicateBlock, InvalidEvent
+from kvlog.events.types import (
+    BlocksAllocated,
+    CacheConfigured,
+    Event,
+    LoadRequested,
+    RequestFinished,
+    RequestPreempted,
+    StepEnded,
+    StoreRequested,
+    TransferFinished,
+)
+
+__all__ = ["MAX_BLOCKS", "MAX_ID", "validate_block_ids", "validate_event"]
+
+MAX_ID = 2**63 - 1
+"""Largest job id or step (msgpack int64)."""
+MAX_BLOCKS = 2**31 - 1
+"""Largest pool size: block ids are stored as int32."""
+MAX_REQ_ID_LENGTH = 4096
+
+
+def _int(event: Event, name: str, value: object, lo: int, hi: int = MAX_ID) -> None:
+    if type(value) is not int:
+        raise InvalidEvent(f"{name} must be an int, got {type(value).__name__}", event)
+    if not lo <= value <= hi:
+        raise InvalidEvent(f"{name}={value} is outside [{lo}, {hi}]", event)
+
+
+def validate_block_ids(event: Event, name: str, block_ids: object) -> None:
+    """Block ids must be a list of distinct non-negative ints (upper bound is stateful)."""
+    if not isinstance(block_ids, (list, tuple)):
+        raise InvalidEvent(f"{name} must be a list of ints", event)
+    for b in block_ids:
+        if type(b) is not int:
+            raise InvalidEvent(f"{name} holds {b!r}, not an int", event)
+        if b < 0:
+            raise BlockOutOfRange(f"{name} holds negative block id {b}", event)
+    if len(set(block_ids)) != len(block_ids):
+        seen: set[int] = set()
+        dup = next(b for b in block_ids if b in seen or seen.add(b))  # type: ignore[func-returns-value]
+        raise DuplicateBlock(f"{name} holds block id {dup} twice", event)
+
+
+def _req_id(event: Event, req_id: object) -> None:
+    if type(req_id) is not str or not 0 < len(req_id) <= MAX_REQ_ID_LENGTH:
+        raise InvalidEvent(f"req_id must be a non-empty str of at most {MAX_REQ_ID_LENGTH}", event)
+
+
+def _validate_config(e: CacheConfigured) -> None:
+    _int(e, "num_gpu_blocks", e.num_gpu_blocks, 1, MAX_BLOCKS)
+    _int(e, "block_size", e.block_size, 1, MAX_BLOCKS)
+    _int(e, "num_cpu_blocks", e.num_cpu_blocks, 0, MAX_BLOCKS)
+    _int(e, "block_size_factor", e.block_size_factor, 1, 1 << 16)
+    _int(e, "threshold", e.threshold, 0, MAX_BLOCKS)
+    _int(e, "page_size_bytes", e.page_size_bytes, 0, 1 << 40)
+    for name in ("prefix_caching", "defrag"):
+        if type(getattr(e, name)) is not bool:
+            raise InvalidEvent(f"{name} must be a bool", e)
+    pads = e.pad_sizes
+    if not isinstance(pads, (list, tuple)) or not pads:
+        raise InvalidEvent("pad_sizes must be a non-empty sequence of ints", e)
+    for p in pads:
+        _int(e, "pad_sizes entry", p, 1, 1 << 20)
+    if any(a >= b for a, b in itertools.pairwise(pads)):
+        raise InvalidEvent(f"pad_sizes must be strictly ascending, got {list(pads)}", e)
+    _int(e, "max_swaps", e.max_swaps, 1, pads[-1])
+    if e.num_cpu_blocks * e.block_size_factor > MAX_BLOCKS:
+        raise InvalidEvent("num_cpu_blocks * block_size_factor exceeds the id space", e)
+
+
+def _validate_transfer(e: StoreRequested | LoadRequested) -> None:
+    _int(e, "job_id", e.job_id, 0)
+    validate_block_ids(e, "gpu_block_ids", e.gpu_block_ids)
+    validate_block_ids(e, "cpu_block_ids", e.cpu_block_ids)
+    if not e.gpu_block_ids or not e.cpu_block_ids:
+        raise InvalidEvent("a transfer needs at least one GPU and one CPU block", e)
+
+
+def validate_event(event: object) -> None:
+    """Raise ``InvalidEvent`` if ``event`` is not a well-formed event on its own."""
+    if isinstance(event, CacheConfigured):
+        _validate_config(event)
+    elif isinstance(event, BlocksAllocated):
+        _req_id(event, event.req_id)
+        validate_block_ids(event, "block_ids", event.block_ids)
+    elif isinstance(event, (RequestFinished, RequestPreempted)):
+        _req_id(event, event.req_id)
+    elif isinstance(event, StepEnded):
+        _int(event, "step", event.step, 0)
+    elif isinstance(event, (StoreRequested, LoadRequested)):
+        _validate_transfer(event)
+    elif isinstance(event, TransferFinished):
+        _int(event, "job_id", event.job_id, 0)
+        if type(event.success) is not bool:
+            raise InvalidEvent("success must be a bool", event)
+    else:
+        raise InvalidEvent(f"not a kvlog event: {type(event).__name__}", None)

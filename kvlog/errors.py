@@ -14,6 +14,7 @@ builtin exception, so callers that do not know kvlog can still catch ``ValueErro
     │   ├── DuplicateBlock                   the same block id twice in one event
     │   ├── UnknownJob                       TransferFinished for a job that is not in flight
     │   ├── DuplicateJob                     a job id that is in flight or already used
+    │   ├── TooManyJobs                      more transfer jobs in flight than the state bounds
     │   └── TransferSizeMismatch             GPU/CPU block counts that do not fit block_size_factor
     ├── CorruptLogError (ValueError)         a log that is damaged other than by a torn tail
     │   └── SchemaVersionError               a header this version cannot read
@@ -21,6 +22,10 @@ builtin exception, so callers that do not know kvlog can still catch ``ValueErro
     │   ├── LogPoisoned                      an earlier write or fsync failed; no more appends
     │   └── LogClosed                        an append after close()
     ├── LayoutError (ValueError)             KV-cache tensors that do not match a layout
+    ├── ConfigError (ValueError)             an environment variable or facade argument kvlog
+    │                                        cannot use (kvlog.integrations)
+    ├── TransferSpecError (ValueError)       a vLLM transfer spec the offloading facade cannot
+    │                                        turn into an event (kvlog.integrations)
     └── ExecutorError (RuntimeError)         an executor used wrongly (after shutdown, unknown plan)
 """
 
@@ -30,6 +35,7 @@ __all__ = [
     "AlreadyConfigured",
     "BlockInUse",
     "BlockOutOfRange",
+    "ConfigError",
     "CorruptLogError",
     "DuplicateBlock",
     "DuplicateJob",
@@ -43,6 +49,7 @@ __all__ = [
     "NotConfigured",
     "SchemaVersionError",
     "TransferSizeMismatch",
+    "TransferSpecError",
     "UnknownJob",
 ]
 
@@ -93,6 +100,10 @@ class DuplicateJob(InvalidEvent):
     """A job id that is in flight or was used before."""
 
 
+class TooManyJobs(InvalidEvent):
+    """A store or load while the bounded number of jobs in flight is already reached."""
+
+
 class TransferSizeMismatch(InvalidEvent):
     """GPU and CPU block counts of a transfer that ``block_size_factor`` cannot match."""
 
@@ -130,6 +141,22 @@ class LogClosed(LogWriterError):
 
 class LayoutError(KvlogError, ValueError):
     """KV-cache tensors that do not match the declared layout."""
+
+
+class ConfigError(KvlogError, ValueError):
+    """An environment variable or facade argument that kvlog cannot use.
+
+    ``name`` is the variable or argument, ``value`` what it held.
+    """
+
+    def __init__(self, name: str, value: object, expected: str) -> None:
+        self.name = name
+        self.value = value
+        super().__init__(f"{name}={value!r}: expected {expected}")
+
+
+class TransferSpecError(KvlogError, ValueError):
+    """A transfer spec the offloading facade cannot turn into an event (e.g. several KV groups)."""
 
 
 class ExecutorError(KvlogError, RuntimeError):

@@ -40,6 +40,7 @@ from kvlog.events import (
 __all__ = ["ModelJob", "ModelRejected", "PlainModel"]
 
 MAX_JOBS_IN_FLIGHT = 1 << 16
+MAX_REQ_ID_LENGTH = 4096
 
 
 class ModelRejected(Exception):
@@ -99,6 +100,7 @@ class PlainModel:
             return []
         if self.config is None:
             raise ModelRejected("NotConfigured")
+        self._check_fields(event)
         if isinstance(event, BlocksAllocated):
             self._allocate(event)
         elif isinstance(event, (RequestFinished, RequestPreempted)):
@@ -113,6 +115,26 @@ class PlainModel:
                 raise ModelRejected("UnknownJob")
             del self.jobs[event.job_id]
         return []
+
+    @staticmethod
+    def _check_fields(event: Event) -> None:
+        """Field rules that hold for an event on its own (DESIGN.md: ids are non-negative,
+        a request id is a non-empty string, a transfer moves at least one block)."""
+        if isinstance(event, (BlocksAllocated, RequestFinished, RequestPreempted)):
+            if not 0 < len(event.req_id) <= MAX_REQ_ID_LENGTH:
+                raise ModelRejected("InvalidEvent")
+        elif isinstance(event, StepEnded) and event.step < 0:
+            raise ModelRejected("InvalidEvent")
+        elif isinstance(event, (StoreRequested, LoadRequested, TransferFinished)):
+            if event.job_id < 0:
+                raise ModelRejected("InvalidEvent")
+            if isinstance(event, TransferFinished):
+                return
+            ids = [*event.gpu_block_ids, *event.cpu_block_ids]
+            if any(b < 0 for b in ids):
+                raise ModelRejected("BlockOutOfRange")
+            if not event.gpu_block_ids or not event.cpu_block_ids:
+                raise ModelRejected("InvalidEvent")
 
     def _check_gpu_ids(self, block_ids: list[int]) -> None:
         assert self.config is not None
@@ -145,7 +167,7 @@ class PlainModel:
         sources = sorted(used - pinned, reverse=True)
         destinations = (b for b in itertools.count(1) if b not in used and b not in pinned)
         pairs: list[tuple[int, int]] = []
-        for src, dst in zip(sources, destinations):
+        for src, dst in zip(sources, destinations, strict=False):
             if len(pairs) == config.max_swaps or dst > src:
                 break
             pairs.append((src, dst))
@@ -198,8 +220,8 @@ class PlainModel:
         if kind == "store":
             if len(cpu_subs) != len(gpu):
                 raise ModelRejected("TransferSizeMismatch")
-            return list(zip(gpu, cpu_subs))
+            return list(zip(gpu, cpu_subs, strict=True))
         skip = (-len(gpu)) % f
         if len(gpu) != len(cpu_subs) - skip:
             raise ModelRejected("TransferSizeMismatch")
-        return list(zip(cpu_subs[skip:], gpu))
+        return list(zip(cpu_subs[skip:], gpu, strict=True))

@@ -18,9 +18,11 @@ builtin exception, so callers that do not know kvlog can still catch ``ValueErro
     │   └── TransferSizeMismatch             GPU/CPU block counts that do not fit block_size_factor
     ├── CorruptLogError (ValueError)         a log that is damaged other than by a torn tail
     │   └── SchemaVersionError               a header this version cannot read
+    ├── RecordRejected (ValueError)          not a record, or larger than the log's record bound
     ├── LogWriterError (OSError)             the log writer cannot go on
     │   ├── LogPoisoned                      an earlier write or fsync failed; no more appends
-    │   └── LogClosed                        an append after close()
+    │   ├── LogClosed                        an append after close()
+    │   └── LogLocked                        another writer holds the log open for append
     ├── LayoutError (ValueError)             KV-cache tensors that do not match a layout
     ├── ConfigError (ValueError)             an environment variable or facade argument kvlog
     │                                        cannot use (kvlog.integrations)
@@ -44,9 +46,11 @@ __all__ = [
     "KvlogError",
     "LayoutError",
     "LogClosed",
+    "LogLocked",
     "LogPoisoned",
     "LogWriterError",
     "NotConfigured",
+    "RecordRejected",
     "SchemaVersionError",
     "TransferSizeMismatch",
     "TransferSpecError",
@@ -127,6 +131,11 @@ class SchemaVersionError(CorruptLogError):
     """A log header whose format or schema version this kvlog cannot read."""
 
 
+class RecordRejected(KvlogError, ValueError):
+    """A record the log writer refuses before writing anything: not an event or
+    ``Checkpoint``, or an encoding over ``kvlog.log.MAX_RECORD_BYTES``."""
+
+
 class LogWriterError(KvlogError, OSError):
     """The log writer cannot append."""
 
@@ -137,6 +146,10 @@ class LogPoisoned(LogWriterError):
 
 class LogClosed(LogWriterError):
     """An append after ``close()``."""
+
+
+class LogLocked(LogWriterError):
+    """Another ``LogWriter`` (in this or another process) has the log open for append."""
 
 
 class LayoutError(KvlogError, ValueError):

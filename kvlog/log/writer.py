@@ -1,0 +1,255 @@
+"""The log writer: buffered, CRC-framed appends with group commit, and recovery on reopen.
+
+Appends go into one ``bytearray`` (bounded by ``buffer_bytes``) and reach the file in one
+``write`` per group: at each ``StepEnded`` with ``sync="step"`` (then fsync: group
+commit), at each record with ``sync="always"`` (then fsync), and when the buffer passes
+``buffer_bytes``, on ``flush()`` and on ``close()`` (then fsync) otherwise. Any
+``OSError`` from a write or an fsync poisons the writer: the bytes on disk are then
+unknown (after a failed fsync the kernel may have dropped dirty pages), so that append
+and every later one raise ``LogPoisoned``; reopen the log to recover what is on disk.
+
+A new log is created atomically (header written to a temporary file, fsynced, then
+linked into place), so a crash during creation leaves either no file or a whole header:
+a non-empty file with a short or damaged header is corrupt and never rewritten. An
+existing empty file (``touch``, ``NamedTemporaryFile``) counts as absent. On reopen, the
+existing header is kept (``meta`` is only written at creation); a torn tail is truncated
+(and fsynced) and reported on ``.recovery``; other damage raises ``CorruptLogError``.
+One writer per file: an exclusive ``flock`` raises ``LogLocked`` for a second one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import tempfile
+import typing
+from types import TracebackType
+from typing import Literal
+
+from kvlog import __version__
+from kvlog.crc32c import crc32c
+from kvlog.errors import LogClosed, LogLocked, LogPoisoned, RecordRejected, SchemaVersionError
+from kvlog.events import SCHEMA_VERSION, Record, StepEnded, encode
+from kvlog.log.format import (
+    FRAME_HEAD,
+    MAX_RECORD_BYTES,
+    LogHeader,
+    Recovery,
+    encode_header,
+    parse_header,
+)
+from kvlog.log.scan import FrameScanner
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = ["SYNC_MODES", "LogWriter", "SyncMode"]
+
+SyncMode = Literal["none", "step", "always"]
+SYNC_MODES: tuple[str, ...] = ("none", "step", "always")
+_RECORD_TYPES = typing.get_args(Record)
+_logger = logging.getLogger("kvlog.log")
+
+
+class LogWriter:
+    """Appends records to a log file; see the module docstring for durability."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        sync: SyncMode = "step",
+        *,
+        meta: dict[str, str] | None = None,
+        buffer_bytes: int = 1 << 20,
+    ) -> None:
+        if sync not in SYNC_MODES:
+            raise ValueError(f"sync must be one of {SYNC_MODES}, not {sync!r}")
+        self.path = os.fspath(path)
+        self.sync_mode: SyncMode = sync
+        self._buffer_bytes = buffer_bytes
+        self._buffer = bytearray()
+        self._poison: OSError | None = None
+        self._closed = False
+        if not os.path.exists(self.path) or os.path.getsize(self.path) == 0:
+            _create(self.path, _new_header(meta))
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | getattr(os, "O_CLOEXEC", 0))
+        try:
+            _lock(self._fd, self.path)
+            self.header, self.next_seq, self.recovery = self._recover()
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def _recover(self) -> tuple[LogHeader, int, Recovery | None]:
+        """Verify every frame; cut a torn tail. Returns the header, next seq and recovery."""
+        with open(self.path, "rb", buffering=0) as file:
+            header, data_offset = parse_header(file, self.path)
+            if header.schema_version != SCHEMA_VERSION:
+                raise SchemaVersionError(
+                    f"cannot append schema {SCHEMA_VERSION} records to a schema "
+                    f"{header.schema_version} log; start a new log",
+                    path=self.path,
+                )
+            scanner = FrameScanner(file, self.path, data_offset, os.fstat(file.fileno()).st_size)
+            for _ in scanner.frames():
+                pass
+        if scanner.tail is not None:
+            os.ftruncate(self._fd, scanner.tail.offset)
+            _datasync(self._fd)
+            _logger.warning("%s: cut a torn tail: %s", self.path, scanner.tail)
+        return header, scanner.last_seq + 1, scanner.tail
+
+    def append(self, record: Record) -> int:
+        """Append one event or checkpoint; return its sequence number."""
+        self._check_usable()
+        if not isinstance(record, _RECORD_TYPES):
+            raise RecordRejected(f"not a log record: {type(record).__name__}")
+        payload = encode(record)
+        if len(payload) > MAX_RECORD_BYTES:
+            raise RecordRejected(f"record of {len(payload)} bytes > {MAX_RECORD_BYTES}")
+        seq = self.next_seq
+        head = FRAME_HEAD.pack(len(payload), seq)
+        buffer = self._buffer
+        buffer += head
+        buffer += crc32c(payload, crc32c(head)).to_bytes(4, "little")
+        buffer += payload
+        self.next_seq = seq + 1
+        if self.sync_mode == "always" or (self.sync_mode == "step" and type(record) is StepEnded):
+            self._commit(fsync=True)
+        elif len(buffer) >= self._buffer_bytes:
+            self._commit(fsync=False)
+        return seq
+
+    def flush(self) -> None:
+        """Hand the buffered records to the OS (no fsync)."""
+        self._check_usable()
+        self._commit(fsync=False)
+
+    def sync(self) -> None:
+        """Write the buffered records and fsync: everything appended so far is durable."""
+        self._check_usable()
+        self._commit(fsync=True)
+
+    def close(self) -> None:
+        """Write, fsync and close; idempotent. A poisoned writer just closes its file."""
+        if self._closed:
+            return
+        try:
+            if self._poison is None:
+                self._commit(fsync=True)
+        finally:
+            self._closed = True
+            os.close(self._fd)  # releases the lock
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def poisoned(self) -> bool:
+        return self._poison is not None
+
+    def __enter__(self) -> LogWriter:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _check_usable(self) -> None:
+        if self._poison is not None:
+            raise LogPoisoned(
+                f"{self.path}: an earlier write or fsync failed ({self._poison}); "
+                "no more appends, reopen the log to recover"
+            ) from self._poison
+        if self._closed:
+            raise LogClosed(f"{self.path}: log writer is closed")
+
+    def _commit(self, *, fsync: bool) -> None:
+        try:
+            if self._buffer:
+                _write_all(self._fd, self._buffer)
+                self._buffer.clear()
+            if fsync:
+                _datasync(self._fd)
+        except OSError as exc:
+            self._poison = exc
+            self._buffer.clear()
+            raise LogPoisoned(f"{self.path}: log write or fsync failed: {exc}") from exc
+
+
+def _new_header(meta: dict[str, str] | None) -> LogHeader:
+    meta = dict(meta or {})
+    for key, value in meta.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise TypeError(f"log meta must map str to str, got {key!r}: {value!r}")
+    return LogHeader(schema_version=SCHEMA_VERSION, kvlog_version=__version__, meta=meta)
+
+
+def _create(path: str, header: LogHeader) -> None:
+    """Create the log atomically: a whole header or no file (or the old empty file)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp_path = tempfile.mkstemp(
+        prefix=f".{os.path.basename(path)}.", suffix=".kvlog.tmp", dir=directory
+    )
+    try:
+        try:
+            _write_all(fd, encode_header(header))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if os.path.exists(path):  # an empty file stands in for a new log
+            os.replace(tmp_path, path)
+        else:
+            with contextlib.suppress(FileExistsError):
+                os.link(tmp_path, path)  # never replaces a log another writer just made
+    finally:
+        if os.path.exists(tmp_path):
+            os.unlink(tmp_path)
+    _fsync_directory(directory)
+
+
+def _write_all(fd: int, data: bytes | bytearray) -> None:
+    """Write all of ``data``, looping over short writes; no view outlives the call."""
+    done = 0
+    with memoryview(data) as view:
+        while done < len(view):
+            with view[done:] as rest:
+                written = os.write(fd, rest)
+            if written <= 0:
+                raise OSError(f"write returned {written}")
+            done += written
+
+
+def _datasync(fd: int) -> None:
+    if hasattr(os, "fdatasync"):
+        os.fdatasync(fd)
+    else:  # pragma: no cover - macOS, Windows
+        os.fsync(fd)
+
+
+def _fsync_directory(directory: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _lock(fd: int, path: str) -> None:
+    if fcntl is None:  # pragma: no cover
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError as exc:
+        raise LogLocked(f"{path}: another LogWriter has this log open for append") from exc

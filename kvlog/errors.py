@@ -29,12 +29,15 @@ builtin exception, so callers that do not know kvlog can still catch ``ValueErro
     ├── TransferSpecError (ValueError)       a vLLM transfer spec the offloading facade cannot
     │                                        turn into an event (kvlog.integrations)
     └── ExecutorError (RuntimeError)         an executor used wrongly (after shutdown, unknown plan)
+        └── BackendUnavailable               a device backend this machine cannot run (no CUDA,
+                                             no habana_frameworks)
 """
 
 from __future__ import annotations
 
 __all__ = [
     "AlreadyConfigured",
+    "BackendUnavailable",
     "BlockInUse",
     "BlockOutOfRange",
     "ConfigError",
@@ -174,3 +177,7 @@ class TransferSpecError(KvlogError, ValueError):
 
 class ExecutorError(KvlogError, RuntimeError):
     """An executor used wrongly: after shutdown, or with a plan it does not know."""
+
+
+class BackendUnavailable(ExecutorError):
+    """A device backend that cannot run here: no CUDA device, or no Habana software stack."""

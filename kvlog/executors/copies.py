@@ -1,0 +1,218 @@
+"""Copy programs: a plan's ``(src, dst)`` rows compiled once, applied to every canonical view.
+
+A program is built once per plan from numpy arrays and then applied to each canonical tensor
+with a handful of torch calls, so the per-tensor cost is a few copy calls, not a loop over
+pairs.
+
+- :class:`HostProgram` (host memory on both sides): pairs sorted by destination and cut
+  into runs of consecutive ids. A forward run is one slice ``copy_``; a reversed run (defrag
+  moves the highest used block into the lowest free one, so its runs go backwards) is one
+  ``index_select`` into the destination slice from a narrowed source window. For transfers
+  (``merge=True``) a contiguous destination range made of short runs becomes one gather.
+- :class:`DeviceTransferProgram` (accelerator <-> pinned host): host rows are always
+  addressed as contiguous slices (what DMA needs); the device side is a slice where it is
+  contiguous, otherwise one device index tensor per job, sliced per host run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+__all__ = [
+    "DeviceTransferProgram",
+    "HostProgram",
+    "Segment",
+    "build_device_transfer_program",
+    "build_host_program",
+    "find_runs",
+]
+
+Segment = tuple[int, int, int, int, "torch.Tensor | None"]
+"""``(dst_start, dst_stop, src_start, src_stop, index)``: ``dst[dst_start:dst_stop]`` gets
+``src[src_start:src_stop]`` (``index is None``) or ``src[src_start:src_stop][index]``."""
+
+_MERGE_BELOW_RUN_LENGTH = 8
+"""A destination range whose runs average fewer rows than this becomes one gather."""
+
+
+def find_runs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Cut pairs (already sorted by ``dst``) into runs; return run starts and directions.
+
+    A run is a maximal stretch where ``dst`` rises by one and ``src`` moves by the same
+    step, +1 (forward, direction 1) or -1 (reversed, direction -1). Single pairs are forward.
+    """
+    count = len(dst)
+    if count == 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    link = np.zeros(count, dtype=np.int64)
+    if count > 1:
+        step = np.diff(src)
+        rises = np.diff(dst) == 1
+        link[1:] = np.where(rises & (step == 1), 1, np.where(rises & (step == -1), -1, 0))
+    previous = np.concatenate(([0], link[:-1]))
+    is_start = (link == 0) | ((previous != 0) & (link != previous))
+    starts = np.flatnonzero(is_start)
+    stops = np.append(starts[1:], count)
+    second = np.minimum(starts + 1, count - 1)
+    directions = np.where(stops - starts > 1, link[second], 1)
+    return starts, directions
+
+
+@dataclass(frozen=True)
+class HostProgram:
+    """Segments of a host copy, shared by every canonical tensor of a plan."""
+
+    segments: tuple[Segment, ...]
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Apply the program: rows of ``src`` into rows of ``dst`` (may be the same tensor)."""
+        for d0, d1, s0, s1, index in self.segments:
+            if index is None:
+                dst[d0:d1].copy_(src[s0:s1])
+            else:
+                torch.index_select(src[s0:s1], 0, index, out=dst[d0:d1])
+
+    def exchange(self, tensor: torch.Tensor, scratch: torch.Tensor) -> None:
+        """Swap the rows of each segment pairwise within ``tensor`` (segments <= scratch)."""
+        for d0, d1, s0, s1, index in self.segments:
+            held = scratch[: d1 - d0]
+            held.copy_(tensor[d0:d1])
+            if index is None:
+                tensor[d0:d1].copy_(tensor[s0:s1])
+                tensor[s0:s1].copy_(held)
+            else:  # a reversed run: the index is its own inverse
+                torch.index_select(tensor[s0:s1], 0, index, out=tensor[d0:d1])
+                torch.index_select(held, 0, index, out=tensor[s0:s1])
+
+
+def build_host_program(
+    src: np.ndarray, dst: np.ndarray, *, merge: bool, max_rows: int = 1 << 30
+) -> HostProgram:
+    """Compile pairs into host segments; ``merge`` only where src and dst never alias.
+
+    ``max_rows`` caps the rows of one segment (swaps exchange through a bounded scratch).
+    """
+    order = np.argsort(dst, kind="stable")
+    src, dst = src[order], dst[order]
+    starts, directions = find_runs(src, dst)
+    stops = np.append(starts[1:], len(dst))
+    segments: list[Segment] = []
+    reversed_index: dict[int, torch.Tensor] = {}
+    if merge:
+        starts, stops, directions = _merge_short_runs(dst, starts, stops, directions)
+    for start, stop, direction in zip(
+        starts.tolist(), stops.tolist(), directions.tolist(), strict=True
+    ):
+        for a in range(start, stop, max_rows):
+            b = min(stop, a + max_rows)
+            segments.append(_segment(src[a:b], int(dst[a]), direction, reversed_index))
+    return HostProgram(tuple(segments))
+
+
+def _segment(
+    src: np.ndarray, dst_start: int, direction: int, reversed_index: dict[int, torch.Tensor]
+) -> Segment:
+    length = len(src)
+    first = int(src[0])
+    if direction == 1:
+        return (dst_start, dst_start + length, first, first + length, None)
+    if direction == -1:
+        if length not in reversed_index:
+            reversed_index[length] = torch.arange(length - 1, -1, -1, dtype=torch.int64)
+        low = first - length + 1
+        return (dst_start, dst_start + length, low, first + 1, reversed_index[length])
+    low, high = int(src.min()), int(src.max()) + 1  # a merged gather (direction 0)
+    index = torch.from_numpy(src - low)
+    return (dst_start, dst_start + length, low, high, index)
+
+
+def _merge_short_runs(
+    dst: np.ndarray, starts: np.ndarray, stops: np.ndarray, directions: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Join runs over one contiguous destination range into a gather where runs are short."""
+    count = len(dst)
+    if count == 0:
+        return starts, stops, directions
+    breaks = np.flatnonzero(np.diff(dst) != 1) + 1
+    group_starts = np.concatenate(([0], breaks))
+    group_stops = np.append(breaks, count)
+    runs_per_group = np.diff(np.searchsorted(starts, np.append(group_starts, count)))
+    out_starts: list[int] = []
+    out_directions: list[int] = []
+    run_at = 0
+    for g0, g1, num_runs in zip(
+        group_starts.tolist(), group_stops.tolist(), runs_per_group.tolist(), strict=True
+    ):
+        if num_runs > 1 and (g1 - g0) < _MERGE_BELOW_RUN_LENGTH * num_runs:
+            out_starts.append(g0)
+            out_directions.append(0)
+        else:
+            out_starts.extend(starts[run_at : run_at + num_runs].tolist())
+            out_directions.extend(directions[run_at : run_at + num_runs].tolist())
+        run_at += int(num_runs)
+    new_starts = np.asarray(out_starts, dtype=np.int64)
+    return new_starts, np.append(new_starts[1:], count), np.asarray(out_directions, np.int64)
+
+
+@dataclass(frozen=True)
+class DeviceTransferProgram:
+    """Host runs of one transfer job and the device rows they pair with.
+
+    ``runs`` are ``(host_start, host_stop, device_start, index_offset)``: the device rows are
+    ``device_start ...`` when ``index_offset < 0``, else ``device_index[offset:offset+len]``.
+    """
+
+    runs: tuple[tuple[int, int, int, int], ...]
+    device_index: torch.Tensor | None
+
+    def store(self, host: torch.Tensor, device: torch.Tensor) -> None:
+        """Device rows into host rows, queued on the current stream."""
+        for h0, h1, d0, offset in self.runs:
+            if offset < 0:
+                host[h0:h1].copy_(device[d0 : d0 + h1 - h0], non_blocking=True)
+            else:
+                assert self.device_index is not None, "gather run without a device index"
+                rows = self.device_index[offset : offset + h1 - h0]
+                host[h0:h1].copy_(device.index_select(0, rows), non_blocking=True)
+
+    def load(self, host: torch.Tensor, device: torch.Tensor) -> None:
+        """Host rows into device rows, queued on the current stream."""
+        for h0, h1, d0, offset in self.runs:
+            if offset < 0:
+                device[d0 : d0 + h1 - h0].copy_(host[h0:h1], non_blocking=True)
+            else:
+                assert self.device_index is not None, "scatter run without a device index"
+                rows = self.device_index[offset : offset + h1 - h0]
+                staged = host[h0:h1].to(device.device, non_blocking=True)
+                device.index_copy_(0, rows, staged)
+
+
+def build_device_transfer_program(
+    host_ids: np.ndarray, device_ids: np.ndarray, device: torch.device
+) -> DeviceTransferProgram:
+    """Group pairs by contiguous host rows; move the device index to ``device`` once."""
+    order = np.argsort(host_ids, kind="stable")
+    host_ids, device_ids = host_ids[order], device_ids[order]
+    count = len(host_ids)
+    breaks = np.flatnonzero(np.diff(host_ids) != 1) + 1 if count else np.zeros(0, np.int64)
+    starts = np.concatenate(([0], breaks)).astype(np.int64) if count else breaks
+    stops = np.append(starts[1:], count)
+    runs: list[tuple[int, int, int, int]] = []
+    gathered: list[np.ndarray] = []
+    offset = 0
+    for a, b in zip(starts.tolist(), stops.tolist(), strict=True):
+        rows = device_ids[a:b]
+        first = int(rows[0])
+        if b - a == 1 or bool(np.all(np.diff(rows) == 1)):
+            runs.append((int(host_ids[a]), int(host_ids[a]) + b - a, first, -1))
+        else:
+            runs.append((int(host_ids[a]), int(host_ids[a]) + b - a, first, offset))
+            gathered.append(rows)
+            offset += b - a
+    index = None
+    if gathered:
+        index = torch.from_numpy(np.concatenate(gathered)).to(device, non_blocking=True)
+    return DeviceTransferProgram(tuple(runs), index)

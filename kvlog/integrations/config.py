@@ -1,0 +1,142 @@
+"""Facade configuration from the environment variables the Gaudi plugin reads, plus kvlog's.
+
+The plugin reads ``VLLM_DEFRAG`` (its ``defrag`` feature), ``VLLM_DEFRAG_THRESHOLD`` and
+``VLLM_DEFRAG_WITH_GRAPHS``; kvlog adds ``KVLOG_PATH`` (where to record the log; unset or
+empty: no log) and ``KVLOG_SYNC`` (``none``, ``step`` or ``always``). Constructor arguments
+win over the environment, the environment over the defaults. A value that cannot be parsed
+raises :class:`~kvlog.errors.ConfigError` naming the variable, at construction, not later
+in the serving loop.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Literal
+
+import msgspec
+
+from kvlog.errors import ConfigError
+
+__all__ = [
+    "ENV_DEFRAG",
+    "ENV_LOG_PATH",
+    "ENV_SYNC",
+    "ENV_THRESHOLD",
+    "ENV_WITH_GRAPHS",
+    "FacadeConfig",
+    "SyncMode",
+    "config_from_env",
+    "parse_bool",
+]
+
+ENV_DEFRAG = "VLLM_DEFRAG"
+ENV_THRESHOLD = "VLLM_DEFRAG_THRESHOLD"
+ENV_WITH_GRAPHS = "VLLM_DEFRAG_WITH_GRAPHS"
+ENV_LOG_PATH = "KVLOG_PATH"
+ENV_SYNC = "KVLOG_SYNC"
+
+SyncMode = Literal["none", "step", "always"]
+_SYNC_MODES: tuple[SyncMode, ...] = ("none", "step", "always")
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+MAX_THRESHOLD = 2**31 - 1
+
+
+class FacadeConfig(msgspec.Struct, frozen=True):
+    """What the facades need beyond the KV caches themselves.
+
+    ``defrag``: run online defragmentation (the plugin's ``defrag`` feature);
+    ``threshold``: the trigger slack (``max_used - threshold > num_used``);
+    ``with_graphs``: wrap swaps in HPU graphs / ``torch.compile`` (HPU only);
+    ``log_path``: the log file, or None for no log; ``sync``: the log's group commit.
+    """
+
+    defrag: bool = True
+    threshold: int = 32
+    with_graphs: bool = False
+    log_path: str | None = None
+    sync: SyncMode = "step"
+
+
+def parse_bool(name: str, text: str) -> bool:
+    """``1/true/yes/on`` or ``0/false/no/off``, any case and surrounding space."""
+    value = text.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ConfigError(name, text, "a boolean (1/true/yes/on or 0/false/no/off)")
+
+
+def _parse_threshold(name: str, text: str) -> int:
+    try:
+        value = int(text.strip())
+    except ValueError:
+        raise ConfigError(name, text, "a non-negative integer") from None
+    return _check_threshold(name, value)
+
+
+def _check_threshold(name: str, value: object) -> int:
+    if type(value) is not int or not 0 <= value <= MAX_THRESHOLD:
+        raise ConfigError(name, value, f"an integer in [0, {MAX_THRESHOLD}]")
+    return value
+
+
+def _check_sync(name: str, value: object) -> SyncMode:
+    if value not in _SYNC_MODES:
+        raise ConfigError(name, value, "one of none, step, always")
+    return value
+
+
+def _check_bool(name: str, value: object) -> bool:
+    if type(value) is not bool:
+        raise ConfigError(name, value, "a bool")
+    return value
+
+
+def _from_environ(env: Mapping[str, str], base: FacadeConfig) -> FacadeConfig:
+    """``base`` with every variable that is set (and not empty) parsed over it."""
+    out = base
+    if env.get(ENV_DEFRAG, "").strip():
+        out = msgspec.structs.replace(out, defrag=parse_bool(ENV_DEFRAG, env[ENV_DEFRAG]))
+    if env.get(ENV_THRESHOLD, "").strip():
+        threshold = _parse_threshold(ENV_THRESHOLD, env[ENV_THRESHOLD])
+        out = msgspec.structs.replace(out, threshold=threshold)
+    if env.get(ENV_WITH_GRAPHS, "").strip():
+        graphs = parse_bool(ENV_WITH_GRAPHS, env[ENV_WITH_GRAPHS])
+        out = msgspec.structs.replace(out, with_graphs=graphs)
+    if env.get(ENV_LOG_PATH, "").strip():
+        out = msgspec.structs.replace(out, log_path=env[ENV_LOG_PATH].strip())
+    if env.get(ENV_SYNC, "").strip():
+        sync = _check_sync(ENV_SYNC, env[ENV_SYNC].strip().lower())
+        out = msgspec.structs.replace(out, sync=sync)
+    return out
+
+
+def config_from_env(
+    environ: Mapping[str, str] | None = None,
+    *,
+    defrag: bool | None = None,
+    threshold: int | None = None,
+    with_graphs: bool | None = None,
+    log_path: str | os.PathLike[str] | None = None,
+    sync: str | None = None,
+) -> FacadeConfig:
+    """The facade configuration: arguments (not None) over ``environ`` over the defaults.
+
+    ``environ`` defaults to ``os.environ``; pass a dict in tests.
+    """
+    out = _from_environ(os.environ if environ is None else environ, FacadeConfig())
+    if defrag is not None:
+        out = msgspec.structs.replace(out, defrag=_check_bool("defrag", defrag))
+    if threshold is not None:
+        out = msgspec.structs.replace(out, threshold=_check_threshold("threshold", threshold))
+    if with_graphs is not None:
+        graphs = _check_bool("with_graphs", with_graphs)
+        out = msgspec.structs.replace(out, with_graphs=graphs)
+    if log_path is not None:
+        out = msgspec.structs.replace(out, log_path=os.fspath(log_path))
+    if sync is not None:
+        out = msgspec.structs.replace(out, sync=_check_sync("sync", sync))
+    return out

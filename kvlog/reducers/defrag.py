@@ -1,0 +1,180 @@
+"""Request tables and online defragmentation: the seed ``OnlineDefragmenter``, incrementally.
+
+Bookkeeping (kept whether or not ``defrag`` is on):
+
+- ``BlocksAllocated`` appends logical ids to the request's table (a new table for a request
+  without one, e.g. after preemption) and adds one reference to each resolved physical
+  block. An empty list is a no-op. With prefix caching a block may be shared (its count goes
+  up; the seed's ``use_block``); without it a block with refs > 0 is refused.
+- ``RequestFinished`` / ``RequestPreempted`` drop the table and one reference per entry; a
+  request without blocks is a no-op.
+
+The defrag decision at ``StepEnded`` (only when ``defrag``; else no plan ever, and ``resolve``
+stays the identity):
+
+1. Trigger, exactly as the seed, over ALL blocks with refs > 0, pinned or not: fire when
+   ``max_used - threshold > num_used``.
+2. Sources: blocks with refs > 0, from the highest down, skipping pinned ones.
+3. Destinations: blocks with refs == 0, from block 1 up (block 0 is never a destination),
+   skipping pinned ones.
+4. Pair source i with destination i; stop before ``max_swaps`` pairs would be exceeded, when
+   either sequence ends, or when the next destination is above the next source.
+
+A block is pinned while an unfinished transfer reads or writes it (see ``transfers.py``),
+including a block whose request finished while its store is in flight (refs 0, pinned: not
+a destination). With no pins this is exactly the seed; with pins a triggered step may find
+no pair, and then yields no plan. The plan is ``SwapPlan(step, pairs, padded_to, mode)``
+with ``padded_to`` the smallest pad size >= len(pairs) (else the largest) and ``mode``
+``"swap"`` under prefix caching (free blocks may hold cached data) else ``"move"``. Each
+pair then swaps the two blocks' ref counts and the mappings of both original logical ids
+(the seed's ``swap_refs`` and ``update_mapping``).
+
+Cost: the trigger is O(1) (``num_used`` and ``max_used`` are kept incrementally); pairing
+walks two bitmaps word by word and costs O(pairs) plus the words it skips.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+
+from kvlog.errors import AlreadyConfigured, BlockInUse, BlockOutOfRange
+from kvlog.events import (
+    BlocksAllocated,
+    CacheConfigured,
+    Event,
+    Plan,
+    RequestFinished,
+    RequestPreempted,
+    StepEnded,
+    SwapPlan,
+)
+from kvlog.reducers.blockset import IdArray
+from kvlog.reducers.state import State
+
+__all__ = [
+    "allocate",
+    "check_allocate",
+    "check_block_range",
+    "check_configure",
+    "choose_pairs",
+    "configure",
+    "end_step",
+    "pad_bucket",
+    "release",
+]
+
+
+def check_block_range(event: Event, name: str, block_ids: list[int], size: int) -> IdArray:
+    """The ids as int64, or ``BlockOutOfRange`` naming the first id not below ``size``."""
+    ids = np.asarray(block_ids, dtype=np.int64)
+    if ids.size and (int(ids.max()) >= size or int(ids.min()) < 0):
+        bad = next(b for b in block_ids if not 0 <= b < size)
+        raise BlockOutOfRange(f"{name} holds block id {bad}, outside [0, {size})", event)
+    return ids
+
+
+def check_configure(state: State, event: CacheConfigured) -> None:
+    """A second CacheConfigured is refused."""
+    if state.config is not None:
+        raise AlreadyConfigured("the cache is already configured", event)
+
+
+def configure(state: State, event: CacheConfigured) -> list[Plan]:
+    """Take the geometry and policy."""
+    check_configure(state, event)
+    state.configure(event)
+    return []
+
+
+def check_allocate(state: State, event: BlocksAllocated) -> IdArray:
+    """Refuse a bad allocation; return the physical ids it references."""
+    config = state.config
+    assert config is not None, "reduce() dispatches only configured states here"
+    logical = check_block_range(event, "block_ids", event.block_ids, config.num_gpu_blocks)
+    physical = state.fwd[logical].astype(np.int64)
+    if not config.prefix_caching and physical.size:
+        _check_exclusive(state, event, logical, physical)
+    return physical
+
+
+def allocate(state: State, event: BlocksAllocated) -> list[Plan]:
+    """Append blocks to a request's table and reference their physical blocks."""
+    physical = check_allocate(state, event)
+    if physical.size:
+        state.tables.setdefault(event.req_id, []).extend(event.block_ids)
+        state.add_refs(physical)
+    return []
+
+
+def _check_exclusive(
+    state: State, event: BlocksAllocated, logical: IdArray, physical: IdArray
+) -> None:
+    """Without prefix caching a block must be free and not read by an unfinished store."""
+    taken = np.flatnonzero(state.refs[physical] > 0)
+    if taken.size:
+        b = int(logical[taken[0]])
+        owner = next((r for r, t in sorted(state.tables.items()) if b in t), "?")
+        raise BlockInUse(
+            f"block {b} (physical {int(physical[taken[0]])}) is held by live request "
+            f"{owner!r} and prefix caching is off",
+            event,
+        )
+    read = np.flatnonzero(state.store_pins[physical] > 0)
+    if read.size:
+        p = int(physical[read[0]])
+        job = next((j for j, s in state.store_jobs.items() if p in s.gpu_block_ids), -1)
+        raise BlockInUse(
+            f"block {int(logical[read[0]])} (physical {p}) is still being read by unfinished "
+            f"store job {job} and prefix caching is off",
+            event,
+        )
+
+
+def release(state: State, event: RequestFinished | RequestPreempted) -> list[Plan]:
+    """Drop a request's table; its blocks lose one reference each."""
+    table = state.tables.pop(event.req_id, None)
+    if table is not None:
+        state.drop_refs(state.fwd[np.asarray(table, dtype=np.int64)].astype(np.int64))
+    return []
+
+
+def end_step(state: State, event: StepEnded) -> list[Plan]:
+    """Record the step and take the defrag decision."""
+    config = state.config
+    assert config is not None, "reduce() dispatches only configured states here"
+    state.step = event.step
+    if not config.defrag:
+        return []
+    pairs = choose_pairs(state)
+    if not pairs:
+        return []
+    moved = np.asarray(pairs, dtype=np.int64)
+    state.move_refs(moved[:, 0], moved[:, 1])
+    mode: Literal["swap", "move"] = "swap" if config.prefix_caching else "move"
+    padded_to = pad_bucket(len(pairs), config.pad_sizes)
+    return [SwapPlan(step=event.step, pairs=pairs, padded_to=padded_to, mode=mode)]
+
+
+def pad_bucket(num_pairs: int, pad_sizes: tuple[int, ...]) -> int:
+    """Smallest pad size >= num_pairs, else the largest (the seed's ``to_swap_pad``)."""
+    return next((p for p in pad_sizes if p >= num_pairs), pad_sizes[-1])
+
+
+def choose_pairs(state: State) -> list[tuple[int, int]]:
+    """The ``(src, dst)`` pairs of this step's defrag, per the rule in the module docstring."""
+    config = state.config
+    assert config is not None, "choose_pairs needs a configured state"
+    max_used = state.max_used
+    if max_used < 0 or max_used - config.threshold <= state.num_used:
+        return []
+    sources = state.used.descending(max_used, state.pinned)
+    destinations = state.used.ascending_clear(1, state.pinned)
+    pairs: list[tuple[int, int]] = []
+    limit = config.max_swaps
+    for src, dst in zip(sources, destinations, strict=False):
+        if len(pairs) == limit or dst > src:
+            break
+        pairs.append((src, dst))
+    return pairs

@@ -30,6 +30,8 @@ from seed_reference import (
     write_canary,
 )
 
+from kvlog.integrations import OffloadingWorker, OnlineDefragmenter
+
 NUM_BLOCKS = 64
 BLOCK_SIZE = 4
 THRESHOLD = 4
@@ -78,6 +80,56 @@ class SeedDriver:
         for rows in self.cpu:
             tags |= row_tags(rows[cpu_block_id])
         return tags
+
+
+class KvlogDriver:
+    """kvlog: the defragmenter facade and the offloading worker on one Engine, fake backend."""
+
+    def __init__(self, prefix_caching: bool, seed: int = 0) -> None:
+        self.kv_caches = make_hpu_caches(NUM_BLOCKS, BLOCK_SIZE)
+        self.defrag = OnlineDefragmenter(
+            prefix_caching=prefix_caching,
+            environ={},
+            threshold=THRESHOLD,
+            backend="fake",
+            executor_options={"seed": seed},
+        )
+        self.defrag.initialize(self.kv_caches, BLOCK_SIZE)
+        self.worker = OffloadingWorker(self.defrag, NUM_CPU_BLOCKS)
+        self.swaps: list[list[tuple[int, int]]] = []
+        self.pending_at_step: list[list[int]] = []
+
+    def step(self, new_blocks: dict[str, list[int]], finished: Sequence[str]) -> None:
+        """update_state + defragment, noting which jobs were still in flight at StepEnded."""
+        self.defrag.update_state(new_blocks, finished)
+        session = self.defrag.session
+        real_poll = session.poll
+
+        def poll_then_note() -> None:  # defragment() polls, then applies StepEnded
+            real_poll()
+            self.pending_at_step.append(session.engine.state.jobs_in_flight())
+
+        session.poll = poll_then_note  # type: ignore[method-assign]
+        try:
+            self.defrag.defragment()
+        finally:
+            del session.poll
+        if self.defrag.last_swap is not None:
+            self.swaps.append([tuple(p) for p in self.defrag.last_swap.pairs])
+
+    def resolve(self, block_id: int) -> int:
+        return self.defrag.resolve(block_id)
+
+    def store(self, job_id: int, gpu_block_ids: list[int], cpu_block_ids: list[int]) -> None:
+        assert self.worker.submit_store(job_id, _Spec(gpu_block_ids), _Spec(cpu_block_ids))
+
+    def finish(self) -> None:
+        self.worker.wait(None)
+        assert all(r.success for r in self.worker.get_finished())
+
+    def cpu_tags(self, cpu_block_id: int) -> set[int]:
+        executor = self.defrag.engine.executor
+        return {int(w) for w in np.frombuffer(executor.read_cpu_block(cpu_block_id), np.uint64)}
 
 
 class _Spec:
@@ -136,3 +188,29 @@ def test_seed_swap_onto_deferred_store_is_corrupt(prefix_caching: bool) -> None:
     tags = hazard_swap_onto_deferred_store(driver)
     assert driver.defrag.swaps == [[(40, 1)]]
     assert tags == {TAG_B}, "the seed's late store copied b's KV instead of a's"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["move", "swap"])
+def test_kvlog_store_resolves_logical_ids(prefix_caching: bool, seed: int) -> None:
+    driver = KvlogDriver(prefix_caching, seed)
+    tags = hazard_unresolved_store(driver)
+    assert driver.swaps == [[(40, 1)]], "kvlog takes the seed's defrag decision"
+    assert driver.resolve(40) == 1
+    assert tags == {TAG_B}
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["move", "swap"])
+def test_kvlog_defrag_never_lands_on_a_pending_store(prefix_caching: bool) -> None:
+    """Over several fake-device seeds the store is sometimes still in flight at the step
+    (then 1-3 are pinned and 40 goes to 4) and sometimes done (then 40 may go to 1)."""
+    outcomes = set()
+    for seed in range(6):
+        driver = KvlogDriver(prefix_caching, seed)
+        tags = hazard_swap_onto_deferred_store(driver)
+        pending = 8 in driver.pending_at_step[1]
+        outcomes.add(pending)
+        assert driver.swaps == [[(40, 4 if pending else 1)]]
+        assert tags == {TAG_A}, f"seed {seed}: kvlog stored the wrong bytes"
+        assert [driver.cpu_tags(c) for c in (1, 2)] == [{TAG_A + 1}, {TAG_A + 2}]
+    assert True in outcomes, "no seed kept the store in flight: the test lost its point"

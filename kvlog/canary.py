@@ -1,0 +1,401 @@
+"""Per-block canary bytes: prove that every live block still holds its own KV data.
+
+Each time a logical GPU block gets fresh content, :class:`CanaryTracker` writes bytes that
+only that (block, generation) can have into its physical block, and remembers the token.
+Swaps, stores and loads then move those bytes around on real tensors; ``check`` reads every
+live block of every request back and compares. A defrag that forgets a pin, or an executor
+that indexes tensors with unresolved ids, shows up as a block holding someone else's bytes.
+
+The tracker only reads the engine state and watches the events; it never changes either.
+Rules (from the data each block must hold in a correct system):
+- a block that goes from no owner to an owner gets fresh bytes, except with prefix caching
+  where a free block may hold cached data that swap-mode defrag keeps (so its bytes stay);
+- a store copies the tokens of its GPU blocks into its CPU sub-blocks when it succeeds;
+- a load gives its GPU blocks the tokens of its CPU sub-blocks when it succeeds (skip rule
+  of ``block_size_factor`` applied); a failed transfer leaves its destinations unknown;
+- a block that a load is still writing is not checked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import msgspec
+import numpy as np
+
+from kvlog.events import (
+    BlocksAllocated,
+    CacheConfigured,
+    Event,
+    LoadRequested,
+    RequestFinished,
+    RequestPreempted,
+    StoreRequested,
+    TransferFinished,
+)
+
+__all__ = [
+    "PENDING",
+    "UNKNOWN",
+    "BlockReader",
+    "CanaryFailure",
+    "CanaryReport",
+    "CanaryTracker",
+    "canary_bytes",
+    "canary_rows",
+    "expand_sub_blocks",
+    "make_canary_executor",
+]
+
+UNKNOWN = -1
+"""Token of a block whose content nobody can know (never written, or a failed transfer)."""
+PENDING = -2
+"""Token of a GPU block that an unfinished load is writing."""
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """Vectorized splitmix64 finalizer (uint64 in, uint64 out, wrapping arithmetic)."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    out: np.ndarray = x ^ (x >> np.uint64(31))
+    return out
+
+
+def canary_rows(tokens: np.ndarray, num_bytes: int) -> np.ndarray:
+    """``(len(tokens), num_bytes)`` uint8: row ``i`` depends only on ``tokens[i]`` (>= 0)."""
+    tokens = np.asarray(tokens, dtype=np.int64)
+    assert tokens.size == 0 or int(tokens.min()) >= 0, "canary tokens must be >= 0"
+    num_words = (num_bytes + 7) // 8
+    with np.errstate(over="ignore"):
+        base = tokens.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        words = _splitmix64(np.arange(num_words, dtype=np.uint64)[None, :] + base[:, None])
+    rows: np.ndarray = words.view(np.uint8).reshape(len(tokens), num_words * 8)[:, :num_bytes]
+    return rows
+
+
+def canary_bytes(token: int, num_bytes: int) -> bytes:
+    """``num_bytes`` pseudo-random bytes that depend only on ``token`` (>= 0)."""
+    assert token >= 0, f"canary token must be >= 0, got {token}"
+    return bytes(canary_rows(np.array([token]), num_bytes)[0].tobytes())
+
+
+def expand_sub_blocks(block_ids: list[int], factor: int, skip: int = 0) -> list[int]:
+    """CPU sub-block ids of ``block_ids`` (``b * factor + k``), the first ``skip`` dropped."""
+    assert 0 <= skip < factor or (skip == 0 and factor == 1), f"bad skip {skip} for {factor}"
+    out = [b * factor + k for b in block_ids for k in range(factor)]
+    return out[skip:]
+
+
+class BlockReader(Protocol):
+    """What the tracker needs from an executor (``kvlog.executors.Executor`` has it)."""
+
+    def read_gpu_block(self, block_id: int) -> bytes: ...
+    def write_gpu_block(self, block_id: int, data: bytes) -> None: ...
+    def read_cpu_block(self, cpu_block_id: int) -> bytes: ...
+
+
+class _StateView(Protocol):
+    """What the tracker reads from the reducer state."""
+
+    def resolve(self, block_id: int) -> int: ...
+    def request_blocks(self, req_id: str) -> list[int]: ...
+    def live_requests(self) -> list[str]: ...
+
+
+@dataclass(frozen=True)
+class CanaryFailure:
+    """A block whose bytes are not the ones it should hold."""
+
+    where: str  # "gpu" or "cpu"
+    req_id: str  # owning request ("" for a CPU block)
+    block_id: int  # logical GPU block id, or CPU block id
+    physical_id: int  # physical GPU block id (CPU: same as block_id)
+    expected_token: int
+    found_token: int  # token whose bytes the block holds (UNKNOWN if none we know)
+
+
+@dataclass
+class CanaryReport:
+    """Result of one :meth:`CanaryTracker.check`."""
+
+    num_checked: int = 0
+    num_skipped: int = 0
+    num_failed: int = 0
+    failures: list[CanaryFailure] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.num_failed == 0
+
+
+@dataclass
+class _Job:
+    kind: str
+    gpu_block_ids: list[int]  # logical
+    sub_block_ids: list[int]  # CPU sub-blocks, paired with gpu_block_ids
+    tokens: list[int]  # source tokens at submit time
+
+
+class CanaryTracker:
+    """Writes and checks canary bytes of logical blocks on an executor's tensors."""
+
+    def __init__(
+        self,
+        reader: BlockReader,
+        config: CacheConfigured,
+        max_failures: int = 16,
+        tensor_page_bytes: list[int] | None = None,
+    ):
+        """``tensor_page_bytes``: bytes of one GPU block in each tensor, in the order the
+        executor concatenates them; needed to check CPU blocks (skipped when None)."""
+        self.reader = reader
+        self.tensor_page_bytes = tensor_page_bytes
+        self.config = config
+        self.max_failures = max_failures
+        n = config.num_gpu_blocks
+        self.gpu_tokens = np.full(n, UNKNOWN, dtype=np.int64)
+        self.generation = np.zeros(n, dtype=np.int64)
+        self.refs = np.zeros(n, dtype=np.int32)
+        factor = config.block_size_factor
+        self.cpu_tokens = np.full(config.num_cpu_blocks * factor, UNKNOWN, dtype=np.int64)
+        self.jobs: dict[int, _Job] = {}
+        self.num_writes = 0
+        self._page_bytes = -1
+        self._released: list[int] = []
+
+    # -- tokens --------------------------------------------------------------------------
+    def token(self, block_id: int, generation: int) -> int:
+        """The token of the ``generation``-th content of logical ``block_id``."""
+        return generation * self.config.num_gpu_blocks + block_id
+
+    def _owner_of_token(self, token: int) -> int:
+        return token % self.config.num_gpu_blocks if token >= 0 else UNKNOWN
+
+    def page_bytes(self) -> int:
+        """Bytes of one physical GPU block, as the executor reads it."""
+        if self._page_bytes < 0:
+            self._page_bytes = len(self.reader.read_gpu_block(0))
+        return self._page_bytes
+
+    def write(self, state: _StateView, block_ids: list[int]) -> None:
+        """Give ``block_ids`` (logical) fresh content now: a new generation each."""
+        if not block_ids:
+            return
+        ids = np.asarray(block_ids, dtype=np.int64)
+        self.generation[ids] += 1
+        tokens = self.generation[ids] * self.config.num_gpu_blocks + ids
+        self.gpu_tokens[ids] = tokens
+        physical = [state.resolve(int(b)) for b in ids]
+        rows = canary_rows(tokens, self.page_bytes())
+        views = _canonical_views(self.reader)
+        if views is None:
+            for p, row in zip(physical, rows, strict=True):
+                self.reader.write_gpu_block(p, row.tobytes())
+        else:
+            _write_views(views, physical, rows)
+        self.num_writes += len(block_ids)
+
+    # -- event hooks ---------------------------------------------------------------------
+    def before(self, state: _StateView, event: Event) -> None:
+        """Call before the engine applies ``event`` (captures what a release frees)."""
+        if isinstance(event, (RequestFinished, RequestPreempted)):
+            self._released = list(state.request_blocks(event.req_id))
+
+    def after(self, state: _StateView, event: Event) -> None:
+        """Call after the engine applied ``event`` successfully."""
+        if isinstance(event, BlocksAllocated):
+            self._allocated(state, event.block_ids)
+        elif isinstance(event, (RequestFinished, RequestPreempted)):
+            for b in self._released:
+                self.refs[b] -= 1
+                assert self.refs[b] >= 0, f"canary tracker: block {b} released below zero"
+            self._released = []
+        elif isinstance(event, StoreRequested):
+            self._submit_store(event)
+        elif isinstance(event, LoadRequested):
+            self._submit_load(event)
+        elif isinstance(event, TransferFinished):
+            self.finished(event.job_id, event.success)
+
+    def _allocated(self, state: _StateView, block_ids: list[int]) -> None:
+        fresh = []
+        for b in block_ids:
+            if self.refs[b] == 0:
+                keep = self.config.prefix_caching and self.gpu_tokens[b] != UNKNOWN
+                if not keep and self.gpu_tokens[b] != PENDING:
+                    fresh.append(b)
+            self.refs[b] += 1
+        self.write(state, fresh)
+
+    def _submit_store(self, event: StoreRequested) -> None:
+        subs = expand_sub_blocks(event.cpu_block_ids, self.config.block_size_factor)
+        gpu = list(event.gpu_block_ids)
+        tokens = [int(self.gpu_tokens[b]) for b in gpu]
+        self.jobs[event.job_id] = _Job("store", gpu, subs, tokens)
+
+    def _submit_load(self, event: LoadRequested) -> None:
+        factor = self.config.block_size_factor
+        gpu = list(event.gpu_block_ids)
+        skip = -len(gpu) % factor
+        subs = expand_sub_blocks(event.cpu_block_ids, factor, skip)
+        tokens = [int(self.cpu_tokens[s]) for s in subs]
+        for b in gpu:
+            self.gpu_tokens[b] = PENDING
+        self.jobs[event.job_id] = _Job("load", gpu, subs, tokens)
+
+    def finished(self, job_id: int, success: bool) -> None:
+        """A transfer finished: move the tokens it carried (or forget them on failure)."""
+        job = self.jobs.pop(job_id, None)
+        if job is None:
+            return
+        for gpu, sub, tok in zip(job.gpu_block_ids, job.sub_block_ids, job.tokens, strict=True):
+            value = tok if success else UNKNOWN
+            if job.kind == "store":
+                self.cpu_tokens[sub] = value
+            else:
+                self.gpu_tokens[gpu] = value
+
+    # -- checks --------------------------------------------------------------------------
+    def _identify(self, data: bytes, expected: int) -> int:
+        """Which token's bytes ``data`` is (only guesses among the same block's tokens)."""
+        size = len(data)
+        owner = self._owner_of_token(expected)
+        for gen in range(int(self.generation[owner]), -1, -1):
+            tok = self.token(owner, gen)
+            if canary_bytes(tok, size) == data:
+                return tok
+        return UNKNOWN
+
+    def _fail(self, report: CanaryReport, failure: CanaryFailure) -> None:
+        report.num_failed += 1
+        if len(report.failures) < self.max_failures:
+            report.failures.append(failure)
+
+    def check(self, state: _StateView, include_cpu: bool = True) -> CanaryReport:
+        """Read back every live block of every request (and the CPU blocks) and compare."""
+        report = CanaryReport()
+        size = self.page_bytes()
+        owners, logical = [], []
+        for req_id in state.live_requests():
+            for b in state.request_blocks(req_id):
+                if self.gpu_tokens[b] < 0:
+                    report.num_skipped += 1
+                    continue
+                owners.append(req_id)
+                logical.append(b)
+        tokens = self.gpu_tokens[np.asarray(logical, dtype=np.int64)]
+        physical = [state.resolve(b) for b in logical]
+        found = self._read_gpu(physical, size)
+        expected = canary_rows(tokens, size)
+        report.num_checked += len(logical)
+        bad = (found != expected).any(axis=1) if len(logical) else np.zeros(0, dtype=bool)
+        for i in np.flatnonzero(bad).tolist():
+            tok = int(tokens[i])
+            seen = self._identify(found[i].tobytes(), tok)
+            self._fail(report, CanaryFailure("gpu", owners[i], logical[i], physical[i], tok, seen))
+        if include_cpu and self.tensor_page_bytes is not None:
+            self._check_cpu(report, size, self.tensor_page_bytes)
+        return report
+
+    def _read_gpu(self, physical: list[int], size: int) -> np.ndarray:
+        views = _canonical_views(self.reader)
+        if views is None:
+            out = np.zeros((len(physical), size), dtype=np.uint8)
+            for i, p in enumerate(physical):
+                out[i] = np.frombuffer(self.reader.read_gpu_block(p), dtype=np.uint8)
+            return out
+        return _read_views(views, physical)
+
+    def _check_cpu(self, report: CanaryReport, size: int, pages: list[int]) -> None:
+        factor = self.config.block_size_factor
+        busy = {s for job in self.jobs.values() if job.kind == "store" for s in job.sub_block_ids}
+        for cpu_block in range(self.config.num_cpu_blocks):
+            subs = range(cpu_block * factor, (cpu_block + 1) * factor)
+            if any(s in busy for s in subs):
+                continue
+            tokens = [int(self.cpu_tokens[s]) for s in subs]
+            if all(t < 0 for t in tokens):
+                continue
+            data = self.reader.read_cpu_block(cpu_block)
+            for k, tok in enumerate(tokens):
+                if tok < 0:
+                    report.num_skipped += 1
+                    continue
+                report.num_checked += 1
+                if _cpu_part(data, k, factor, pages) != canary_bytes(tok, size):
+                    self._fail(report, CanaryFailure("cpu", "", cpu_block, cpu_block, tok, -1))
+
+
+def _cpu_part(data: bytes, k: int, factor: int, pages: list[int]) -> bytes:
+    """Sub-block ``k`` of a CPU block's bytes, as one GPU block's bytes.
+
+    A CPU block is laid out tensor by tensor, each tensor holding ``factor`` GPU pages;
+    a GPU block is the concatenation of one page of each tensor.
+    """
+    parts = []
+    offset = 0
+    for page in pages:
+        parts.append(data[offset + k * page : offset + (k + 1) * page])
+        offset += page * factor
+    return b"".join(parts)
+
+
+def make_canary_executor(
+    config: CacheConfigured, backend: str = "cpu"
+) -> tuple[Any, CanaryTracker]:
+    """A small CPU-tensor executor for ``config`` (2 layers, K and V, slot-major) and its
+    canary tracker. Page bytes are tiny: canaries need distinct bytes, not real sizes."""
+    import torch
+
+    from kvlog.executors import make_executor
+
+    head_size = 4
+    rows = (config.num_gpu_blocks + 1) * config.block_size
+    kv_caches = [
+        (
+            torch.zeros(rows, 1, head_size, dtype=torch.int8),
+            torch.zeros(rows, 1, head_size, dtype=torch.int8),
+        )
+        for _ in range(2)
+    ]
+    page = config.block_size * head_size
+    small = msgspec.structs.replace(config, page_size_bytes=4 * page)
+    executor = make_executor(kv_caches, small, backend=backend)  # type: ignore[arg-type]
+    tracker = CanaryTracker(executor, small, tensor_page_bytes=[page] * 4)
+    return executor, tracker
+
+
+def _canonical_views(reader: object) -> list[Any] | None:
+    """The executor's canonical ``(rows, page_bytes)`` int8 views, for batched reads and
+    writes (the same bytes ``read_gpu_block`` concatenates); None for other readers."""
+    layout = getattr(reader, "layout", None)
+    tensors = getattr(layout, "tensors", None)
+    if not tensors:
+        return None
+    return [t.view for t in tensors]
+
+
+def _write_views(views: list[Any], physical: list[int], rows: np.ndarray) -> None:
+    import torch
+
+    index = torch.as_tensor(physical, dtype=torch.long)
+    offset = 0
+    for view in views:
+        page = int(view.shape[1])
+        part = torch.from_numpy(np.ascontiguousarray(rows[:, offset : offset + page])).view(
+            torch.int8
+        )
+        view.index_copy_(0, index.to(view.device), part.to(view.device))
+        offset += page
+
+
+def _read_views(views: list[Any], physical: list[int]) -> np.ndarray:
+    import torch
+
+    index = torch.as_tensor(physical, dtype=torch.long)
+    parts = [view.index_select(0, index.to(view.device)).cpu() for view in views]
+    joined = torch.cat(parts, dim=1) if parts else torch.zeros((len(physical), 0), dtype=torch.int8)
+    return joined.view(torch.uint8).numpy()

@@ -1,0 +1,481 @@
+"""The ``kvlog`` command line: synth, replay, inspect, demo.
+
+Exit status: 0 when everything checked out, 1 when a replay diverged or a canary failed,
+2 for bad arguments or a log that cannot be read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+from kvlog.errors import KvlogError
+from kvlog.events import DEFAULT_PAD_SIZES, Checkpoint, to_dict
+from kvlog.log import LogReader
+from kvlog.replay import ReplayResult, replay
+from kvlog.report import Series, write_report
+from kvlog.synth import SynthConfig, SynthResult, run_synth
+
+__all__ = ["build_parser", "main"]
+
+_EVENT_TYPES = (
+    "CacheConfigured",
+    "BlocksAllocated",
+    "RequestFinished",
+    "RequestPreempted",
+    "StepEnded",
+    "StoreRequested",
+    "LoadRequested",
+    "TransferFinished",
+    "Checkpoint",
+)
+
+
+def _pad_sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(x) for x in text.replace(" ", "").split(",") if x)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--pad-sizes wants integers like 8,16,32: {exc}") from exc
+    if not sizes:
+        raise argparse.ArgumentTypeError("--pad-sizes needs at least one size")
+    return sizes
+
+
+def _add_policy(p: argparse.ArgumentParser, defaults: bool) -> None:
+    """Policy flags; for replay (``defaults=False``) an absent flag keeps the recording's."""
+    d = SynthConfig()
+    p.add_argument(
+        "--threshold",
+        type=int,
+        default=d.threshold if defaults else None,
+        help="defrag trigger: max_used - threshold > num_used",
+    )
+    p.add_argument(
+        "--max-swaps",
+        type=int,
+        default=d.max_swaps if defaults else None,
+        help="most block pairs one defrag moves",
+    )
+    p.add_argument(
+        "--pad-sizes",
+        type=_pad_sizes,
+        default=DEFAULT_PAD_SIZES if defaults else None,
+        help="pad buckets for graph capture, e.g. 8,16,32",
+    )
+    group = p.add_mutually_exclusive_group()
+    group.add_argument(
+        "--no-defrag",
+        dest="defrag",
+        action="store_false",
+        default=True if defaults else None,
+        help="turn defragmentation off",
+    )
+    if not defaults:
+        group.add_argument("--defrag", dest="defrag", action="store_true", help="turn it on")
+
+
+def _add_synth(sub: Any) -> None:
+    p = sub.add_parser("synth", help="record a synthetic serving workload into a log")
+    d = SynthConfig()
+    p.add_argument("--out", required=True, help="log file to create")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--num-gpu-blocks", type=int, default=d.num_gpu_blocks)
+    p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument(
+        "--num-cpu-blocks",
+        type=int,
+        default=d.num_cpu_blocks,
+        help="CPU offload blocks (0: no offload)",
+    )
+    p.add_argument("--block-size-factor", type=int, default=d.block_size_factor)
+    p.add_argument("--prefix-caching", action="store_true")
+    p.add_argument("--arrival-rate", type=float, default=d.arrival_rate, help="requests per step")
+    p.add_argument("--prompt-len-mean", type=float, default=d.prompt_len_mean)
+    p.add_argument("--output-len-mean", type=float, default=d.output_len_mean)
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    p.add_argument("--num-prefixes", type=int, default=d.num_prefixes)
+    p.add_argument("--prefix-share", type=float, default=d.prefix_share)
+    p.add_argument(
+        "--failure-rate",
+        type=float,
+        default=d.transfer_failure_rate,
+        help="share of simulated transfers that fail (without --execute)",
+    )
+    p.add_argument("--execute", action="store_true", help="run on CPU tensors with canary checks")
+    p.add_argument("--backend", choices=("cpu", "fake"), default="cpu")
+    p.add_argument("--check-every", type=int, default=0, help="canary check every N steps")
+    p.add_argument("--sync", choices=("none", "step", "always"), default="step")
+    p.add_argument("--checkpoint-every", type=int, default=256)
+    _add_policy(p, defaults=True)
+
+
+def _add_replay(sub: Any) -> None:
+    p = sub.add_parser("replay", help="verify a log, diff it, or run a what-if policy")
+    p.add_argument("log")
+    p.add_argument("--no-verify", dest="verify", action="store_false", help="skip checkpoints")
+    p.add_argument("--against", help="compare event by event with a re-run of this log")
+    p.add_argument(
+        "--execute", action="store_true", help="apply plans to canary-filled CPU tensors"
+    )
+    p.add_argument("--backend", choices=("cpu", "fake"), default="cpu")
+    p.add_argument("--from-snapshot", action="store_true", help="start at the latest snapshot")
+    p.add_argument("--report", help="plot to FILE (.svg; .png with matplotlib; .csv)")
+    _add_policy(p, defaults=False)
+
+
+def _add_inspect(sub: Any) -> None:
+    p = sub.add_parser("inspect", help="print a log's records as JSON lines")
+    p.add_argument("log")
+    p.add_argument("--type", action="append", choices=_EVENT_TYPES, help="only these types")
+    p.add_argument("--from", dest="start", type=int, default=0, help="first sequence number")
+    p.add_argument("--to", dest="end", type=int, default=-1, help="last sequence number")
+    p.add_argument("--no-checkpoints", action="store_true", help="leave Checkpoint records out")
+    p.add_argument("--header", action="store_true", help="print the header first")
+
+
+def _add_demo(sub: Any) -> None:
+    p = sub.add_parser("demo", help="synth on CPU tensors (offload + defrag), replay and verify")
+    p.add_argument("--out", default=os.path.join("out", "demo"), help="directory for the log")
+    p.add_argument("--steps", type=int, default=1500)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvlog", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_synth(sub)
+    _add_replay(sub)
+    _add_inspect(sub)
+    _add_demo(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``kvlog`` console script; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    commands = {"synth": cmd_synth, "replay": cmd_replay, "inspect": cmd_inspect, "demo": cmd_demo}
+    try:
+        return commands[args.command](args)
+    except (KvlogError, FileExistsError, FileNotFoundError, IsADirectoryError) as exc:
+        print(f"kvlog {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # `kvlog inspect LOG | head`
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+
+
+# -- synth -------------------------------------------------------------------------------
+def synth_config(args: argparse.Namespace) -> SynthConfig:
+    return SynthConfig(
+        seed=args.seed,
+        steps=args.steps,
+        num_gpu_blocks=args.num_gpu_blocks,
+        block_size=args.block_size,
+        num_cpu_blocks=args.num_cpu_blocks,
+        block_size_factor=args.block_size_factor,
+        prefix_caching=args.prefix_caching,
+        defrag=args.defrag,
+        threshold=args.threshold,
+        max_swaps=args.max_swaps,
+        pad_sizes=args.pad_sizes,
+        arrival_rate=args.arrival_rate,
+        prompt_len_mean=args.prompt_len_mean,
+        output_len_mean=args.output_len_mean,
+        max_num_seqs=args.max_num_seqs,
+        num_prefixes=args.num_prefixes,
+        prefix_share=args.prefix_share,
+        transfer_failure_rate=args.failure_rate,
+        check_every=args.check_every,
+    )
+
+
+def cmd_synth(args: argparse.Namespace) -> int:
+    config = synth_config(args)
+    from kvlog.events import validate_event
+
+    validate_event(config.cache_config())
+    result = run_synth(
+        config,
+        args.out,
+        execute=args.execute,
+        backend=args.backend,
+        sync=args.sync,
+        checkpoint_every=args.checkpoint_every,
+    )
+    print_synth(result, sys.stdout)
+    return 0 if result.canary_ok else 1
+
+
+def print_synth(r: SynthResult, out: TextIO) -> None:
+    rows = [
+        ("log", f"{r.log_path} ({r.num_events} events, {r.num_steps} steps)"),
+        (
+            "requests",
+            f"{r.num_requests} arrived, {r.num_finished} finished, {r.num_preemptions} preemptions",
+        ),
+        ("prefix cache", f"{r.num_prefix_hit_blocks} hit blocks"),
+        (
+            "offload",
+            f"{r.num_stores} stores, {r.num_loads} loads ({r.num_loaded_blocks} blocks), "
+            f"{r.num_failed_transfers} failed",
+        ),
+        ("defrag", f"{r.num_swap_plans} swap plans, {r.num_swapped_blocks} blocks moved"),
+        ("peak highest used id", str(r.peak_max_used)),
+        ("digest", r.final_digest),
+        ("elapsed", f"{r.elapsed_s:.2f} s ({r.num_events / max(r.elapsed_s, 1e-9):,.0f} events/s)"),
+    ]
+    if r.canary_checks:
+        checked = sum(c.num_checked for c in r.canary_checks)
+        failed = sum(c.num_failed for c in r.canary_checks)
+        rows.append(
+            ("canary", f"{len(r.canary_checks)} checks, {checked} blocks read, {failed} wrong")
+        )
+    out.write("synth\n" + format_table(rows) + "\n")
+
+
+# -- replay ------------------------------------------------------------------------------
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in ("threshold", "max_swaps", "pad_sizes", "defrag"):
+        value = getattr(args, name)
+        if value is not None:
+            out[name] = value
+    return out
+
+
+class _ProgressBar:
+    """A one-line progress bar on stderr (only used when stderr is a terminal)."""
+
+    def __init__(self, total_bytes: int, stream: TextIO) -> None:
+        self.total = max(total_bytes, 1)
+        self.stream = stream
+        self.started = time.perf_counter()
+
+    def __call__(self, num_records: int, num_bytes: int) -> None:
+        frac = min(num_bytes / self.total, 1.0)
+        filled = int(frac * 30)
+        rate = num_records / max(time.perf_counter() - self.started, 1e-9)
+        bar = "#" * filled + "-" * (30 - filled)
+        self.stream.write(f"\rreplay [{bar}] {frac:4.0%} {num_records:,} records {rate:,.0f}/s")
+        self.stream.flush()
+
+    def close(self) -> None:
+        self.stream.write("\r" + " " * 78 + "\r")
+        self.stream.flush()
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    bar = _ProgressBar(os.path.getsize(args.log), sys.stderr) if sys.stderr.isatty() else None
+    try:
+        result = replay(
+            args.log,
+            args.verify,
+            against=args.against,
+            execute=args.execute,
+            backend=args.backend,
+            from_snapshot=args.from_snapshot,
+            series=bool(args.report),
+            progress=bar,
+            **_overrides(args),
+        )
+    finally:
+        if bar is not None:
+            bar.close()
+    print_replay(result, sys.stdout)
+    if args.report:
+        print(
+            write_report(args.report, _series(result), f"kvlog replay {os.path.basename(args.log)}")
+        )
+    return 0 if result.ok else 1
+
+
+def _series(result: ReplayResult) -> list[Series]:
+    out = []
+    if result.recorded is not None and result.recorded.series is not None:
+        out.append(result.recorded.series)
+    if result.whatif is not None and result.whatif.whatif.series is not None:
+        out.append(result.whatif.whatif.series)
+    return out
+
+
+def _stats_rows(result: ReplayResult) -> list[tuple[str, ...]]:
+    rec = result.recorded
+    if rec is None:
+        return []
+    runs = [rec] + ([result.whatif.whatif] if result.whatif is not None else [])
+    names = [
+        ("swap plans", "num_swap_plans"),
+        ("swapped blocks", "num_swapped_blocks"),
+        ("swap bytes", "swap_bytes"),
+        ("stores", "num_stores"),
+        ("store bytes", "store_bytes"),
+        ("loads", "num_loads"),
+        ("load bytes", "load_bytes"),
+        ("bytes moved", "bytes_moved"),
+        ("peak highest used id", "peak_max_used"),
+        ("mean highest used id", "mean_max_used"),
+    ]
+    rows: list[tuple[str, ...]] = [("", *(r.label for r in runs))]
+    for label, attr in names:
+        rows.append((label, *(_fmt(getattr(r, attr)) for r in runs)))
+    return rows
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:,.1f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def print_replay(result: ReplayResult, out: TextIO) -> None:
+    rows = [
+        ("log", f"{result.path}"),
+        (
+            "records",
+            f"{result.num_records:,} ({result.num_events:,} events, "
+            f"{result.num_checkpoints} checkpoints, {result.num_verified} verified)",
+        ),
+        ("final digest", result.final_digest),
+        ("replay speed", f"{result.events_per_s:,.0f} events/s ({result.elapsed_s:.2f} s)"),
+    ]
+    if result.start_seq:
+        rows.append(("started at", f"seq {result.start_seq} (snapshot)"))
+    if result.tail:
+        rows.append(("torn tail", result.tail))
+    out.write("replay\n" + format_table(rows) + "\n\n" + format_table(_stats_rows(result)) + "\n")
+    if result.whatif is not None:
+        diffs = result.whatif.differences
+        out.write(f"\nwhat-if {result.whatif.overrides}: {len(diffs)} differences\n")
+        if result.whatif.whatif.rejected is not None:
+            out.write(f"  what-if stopped: {result.whatif.whatif.rejected.message}\n")
+    if result.canary is not None:
+        c = result.canary
+        out.write(
+            f"\ncanary: {c.num_checked} blocks read, {c.num_failed} wrong, "
+            f"{c.num_skipped} not checkable\n"
+        )
+        for f in c.failures[:5]:
+            out.write(f"  {f}\n")
+    d = result.divergence
+    if d is None:
+        out.write("\nno divergence\n")
+        return
+    out.write(
+        f"\nDIVERGENCE ({d.kind}) at seq {d.seq} (last agreeing seq {d.after_seq}): {d.message}\n"
+    )
+    for label, value in (
+        ("event", d.event),
+        ("other event", d.other_event),
+        ("expected digest", d.expected_digest),
+        ("actual digest", d.actual_digest),
+        ("expected plans", d.expected_plans),
+        ("actual plans", d.actual_plans),
+    ):
+        if value:
+            out.write(f"  {label}: {value}\n")
+
+
+def format_table(rows: Sequence[tuple[str, ...]]) -> str:
+    """Rows as left-aligned columns (first column) and right-aligned values."""
+    if not rows:
+        return ""
+    width = max(len(r) for r in rows)
+    cols = [max(len(r[i]) if i < len(r) else 0 for r in rows) for i in range(width)]
+    lines = []
+    for r in rows:
+        cells = [r[0].ljust(cols[0])] + [
+            (r[i] if i < len(r) else "").rjust(cols[i])
+            if width > 2
+            else (r[i] if i < len(r) else "")
+            for i in range(1, width)
+        ]
+        lines.append("  " + "  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+# -- inspect -----------------------------------------------------------------------------
+def cmd_inspect(args: argparse.Namespace) -> int:
+    import msgspec
+
+    reader = LogReader(args.log)
+    write = sys.stdout.write
+    if args.header:
+        write(msgspec.json.encode(reader.header).decode() + "\n")
+    wanted = set(args.type or ())
+    encoder = msgspec.json.Encoder()
+    for seq, record in reader.records(args.start):
+        if 0 <= args.end < seq:
+            break
+        if args.no_checkpoints and type(record) is Checkpoint:
+            continue
+        if wanted and type(record).__name__ not in wanted:
+            continue
+        write(encoder.encode({"seq": seq, **to_dict(record)}).decode() + "\n")
+    if reader.tail is not None:
+        print(f"kvlog inspect: torn tail (not modified): {reader.tail}", file=sys.stderr)
+    return 0
+
+
+# -- demo --------------------------------------------------------------------------------
+def _demo_dir(wanted: str) -> str:
+    try:
+        os.makedirs(wanted, exist_ok=True)
+        probe = os.path.join(wanted, ".probe")
+        with open(probe, "w"):
+            pass
+        os.unlink(probe)
+        return wanted
+    except OSError:
+        return tempfile.mkdtemp(prefix="kvlog-demo-")
+
+
+def demo_config(steps: int, seed: int) -> SynthConfig:
+    """The demo workload: offload with block_size_factor 2, defrag on, memory pressure."""
+    return SynthConfig(
+        seed=seed,
+        steps=steps,
+        num_gpu_blocks=1024,
+        num_cpu_blocks=768,
+        block_size_factor=2,
+        arrival_rate=0.35,
+        check_every=250,
+    )
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    directory = _demo_dir(args.out)
+    log_path = os.path.join(directory, "demo.kvlog")
+    for leftover in (log_path,):
+        if os.path.exists(leftover):
+            os.unlink(leftover)
+    config = demo_config(args.steps, args.seed)
+    print(f"kvlog demo: {args.steps} scheduler steps on CPU tensors, offload and defrag on\n")
+    synth = run_synth(config, log_path, execute=True, sync="none")
+    print_synth(synth, sys.stdout)
+    print()
+    result = replay(log_path, execute=True)
+    print_replay(result, sys.stdout)
+    same = result.final_digest == synth.final_digest
+    print(f"\nlive digest {'==' if same else '!='} replayed digest")
+    nodefrag = replay(log_path, defrag=False)
+    assert nodefrag.whatif is not None, "a what-if replay without its comparison"
+    recorded, other = nodefrag.whatif.recorded, nodefrag.whatif.whatif
+    print(
+        f"what-if --no-defrag: peak highest used id {recorded.peak_max_used} -> "
+        f"{other.peak_max_used}, mean {recorded.mean_max_used:.0f} -> {other.mean_max_used:.0f}"
+    )
+    report = os.path.join(directory, "demo_report.svg")
+    print(write_report(report, _series(nodefrag), "kvlog demo: recorded policy vs --no-defrag"))
+    ok = same and result.ok and synth.canary_ok
+    print(f"\n{'OK' if ok else 'FAILED'}: log {log_path} ({time.perf_counter() - started:.1f} s)")
+    return 0 if ok else 1

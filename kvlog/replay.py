@@ -1,0 +1,624 @@
+"""Replay a log through the reducers: verify, diff against another log, or run a what-if.
+
+``replay(path)`` re-runs every event of a log and checks every ``Checkpoint`` record
+against the digest of the re-run state. The first divergence is reported precisely:
+
+- an event the reducers refuse: its exact sequence number and the error;
+- a checkpoint whose digest differs: the checkpoint's sequence number (the state diverged
+  after the previous verified checkpoint and at or before it; a log holds events, not the
+  states in between, so one log alone cannot say more);
+- with ``against=OTHER_LOG`` (a re-run of the recorded log next to a re-run of an edited
+  one): the exact sequence number of the first event that differs, both events, both
+  digests after it and both plan lists.
+
+Policy overrides (any ``CacheConfigured`` field but the geometry-free ones are allowed:
+``threshold``, ``max_swaps``, ``defrag``, ``pad_sizes``...) run a what-if next to the
+recorded policy: both runs see the same events and the result compares swaps, bytes moved
+and the highest used block over time. ``execute=True`` applies the (effective) plans to
+small CPU tensors filled with canary bytes and checks every live block at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from kvlog import reducers
+from kvlog.canary import CanaryReport, CanaryTracker, make_canary_executor
+from kvlog.errors import CorruptLogError, InvalidEvent
+from kvlog.events import (
+    CacheConfigured,
+    Checkpoint,
+    Event,
+    Plan,
+    Record,
+    StepEnded,
+    SwapPlan,
+    TransferFinished,
+    TransferPlan,
+    to_dict,
+)
+from kvlog.log import LogReader
+from kvlog.report import Series
+
+__all__ = [
+    "POLICY_FIELDS",
+    "Divergence",
+    "ReplayResult",
+    "RunStats",
+    "WhatIf",
+    "replay",
+    "replay_state",
+]
+
+POLICY_FIELDS: tuple[str, ...] = ("defrag", "threshold", "max_swaps", "pad_sizes")
+"""Fields a what-if may override without touching the recorded geometry."""
+_ALL_FIELDS = tuple(CacheConfigured.__struct_fields__)
+
+Progress = Callable[[int, int], None]
+"""Called as ``progress(records_done, bytes_done_estimate)`` every few thousand records."""
+
+
+@dataclass
+class Divergence:
+    """The first place where a re-run disagrees with what it is checked against."""
+
+    kind: str  # "rejected" | "checkpoint" | "checkpoint-seq" | "event" | "plans" | "digest"
+    seq: int  # the record where it was found (exact for rejected/event/plans)
+    after_seq: int  # the last sequence number known to agree (-1: none)
+    message: str
+    event: dict[str, Any] | None = None
+    other_event: dict[str, Any] | None = None
+    expected_digest: str = ""
+    actual_digest: str = ""
+    expected_plans: list[dict[str, Any]] = field(default_factory=list)
+    actual_plans: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class RunStats:
+    """What one policy did over the whole log."""
+
+    label: str
+    config: CacheConfigured
+    num_events: int = 0
+    num_steps: int = 0
+    num_swap_plans: int = 0
+    num_swapped_blocks: int = 0
+    swap_bytes: int = 0
+    num_stores: int = 0
+    num_loads: int = 0
+    store_bytes: int = 0
+    load_bytes: int = 0
+    peak_max_used: int = -1
+    sum_max_used: int = 0
+    final_digest: str = ""
+    rejected: Divergence | None = None
+    series: Series | None = None
+
+    @property
+    def mean_max_used(self) -> float:
+        return self.sum_max_used / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def bytes_moved(self) -> int:
+        return self.swap_bytes + self.store_bytes + self.load_bytes
+
+
+@dataclass
+class WhatIf:
+    """A what-if run next to the recorded policy."""
+
+    overrides: dict[str, Any]
+    recorded: RunStats
+    whatif: RunStats
+    num_steps_max_used_differs: int = 0
+
+    @property
+    def differences(self) -> dict[str, tuple[Any, Any]]:
+        """``{name: (recorded, whatif)}`` for every summary figure that differs."""
+        names = (
+            "num_swap_plans",
+            "num_swapped_blocks",
+            "swap_bytes",
+            "store_bytes",
+            "load_bytes",
+            "peak_max_used",
+            "sum_max_used",
+            "final_digest",
+        )
+        out = {n: (getattr(self.recorded, n), getattr(self.whatif, n)) for n in names}
+        out["steps_with_other_max_used"] = (0, self.num_steps_max_used_differs)
+        return {n: v for n, v in out.items() if v[0] != v[1]}
+
+
+@dataclass
+class ReplayResult:
+    """Everything a replay found."""
+
+    path: str
+    meta: dict[str, str]
+    recorded_config: CacheConfigured | None
+    num_records: int = 0
+    num_events: int = 0
+    num_checkpoints: int = 0
+    num_verified: int = 0
+    counts: dict[str, int] = field(default_factory=dict)
+    start_seq: int = 0
+    last_seq: int = -1
+    final_digest: str = ""
+    divergence: Divergence | None = None
+    recorded: RunStats | None = None
+    whatif: WhatIf | None = None
+    canary: CanaryReport | None = None
+    tail: str = ""
+    elapsed_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """No divergence, no failed canary."""
+        return self.divergence is None and (self.canary is None or self.canary.ok)
+
+    @property
+    def events_per_s(self) -> float:
+        return self.num_events / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+def _plans_dicts(plans: list[Plan]) -> list[dict[str, Any]]:
+    return [to_dict(p) for p in plans]
+
+
+class _Run:
+    """One reducer state fed a log's events, with its statistics."""
+
+    def __init__(self, label: str, config: CacheConfigured, series: bool) -> None:
+        self.state = reducers.initial_state()
+        self.stats = RunStats(label, config, series=Series(label) if series else None)
+        self._step_swapped = self._step_store = self._step_load = 0
+        self.alive = True
+
+    def apply(self, event: Event) -> list[Plan]:
+        self.state, plans = reducers.reduce(self.state, event)
+        s = self.stats
+        s.num_events += 1
+        for plan in plans:
+            if type(plan) is SwapPlan:
+                moved = len(plan.pairs)
+                s.num_swap_plans += 1
+                s.num_swapped_blocks += moved
+                factor = 2 if plan.mode == "swap" else 1
+                s.swap_bytes += moved * factor * s.config.page_size_bytes
+                self._step_swapped += moved
+            elif type(plan) is TransferPlan:
+                if plan.kind == "store":
+                    s.num_stores += 1
+                    s.store_bytes += plan.num_bytes
+                    self._step_store += plan.num_bytes
+                else:
+                    s.num_loads += 1
+                    s.load_bytes += plan.num_bytes
+                    self._step_load += plan.num_bytes
+        if type(event) is StepEnded:
+            self._end_step(event.step)
+        return plans
+
+    def _end_step(self, step: int) -> None:
+        s = self.stats
+        top = int(self.state.max_used)
+        s.num_steps += 1
+        s.peak_max_used = max(s.peak_max_used, top)
+        s.sum_max_used += top
+        if s.series is not None:
+            s.series.add(
+                step,
+                int(self.state.num_used),
+                top,
+                self._step_swapped,
+                self._step_store,
+                self._step_load,
+            )
+        self._step_swapped = self._step_store = self._step_load = 0
+
+    def finish(self) -> RunStats:
+        self.stats.final_digest = str(reducers.digest(self.state))
+        return self.stats
+
+
+def _check_overrides(overrides: dict[str, Any]) -> None:
+    unknown = sorted(set(overrides) - set(_ALL_FIELDS))
+    if unknown:
+        raise TypeError(f"unknown CacheConfigured field(s) to override: {unknown}")
+    if "pad_sizes" in overrides:
+        overrides["pad_sizes"] = tuple(overrides["pad_sizes"])
+
+
+def _latest_snapshot(path: str) -> tuple[int, Checkpoint | None]:
+    """Sequence number and record of the last checkpoint that carries a snapshot."""
+    found: tuple[int, Checkpoint | None] = (-1, None)
+    for seq, record in LogReader(path).records():
+        if type(record) is Checkpoint and record.snapshot:
+            found = (seq, record)
+    return found
+
+
+def replay_state(path: str | os.PathLike[str]) -> reducers.State:
+    """The state at the end of a log, from its latest snapshot, verified; raises on a
+    divergence (``CorruptLogError``) so a resumed engine never continues a wrong state."""
+    result, state = _replay(os.fspath(path), verify=True, from_snapshot=True, series=False)
+    if result.divergence is not None:
+        d = result.divergence
+        raise CorruptLogError(f"replay diverged: {d.message}", path=result.path, seq=d.seq)
+    return state
+
+
+def replay(
+    path: str | os.PathLike[str],
+    verify: bool = True,
+    *,
+    against: str | os.PathLike[str] | None = None,
+    execute: bool = False,
+    backend: str = "cpu",
+    from_snapshot: bool = False,
+    series: bool = True,
+    progress: Progress | None = None,
+    **policy_overrides: Any,
+) -> ReplayResult:
+    """Re-run the log at ``path``; see the module docstring.
+
+    ``verify``: check every checkpoint digest. ``against``: compare event by event with a
+    re-run of that log. ``execute``: apply the plans to canary-filled CPU tensors
+    (``backend`` "cpu" or "fake") and check every live block at the end. ``from_snapshot``:
+    start from the latest checkpoint snapshot (only for plain verification).
+    ``policy_overrides``: ``CacheConfigured`` fields for a what-if run.
+    """
+    _check_overrides(policy_overrides)
+    if from_snapshot and (policy_overrides or against is not None or execute):
+        raise ValueError(
+            "from_snapshot replays the recorded policy only: no what-if, against or execute"
+        )
+    result, _ = _replay(
+        os.fspath(path),
+        verify=verify,
+        against=None if against is None else os.fspath(against),
+        execute=execute,
+        backend=backend,
+        from_snapshot=from_snapshot,
+        series=series,
+        progress=progress,
+        overrides=policy_overrides,
+    )
+    return result
+
+
+def _replay(
+    path: str,
+    *,
+    verify: bool,
+    against: str | None = None,
+    execute: bool = False,
+    backend: str = "cpu",
+    from_snapshot: bool = False,
+    series: bool = True,
+    progress: Progress | None = None,
+    overrides: dict[str, Any] | None = None,
+) -> tuple[ReplayResult, reducers.State]:
+    replayer = _Replayer(path, verify, overrides or {}, against, execute, backend, series, progress)
+    started = time.perf_counter()
+    replayer.run(from_snapshot)
+    result = replayer.finish()
+    result.elapsed_s = time.perf_counter() - started
+    assert replayer.recorded is not None or result.divergence is not None or result.num_events == 0
+    state = replayer.recorded.state if replayer.recorded is not None else reducers.initial_state()
+    return result, state
+
+
+class _Replayer:
+    """The replay loop and everything it keeps between records."""
+
+    def __init__(
+        self,
+        path: str,
+        verify: bool,
+        overrides: dict[str, Any],
+        against: str | None,
+        execute: bool,
+        backend: str,
+        series: bool,
+        progress: Progress | None,
+    ) -> None:
+        self.reader = LogReader(path)
+        self.verify = verify
+        self.overrides = overrides
+        self.execute = execute
+        self.backend = backend
+        self.series = series
+        self.progress = progress
+        self.result = ReplayResult(path, dict(self.reader.header.meta), None)
+        self.recorded: _Run | None = None
+        self.whatif: _Run | None = None
+        self.other: _Other | None = None if against is None else _Other(against, series)
+        self.tracker: CanaryTracker | None = None
+        self.executor: Any = None
+        self.last_event_seq = -1
+        self.last_event: Event | None = None
+        self.last_verified_seq = -1
+        self.stopped = False
+
+    # -- setup ---------------------------------------------------------------------------
+    def _start(self, config: CacheConfigured) -> None:
+        self.result.recorded_config = config
+        self.recorded = _Run("recorded", config, self.series)
+        if self.overrides:
+            whatif_config = msgspec.structs.replace(config, **self.overrides)
+            from kvlog.events import validate_event
+
+            validate_event(whatif_config)
+            self.whatif = _Run("what-if", whatif_config, self.series)
+        if self.execute:
+            effective = self.whatif or self.recorded
+            self.executor, self.tracker = make_canary_executor(effective.stats.config, self.backend)
+
+    def _start_from_snapshot(self) -> int:
+        seq, checkpoint = _latest_snapshot(self.reader.path)
+        if checkpoint is None:
+            return 0
+        state = reducers.restore(checkpoint.snapshot)
+        assert state.config is not None, "a checkpoint snapshot without a config"
+        self.result.recorded_config = state.config
+        self.recorded = _Run("recorded", state.config, self.series)
+        self.recorded.state = state
+        self.last_event_seq = checkpoint.seq
+        self._checkpoint(seq, checkpoint)
+        return seq + 1
+
+    # -- the loop ------------------------------------------------------------------------
+    def run(self, from_snapshot: bool) -> None:
+        start = self._start_from_snapshot() if from_snapshot else 0
+        self.result.start_seq = start
+        done_bytes = 0
+        for seq, record in self.reader.records(start):
+            self.result.num_records += 1
+            name = type(record).__name__
+            self.result.counts[name] = self.result.counts.get(name, 0) + 1
+            if isinstance(record, Checkpoint):
+                self._checkpoint(seq, record)
+            else:
+                self._event(seq, record)
+            if self.stopped:
+                break
+            if self.progress is not None:
+                done_bytes += 16 + len(_encoded(record))
+                if self.result.num_records % 4096 == 0:
+                    self.progress(self.result.num_records, done_bytes)
+        self.result.last_seq = self.reader.last_seq
+        if self.reader.tail is not None:
+            self.result.tail = str(self.reader.tail)
+        if self.other is not None and not self.stopped:
+            self.other.at_end(self)
+
+    def _event(self, seq: int, event: Event) -> None:
+        self.result.num_events += 1
+        if self.recorded is None:
+            if type(event) is not CacheConfigured:
+                self._diverge(
+                    Divergence(
+                        "rejected",
+                        seq,
+                        -1,
+                        "the log does not start with CacheConfigured",
+                        to_dict(event),
+                    )
+                )
+                self.stopped = True
+                return
+            self._start(event)
+        assert self.recorded is not None
+        tracker = self.tracker
+        effective = self.whatif or self.recorded
+        if tracker is not None and effective.alive:
+            tracker.before(effective.state, event)
+            if type(event) is TransferFinished:
+                self.executor.wait([event.job_id])
+        try:
+            plans = self.recorded.apply(event)
+        except InvalidEvent as exc:
+            self._diverge(
+                Divergence(
+                    "rejected", seq, self.last_event_seq, f"seq {seq}: {exc}", to_dict(event)
+                )
+            )
+            self.stopped = True
+            return
+        whatif_plans = self._whatif(seq, event)
+        self.last_event_seq, self.last_event = seq, event
+        if tracker is not None and effective.alive:
+            for plan in whatif_plans if self.whatif is not None else plans:
+                self.executor.execute(plan)
+            tracker.after(effective.state, event)
+        if self.other is not None:
+            self.other.compare(self, seq, event, plans)
+
+    def _whatif(self, seq: int, event: Event) -> list[Plan]:
+        run = self.whatif
+        if run is None or not run.alive:
+            return []
+        try:
+            return run.apply(event)
+        except InvalidEvent as exc:
+            run.alive = False
+            run.stats.rejected = Divergence(
+                "rejected",
+                seq,
+                self.last_event_seq,
+                f"what-if refused seq {seq}: {exc}",
+                to_dict(event),
+            )
+            return []
+
+    def _checkpoint(self, seq: int, checkpoint: Checkpoint) -> None:
+        self.result.num_checkpoints += 1
+        if not self.verify or self.recorded is None:
+            return
+        if checkpoint.seq != self.last_event_seq:
+            message = (
+                f"checkpoint at seq {seq} covers seq {checkpoint.seq}, but the last "
+                f"event before it is seq {self.last_event_seq}"
+            )
+            self._diverge(Divergence("checkpoint-seq", seq, self.last_verified_seq, message))
+            return
+        actual = str(reducers.digest(self.recorded.state))
+        if actual == checkpoint.digest:
+            self.result.num_verified += 1
+            self.last_verified_seq = checkpoint.seq
+            return
+        message = (
+            f"state digest differs at the checkpoint after seq {checkpoint.seq}: it "
+            f"diverged after seq {self.last_verified_seq} and at or before seq {checkpoint.seq}"
+        )
+        event = None if self.last_event is None else to_dict(self.last_event)
+        self._diverge(
+            Divergence(
+                "checkpoint",
+                checkpoint.seq,
+                self.last_verified_seq,
+                message,
+                event,
+                expected_digest=checkpoint.digest,
+                actual_digest=actual,
+            )
+        )
+
+    def _diverge(self, divergence: Divergence) -> None:
+        if self.result.divergence is None:
+            self.result.divergence = divergence
+
+    # -- the end -------------------------------------------------------------------------
+    def finish(self) -> ReplayResult:
+        result = self.result
+        if self.recorded is not None:
+            result.recorded = self.recorded.finish()
+            result.final_digest = result.recorded.final_digest
+        if self.whatif is not None and result.recorded is not None:
+            stats = self.whatif.finish()
+            result.whatif = WhatIf(
+                dict(self.overrides),
+                result.recorded,
+                stats,
+                _max_used_differences(result.recorded, stats),
+            )
+        if self.tracker is not None:
+            effective = self.whatif or self.recorded
+            assert effective is not None, "execute without a run"
+            self.executor.wait()
+            result.canary = self.tracker.check(effective.state)
+            self.executor.shutdown()
+        return result
+
+
+def _max_used_differences(a: RunStats, b: RunStats) -> int:
+    if a.series is None or b.series is None:
+        return 0
+    return sum(1 for x, y in zip(a.series.max_used, b.series.max_used, strict=False) if x != y)
+
+
+def _encoded(record: Record) -> bytes:
+    from kvlog.events import encode
+
+    return encode(record)
+
+
+class _Other:
+    """The log a replay is compared against (``against=``), re-run in lockstep."""
+
+    def __init__(self, path: str, series: bool) -> None:
+        self.path = path
+        self.events: Iterator[tuple[int, Event]] = (
+            (seq, r) for seq, r in LogReader(path).records() if not isinstance(r, Checkpoint)
+        )
+        self.run: _Run | None = None
+        self.done = False
+
+    def compare(self, replayer: _Replayer, seq: int, event: Event, plans: list[Plan]) -> None:
+        if self.done:
+            return
+        assert replayer.recorded is not None
+        nxt = next(self.events, None)
+        if nxt is None:
+            self._report(
+                replayer,
+                Divergence(
+                    "event",
+                    seq,
+                    replayer.last_verified_seq,
+                    f"seq {seq}: {self.path} ends before this event",
+                    to_dict(event),
+                ),
+            )
+            return
+        other_seq, other_event = nxt
+        if self.run is None:
+            assert type(other_event) is CacheConfigured, (
+                f"{self.path} does not start with CacheConfigured"
+            )
+            self.run = _Run("against", other_event, series=False)
+        try:
+            other_plans = self.run.apply(other_event)
+        except InvalidEvent as exc:
+            self._report(
+                replayer,
+                Divergence(
+                    "rejected",
+                    seq,
+                    -1,
+                    f"{self.path} seq {other_seq}: {exc}",
+                    to_dict(event),
+                    to_dict(other_event),
+                ),
+            )
+            return
+        if other_event == event and other_plans == plans:
+            return
+        kind = "event" if other_event != event else "plans"
+        what = "events differ" if kind == "event" else "the same event planned differently"
+        self._report(
+            replayer,
+            Divergence(
+                kind,
+                seq,
+                seq - 1,
+                f"seq {seq}: {what} ({self.path} seq {other_seq})",
+                to_dict(event),
+                to_dict(other_event),
+                expected_digest=str(reducers.digest(self.run.state)),
+                actual_digest=str(reducers.digest(replayer.recorded.state)),
+                expected_plans=_plans_dicts(other_plans),
+                actual_plans=_plans_dicts(plans),
+            ),
+        )
+
+    def _report(self, replayer: _Replayer, divergence: Divergence) -> None:
+        self.done = True
+        replayer._diverge(divergence)
+
+    def at_end(self, replayer: _Replayer) -> None:
+        if self.done:
+            return
+        nxt = next(self.events, None)
+        if nxt is not None:
+            seq = replayer.last_event_seq + 1
+            self._report(
+                replayer,
+                Divergence(
+                    "event",
+                    seq,
+                    replayer.last_event_seq,
+                    f"the log ends at seq {replayer.last_event_seq}; {self.path} goes on",
+                    None,
+                    to_dict(nxt[1]),
+                ),
+            )

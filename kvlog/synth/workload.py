@@ -1,0 +1,141 @@
+"""Seeded serving workload: synth configuration, request arrivals and their shapes.
+
+Arrivals per step are Poisson; prompt lengths log-normal, output lengths geometric, both
+clipped. A share of the requests starts with one of a few shared prefixes (system prompts,
+few-shot headers), picked Zipf-like, so prefix caching and CPU prefix hits have something
+to find. Everything comes from one ``numpy.random.Generator`` seeded by ``seed``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvlog.events import DEFAULT_PAD_SIZES, CacheConfigured
+
+__all__ = ["Request", "SynthConfig", "Workload"]
+
+
+@dataclass(frozen=True)
+class SynthConfig:
+    """Everything that decides a synthetic run (the same config and seed give the same log)."""
+
+    seed: int = 0
+    steps: int = 2000
+    num_gpu_blocks: int = 1024
+    block_size: int = 16
+    num_cpu_blocks: int = 0
+    block_size_factor: int = 1
+    prefix_caching: bool = False
+    defrag: bool = True
+    threshold: int = 32
+    max_swaps: int = 512
+    pad_sizes: tuple[int, ...] = DEFAULT_PAD_SIZES
+    page_size_bytes: int = 2 * 32 * 8 * 128 * 2 * 16  # K+V, 32 layers, 8 heads x 128, bf16
+    arrival_rate: float = 0.6
+    prompt_len_mean: float = 400.0
+    prompt_len_max: int = 4096
+    output_len_mean: float = 120.0
+    output_len_max: int = 2048
+    max_num_seqs: int = 64
+    num_prefixes: int = 8
+    prefix_share: float = 0.5
+    prefix_len_max_blocks: int = 32
+    store_latency_steps: float = 2.0
+    load_latency_steps: float = 1.0
+    transfer_failure_rate: float = 0.0
+    watermark_blocks: int = 4
+    check_every: int = 0
+
+    def cache_config(self, page_size_bytes: int | None = None) -> CacheConfigured:
+        """The ``CacheConfigured`` event this run starts its log with."""
+        return CacheConfigured(
+            num_gpu_blocks=self.num_gpu_blocks,
+            block_size=self.block_size,
+            num_cpu_blocks=self.num_cpu_blocks,
+            block_size_factor=self.block_size_factor,
+            prefix_caching=self.prefix_caching,
+            defrag=self.defrag,
+            threshold=self.threshold,
+            max_swaps=self.max_swaps,
+            pad_sizes=tuple(self.pad_sizes),
+            page_size_bytes=self.page_size_bytes if page_size_bytes is None else page_size_bytes,
+        )
+
+    def replace(self, **changes: object) -> SynthConfig:
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+@dataclass(eq=False)
+class Request:
+    """One request as the synthetic scheduler sees it."""
+
+    req_id: str
+    serial: int
+    prompt_len: int
+    output_len: int
+    prefix_id: int  # -1: no shared prefix
+    prefix_blocks: int  # full blocks of the prompt that are the shared prefix
+    generated: int = 0
+    blocks: list[int] = field(default_factory=list)
+    status: str = "waiting"  # waiting | running | loading | finished | storing
+    num_cached: int = 0  # leading blocks already registered in the prefix cache
+    load_job: int = -1
+    load_blocks: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens whose KV the request holds once this step ran (recomputed after preemption)."""
+        return self.prompt_len + max(self.generated, 0)
+
+    def prefix_hash(self, index: int) -> tuple[str, int, int]:
+        """Content hash of full prefix block ``index`` (shared across requests)."""
+        assert index < self.prefix_blocks, "only shared prefix blocks have shared hashes"
+        return ("p", self.prefix_id, index)
+
+    def group_key(self, group: int, factor: int) -> tuple[str, int, int]:
+        """CPU cache key of GPU blocks ``group*factor .. group*factor+factor-1``."""
+        if (group + 1) * factor <= self.prefix_blocks:
+            return ("p", self.prefix_id, group)
+        return ("u", self.serial, group)
+
+
+class Workload:
+    """Draws the requests that arrive at each step."""
+
+    def __init__(self, config: SynthConfig) -> None:
+        self.config = config
+        self.rng = np.random.default_rng(config.seed)
+        bs = config.block_size
+        max_prefix = max(1, min(config.prefix_len_max_blocks, config.prompt_len_max // bs - 1))
+        self.prefix_blocks = [
+            int(self.rng.integers(1, max_prefix + 1)) for _ in range(config.num_prefixes)
+        ]
+        weights = 1.0 / np.arange(1, config.num_prefixes + 1)
+        self.prefix_weights = weights / weights.sum() if config.num_prefixes else weights
+        self.num_arrived = 0
+
+    def arrivals(self, step: int) -> list[Request]:
+        """The requests that arrive at ``step`` (depends only on the seed and the call order)."""
+        count = int(self.rng.poisson(self.config.arrival_rate))
+        return [self._request(step) for _ in range(count)]
+
+    def _request(self, step: int) -> Request:
+        c = self.config
+        sigma = 0.8
+        mu = np.log(max(c.prompt_len_mean, 1.0)) - sigma**2 / 2
+        prompt = int(np.clip(self.rng.lognormal(mu, sigma), 1, c.prompt_len_max))
+        output = int(
+            np.clip(self.rng.geometric(1.0 / max(c.output_len_mean, 1.0)), 1, c.output_len_max)
+        )
+        prefix_id, prefix_blocks = -1, 0
+        if c.num_prefixes and self.rng.random() < c.prefix_share:
+            prefix_id = int(self.rng.choice(c.num_prefixes, p=self.prefix_weights))
+            prefix_blocks = self.prefix_blocks[prefix_id]
+            prompt = max(prompt, prefix_blocks * c.block_size + 1)  # at least one own token
+        serial = self.num_arrived
+        self.num_arrived += 1
+        return Request(f"req-{serial}", serial, prompt, output, prefix_id, prefix_blocks)

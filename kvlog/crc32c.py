@@ -10,7 +10,7 @@ crc32c(a + b)``, so a frame header and its payload are checksummed without a cop
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -100,7 +100,11 @@ def crc32c_fallback(data: Buffer, value: int = 0) -> int:
     return register ^ _MASK
 
 
-_native: Callable[..., int] | None
+class _Checksum(Protocol):
+    def __call__(self, data: Buffer, value: int = 0) -> int: ...
+
+
+_native: _Checksum | None
 try:
     from crc32c import crc32c as _native
 except ImportError:  # pragma: no cover - exercised by forcing the fallback in tests
@@ -109,9 +113,9 @@ except ImportError:  # pragma: no cover - exercised by forcing the fallback in t
 NATIVE: bool = _native is not None
 """True when the ``crc32c`` package is in use."""
 
+crc32c: _Checksum = _native if _native is not None else crc32c_fallback
+"""CRC-32C of ``data``, continuing from the checksum ``value`` of what came before.
 
-def crc32c(data: Buffer, value: int = 0) -> int:
-    """CRC-32C of ``data``, continuing from the checksum ``value`` of what came before."""
-    if _native is not None:
-        return int(_native(data, value))
-    return crc32c_fallback(data, value)
+The package's function itself when it is installed (no wrapper on the hot path), so
+callers that want the fallback switch to apply look it up as ``kvlog.crc32c.crc32c``.
+"""

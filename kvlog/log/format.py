@@ -4,11 +4,12 @@ A file is a header followed by records, all integers little-endian::
 
     header  magic "\\x89KVLOG\\r\\n" (8) | format_version u16 | flags u16 (0) | body_len u32
             | crc u32 | body (body_len bytes: msgpack map of LogHeader)
-    record  length u32 | seq u64 | crc u32 | payload (length bytes: kvlog.events.encode)
+    record  crc u32 | length u32 | seq u64 | payload (length bytes: kvlog.events.encode)
 
 The header crc is CRC-32C over ``format_version..body_len`` and the body; a record crc is
-CRC-32C over ``length``, ``seq`` and the payload, so a flipped bit anywhere in a record
-(its length and sequence number included) fails the check. ``magic`` and
+CRC-32C over the rest of its frame (``length``, ``seq``, payload: one contiguous span), so
+a flipped bit anywhere in a record (its length and sequence number included) fails the
+check. ``magic`` and
 ``format_version`` keep their place in every future format, so an old kvlog can always
 tell a newer file from a damaged one. Sequence numbers start at 0 and are dense.
 """
@@ -20,7 +21,7 @@ from typing import BinaryIO
 
 import msgspec
 
-from kvlog.crc32c import crc32c
+from kvlog import crc32c as _crc32c
 from kvlog.errors import CorruptLogError, SchemaVersionError
 from kvlog.events import SCHEMA_VERSION
 
@@ -49,9 +50,9 @@ MAX_HEADER_BODY_BYTES = 1 << 20
 
 _PREFIX = struct.Struct("<8sHHII")  # magic, format_version, flags, body_len, crc
 HEADER_PREFIX_BYTES = _PREFIX.size
-FRAME = struct.Struct("<IQI")  # length, seq, crc
+FRAME = struct.Struct("<IIQ")  # crc, length, seq
 FRAME_BYTES = FRAME.size
-FRAME_HEAD = struct.Struct("<IQ")
+FRAME_HEAD = struct.Struct("<IQ")  # length, seq: the checksummed part of FRAME
 
 
 class LogHeader(msgspec.Struct, frozen=True):
@@ -83,13 +84,13 @@ def encode_header(header: LogHeader) -> bytes:
     if len(body) > MAX_HEADER_BODY_BYTES:
         raise ValueError(f"log header meta too large: {len(body)} bytes")
     fields = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(body), 0)[8:16]
-    crc = crc32c(body, crc32c(fields))
+    crc = _crc32c.crc32c(body, _crc32c.crc32c(fields))
     return _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(body), crc) + body
 
 
 def frame_crc(length: int, seq: int, payload: bytes | bytearray | memoryview) -> int:
     """The crc field of a record frame."""
-    return crc32c(payload, crc32c(FRAME_HEAD.pack(length, seq)))
+    return _crc32c.crc32c(payload, _crc32c.crc32c(FRAME_HEAD.pack(length, seq)))
 
 
 def parse_header(file: BinaryIO, path: str) -> tuple[LogHeader, int]:
@@ -115,7 +116,7 @@ def parse_header(file: BinaryIO, path: str) -> tuple[LogHeader, int]:
     body = read_up_to(file, body_len)
     if len(body) < body_len:
         raise CorruptLogError("truncated log header", path=path, offset=len(prefix) + len(body))
-    if crc32c(body, crc32c(prefix[8:16])) != crc:
+    if _crc32c.crc32c(body, _crc32c.crc32c(prefix[8:16])) != crc:
         raise CorruptLogError("log header checksum mismatch", path=path, offset=0)
     return _decode_header_body(body, path), HEADER_PREFIX_BYTES + body_len
 

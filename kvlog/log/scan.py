@@ -25,6 +25,7 @@ from typing import BinaryIO
 
 import numpy as np
 
+from kvlog import crc32c as _crc32c
 from kvlog.errors import CorruptLogError
 from kvlog.log.format import (
     FRAME,
@@ -53,6 +54,7 @@ class FrameScanner:
         self._path = path
         self._size = file_size
         self._buf = b""
+        self._view = memoryview(self._buf)
         self._buf_start = start_offset  # file offset of _buf[0]
         self._pos = 0  # read position inside _buf
         self.last_seq = -1
@@ -62,30 +64,42 @@ class FrameScanner:
     def frames(self) -> Iterator[tuple[int, int, memoryview]]:
         """Yield ``(offset, seq, payload)``; a payload view is valid until the next one."""
         self._file.seek(self._buf_start)
+        unpack, checksum = FRAME.unpack_from, _crc32c.crc32c
         while self._buf_start + self._pos < self._size:
-            offset = self._buf_start + self._pos
-            reason = self._check_frame()
+            pos, buf = self._pos, self._buf
+            if len(buf) - pos >= FRAME_BYTES:  # fast path: a good frame already buffered
+                crc, length, seq = unpack(buf, pos)
+                end = pos + FRAME_BYTES + length
+                if (
+                    0 < length <= MAX_RECORD_BYTES
+                    and end <= len(buf)
+                    and seq == self.last_seq + 1
+                    and checksum(self._view[pos + 4 : end]) == crc
+                ):
+                    self._pos = end
+                    yield self._buf_start + pos, seq, self._view[pos + FRAME_BYTES : end]
+                    self.last_seq = seq
+                    self.end_offset = self._buf_start + end
+                    continue
+            offset = self._buf_start + pos
+            reason = self._check_frame()  # refills the buffer, or says why the frame is bad
             if reason:
                 self._bad_frame(offset, reason)
                 return
-            length, seq, _ = FRAME.unpack_from(self._buf, self._pos)
-            start = self._pos + FRAME_BYTES
-            yield offset, seq, memoryview(self._buf)[start : start + length]
-            self._pos = start + length
-            self.last_seq = seq
-            self.end_offset = self._buf_start + self._pos
 
     def _check_frame(self) -> str:
         """Why the frame at the read position is not the next record ('' if it is)."""
-        if not self._fill(FRAME_BYTES):
+        if len(self._buf) - self._pos < FRAME_BYTES and not self._fill(FRAME_BYTES):
             return "incomplete record header"
-        length, seq, crc = FRAME.unpack_from(self._buf, self._pos)
+        crc, length, seq = FRAME.unpack_from(self._buf, self._pos)
         if not 0 < length <= MAX_RECORD_BYTES:
             return f"implausible record length {length}"
-        if not self._fill(FRAME_BYTES + length):
-            return "incomplete record"
-        start = self._pos + FRAME_BYTES
-        if frame_crc(length, seq, memoryview(self._buf)[start : start + length]) != crc:
+        end = self._pos + FRAME_BYTES + length
+        if end > len(self._buf):
+            if not self._fill(FRAME_BYTES + length):
+                return "incomplete record"
+            end = FRAME_BYTES + length
+        if _crc32c.crc32c(self._view[self._pos + 4 : end]) != crc:
             return "record checksum mismatch"
         if seq != self.last_seq + 1:
             raise CorruptLogError(
@@ -120,6 +134,7 @@ class FrameScanner:
             return False
         data = read_up_to(self._file, min(in_file, max(need - have, _CHUNK_BYTES)))
         self._buf = self._buf[self._pos :] + data
+        self._view = memoryview(self._buf)
         self._buf_start += self._pos
         self._pos = 0
         return len(self._buf) >= need
@@ -148,9 +163,9 @@ def _candidates(
     if count <= 0:
         return []
     # One unaligned little-endian view per field, starting at every byte offset.
-    lengths = np.ndarray((count,), "<u4", buffer=chunk, offset=0, strides=(1,))
-    seqs = np.ndarray((count,), "<u8", buffer=chunk, offset=4, strides=(1,))
-    crcs = np.ndarray((count,), "<u4", buffer=chunk, offset=12, strides=(1,))
+    crcs = np.ndarray((count,), "<u4", buffer=chunk, offset=0, strides=(1,))
+    lengths = np.ndarray((count,), "<u4", buffer=chunk, offset=4, strides=(1,))
+    seqs = np.ndarray((count,), "<u8", buffer=chunk, offset=8, strides=(1,))
     ends = np.arange(position, position + count, dtype=np.int64) + FRAME_BYTES + lengths
     mask = (lengths > 0) & (lengths <= MAX_RECORD_BYTES) & (ends <= file_size)
     mask &= (seqs >= np.uint64(min_seq)) & (seqs <= np.uint64(max_seq))

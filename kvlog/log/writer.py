@@ -28,7 +28,7 @@ from types import TracebackType
 from typing import Literal
 
 from kvlog import __version__
-from kvlog.crc32c import crc32c
+from kvlog import crc32c as _crc32c
 from kvlog.errors import LogClosed, LogLocked, LogPoisoned, RecordRejected, SchemaVersionError
 from kvlog.events import SCHEMA_VERSION, Record, StepEnded, encode
 from kvlog.log.format import (
@@ -113,8 +113,8 @@ class LogWriter:
         seq = self.next_seq
         head = FRAME_HEAD.pack(len(payload), seq)
         buffer = self._buffer
+        buffer += _crc32c.crc32c(payload, _crc32c.crc32c(head)).to_bytes(4, "little")
         buffer += head
-        buffer += crc32c(payload, crc32c(head)).to_bytes(4, "little")
         buffer += payload
         self.next_seq = seq + 1
         if self.sync_mode == "always" or (self.sync_mode == "step" and type(record) is StepEnded):

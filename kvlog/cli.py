@@ -446,7 +446,7 @@ def demo_config(steps: int, seed: int) -> SynthConfig:
         num_gpu_blocks=1024,
         num_cpu_blocks=768,
         block_size_factor=2,
-        arrival_rate=0.35,
+        arrival_rate=0.2,
         check_every=250,
     )
 

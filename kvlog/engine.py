@@ -67,6 +67,7 @@ class Engine:
         *,
         meta: dict[str, str] | None = None,
         _state: reducers.State | None = None,
+        _last_event_seq: int = -1,
     ) -> None:
         if checkpoint_every < 0 or snapshot_every < 0:
             raise ValueError("checkpoint_every and snapshot_every must be >= 0 (0 = never)")
@@ -81,7 +82,7 @@ class Engine:
         self._last_seq = -1
         if log_path is not None:
             self._log = LogWriter(log_path, sync=sync, meta=meta)
-            self._last_seq = self._log.next_seq - 1
+            self._last_seq = _last_event_seq
         if _state is None:
             if self._log is not None and self._log.next_seq != 0:
                 path = self._log.path
@@ -228,12 +229,22 @@ class Engine:
             raise ValueError(
                 "cannot restore an engine from a snapshot taken before CacheConfigured"
             )
-        if log_path is not None and not _has_records(log_path):
+        last = -1 if log_path is None else _last_event_seq(log_path)
+        if log_path is not None and last < 0:
             raise FileNotFoundError(
-                f"{os.fspath(log_path)} holds no records: a restored engine continues the log "
+                f"{os.fspath(log_path)} holds no events: a restored engine continues the log "
                 "its snapshot came from (start a new log with Engine(config, log_path))"
             )
-        return cls(config, log_path, executor, sync, checkpoint_every, snapshot_every, _state=state)
+        return cls(
+            config,
+            log_path,
+            executor,
+            sync,
+            checkpoint_every,
+            snapshot_every,
+            _state=state,
+            _last_event_seq=last,
+        )
 
     @classmethod
     def resume(
@@ -253,10 +264,20 @@ class Engine:
         from kvlog.replay import replay_state
 
         LogWriter(log_path, sync="none").close()  # cut a torn tail before reading
-        state = replay_state(log_path)
+        state, last = replay_state(log_path)
         config = state.config
-        assert config is not None, "replay_state returned an unconfigured state"
-        return cls(config, log_path, executor, sync, checkpoint_every, snapshot_every, _state=state)
+        if config is None:
+            raise FileNotFoundError(f"{os.fspath(log_path)} holds no events to resume")
+        return cls(
+            config,
+            log_path,
+            executor,
+            sync,
+            checkpoint_every,
+            snapshot_every,
+            _state=state,
+            _last_event_seq=last,
+        )
 
     # -- checkpoints and closing ---------------------------------------------------------
     def checkpoint(self, snapshot: bool = False) -> None:
@@ -328,10 +349,14 @@ def _check_record(event: Event) -> None:
         )
 
 
-def _has_records(path: str | os.PathLike[str]) -> bool:
+def _last_event_seq(path: str | os.PathLike[str]) -> int:
+    """Sequence number of the last event in a log (-1 when it holds none)."""
     from kvlog.log import LogReader
 
     if not os.path.exists(path) or os.path.getsize(path) == 0:
-        return False
-    reader = LogReader(path)
-    return any(True for _ in reader.records())
+        return -1
+    last = -1
+    for seq, record in LogReader(path).records():
+        if not isinstance(record, Checkpoint):
+            last = seq
+    return last

@@ -151,6 +151,7 @@ class ReplayResult:
     counts: dict[str, int] = field(default_factory=dict)
     start_seq: int = 0
     last_seq: int = -1
+    last_event_seq: int = -1
     final_digest: str = ""
     divergence: Divergence | None = None
     recorded: RunStats | None = None
@@ -246,14 +247,15 @@ def _latest_snapshot(path: str) -> tuple[int, Checkpoint | None]:
     return found
 
 
-def replay_state(path: str | os.PathLike[str]) -> reducers.State:
-    """The state at the end of a log, from its latest snapshot, verified; raises on a
-    divergence (``CorruptLogError``) so a resumed engine never continues a wrong state."""
+def replay_state(path: str | os.PathLike[str]) -> tuple[reducers.State, int]:
+    """The state at the end of a log (from its latest snapshot, verified) and the sequence
+    number of its last event; raises ``CorruptLogError`` on a divergence, so a resumed
+    engine never continues a wrong state."""
     result, state = _replay(os.fspath(path), verify=True, from_snapshot=True, series=False)
     if result.divergence is not None:
         d = result.divergence
         raise CorruptLogError(f"replay diverged: {d.message}", path=result.path, seq=d.seq)
-    return state
+    return state, result.last_event_seq
 
 
 def replay(
@@ -396,6 +398,7 @@ class _Replayer:
                 if self.result.num_records % 4096 == 0:
                     self.progress(self.result.num_records, done_bytes)
         self.result.last_seq = self.reader.last_seq
+        self.result.last_event_seq = self.last_event_seq
         if self.reader.tail is not None:
             self.result.tail = str(self.reader.tail)
         if self.other is not None and not self.stopped:
@@ -447,6 +450,8 @@ class _Replayer:
         run = self.whatif
         if run is None or not run.alive:
             return []
+        if type(event) is CacheConfigured:
+            event = run.stats.config  # the what-if policy, on the recorded geometry
         try:
             return run.apply(event)
         except InvalidEvent as exc:

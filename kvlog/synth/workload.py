@@ -34,7 +34,7 @@ class SynthConfig:
     max_swaps: int = 512
     pad_sizes: tuple[int, ...] = DEFAULT_PAD_SIZES
     page_size_bytes: int = 2 * 32 * 8 * 128 * 2 * 16  # K+V, 32 layers, 8 heads x 128, bf16
-    arrival_rate: float = 0.6
+    arrival_rate: float = 0.25
     prompt_len_mean: float = 400.0
     prompt_len_max: int = 4096
     output_len_mean: float = 120.0

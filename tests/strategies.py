@@ -387,3 +387,131 @@ def draw_invalid_event(draw: st.DrawFn, model: Any, kind: str) -> Event | None:
     return draw(
         st.sampled_from([RequestFinished(req_id=""), BlocksAllocated(req_id="", block_ids=[])])
     )
+
+
+# --- Reducer programs: realistic event sequences from a tiny simulated scheduler ------------
+# Used by tests/test_reducer_*.py. ``random_program`` drives the same simulation from a
+# ``random.Random``, so hypothesis examples and the long seeded workloads share one generator.
+
+
+def random_program(
+    rng: Any, config: CacheConfigured, num_events: int, transfers: bool = True
+) -> list[Event]:
+    """``CacheConfigured`` then ``num_events`` events a vLLM-like scheduler could send.
+
+    Logical blocks come from a FIFO free list (released blocks go to its end), requests
+    append and finish in random order (so defrag has holes to fill), prefix caching shares
+    held blocks, stores read held blocks and loads write unpinned ones (with a partial first
+    CPU block when the sizes call for it); jobs finish in any order. Pins are tracked in
+    logical space, which is exact: defrag never moves a pinned block.
+    """
+    n = config.num_gpu_blocks
+    free = list(range(1, n))
+    refs: dict[int, int] = {}
+    tables: dict[str, list[int]] = {}
+    jobs: dict[int, tuple[str, list[int]]] = {}
+    events: list[Event] = [config]
+    next_job, step, next_req = 0, 0, 0
+
+    def pins(kind: str | None = None) -> set[int]:
+        return {b for k, ids in jobs.values() if kind in (None, k) for b in ids}
+
+    def allocatable() -> list[int]:
+        if config.prefix_caching:
+            return free
+        reading = pins("store")
+        return [b for b in free if b not in reading]
+
+    while len(events) <= num_events:
+        op = rng.choice(
+            ("alloc", "alloc", "alloc", "extend", "finish", "step", "step", "store", "load", "done")
+        )
+        if op in ("alloc", "extend"):
+            live = sorted(tables)
+            if op == "extend" and live:
+                req_id = rng.choice(live)
+            else:
+                req_id, next_req = f"req-{next_req}", next_req + 1
+            pool = allocatable()
+            k = min(len(pool), rng.choice((1, 1, 2, 3, 5, 8, 13)))
+            picked = pool[:k] if rng.random() < 0.7 else rng.sample(pool, k)
+            shared: list[int] = []
+            if config.prefix_caching and refs and rng.random() < 0.3:
+                own = set(tables.get(req_id, []))
+                others = sorted(b for b in refs if b not in own)
+                shared = rng.sample(others, min(len(others), rng.randint(1, 3)))
+            block_ids = shared + picked
+            if not block_ids:
+                continue
+            for b in picked:
+                free.remove(b)
+            for b in block_ids:
+                refs[b] = refs.get(b, 0) + 1
+            tables.setdefault(req_id, []).extend(block_ids)
+            events.append(BlocksAllocated(req_id=req_id, block_ids=block_ids))
+        elif op == "finish":
+            if not tables:
+                continue
+            req_id = rng.choice(sorted(tables))
+            for b in tables.pop(req_id):
+                refs[b] -= 1
+                if refs[b] == 0:
+                    del refs[b]
+                    free.append(b)
+            kind = RequestPreempted if rng.random() < 0.3 else RequestFinished
+            events.append(kind(req_id=req_id))
+        elif op == "step":
+            events.append(StepEnded(step=step))
+            step += 1
+        elif op == "done":
+            if jobs:
+                job_id = rng.choice(sorted(jobs))
+                del jobs[job_id]
+                events.append(TransferFinished(job_id=job_id, success=rng.random() < 0.9))
+        elif transfers and config.num_cpu_blocks and len(jobs) < 8:
+            event = _random_transfer(rng, config, next_job, refs, free, pins)
+            if event is not None:
+                kind_name = "store" if isinstance(event, StoreRequested) else "load"
+                jobs[event.job_id] = (kind_name, list(event.gpu_block_ids))
+                next_job = event.job_id + 1
+                events.append(event)
+    return events
+
+
+def _random_transfer(
+    rng: Any,
+    config: CacheConfigured,
+    next_job: int,
+    refs: dict[int, int],
+    free: list[int],
+    pins: Any,
+) -> Event | None:
+    f = config.block_size_factor
+    job_id = next_job + rng.choice((0, 0, 1, 4))
+    num_cpu = rng.randint(1, min(2, config.num_cpu_blocks))
+    cpu = rng.sample(range(config.num_cpu_blocks), num_cpu)
+    if rng.random() < 0.5:
+        loading = pins("load")
+        readable = sorted(b for b in refs if b not in loading)
+        if len(readable) < num_cpu * f:
+            return None
+        gpu = rng.sample(readable, num_cpu * f)
+        return StoreRequested(job_id=job_id, gpu_block_ids=gpu, cpu_block_ids=cpu)
+    busy = pins()
+    targets = sorted(b for b in [*refs, *free] if b not in busy)
+    num_gpu = num_cpu * f - rng.randint(0, f - 1)
+    if len(targets) < num_gpu:
+        return None
+    gpu = rng.sample(targets, num_gpu)
+    return LoadRequested(job_id=job_id, cpu_block_ids=cpu, gpu_block_ids=gpu)
+
+
+@st.composite
+def reducer_programs(
+    draw: st.DrawFn, max_gpu_blocks: int = 160, max_events: int = 300, transfers: bool = True
+) -> list[Event]:
+    """A config (small pools, low thresholds, small pads) and a realistic program for it."""
+    config = draw(machine_configs(max_gpu_blocks=max_gpu_blocks))
+    rng = draw(st.randoms(use_true_random=False))
+    num_events = draw(st.integers(1, max_events))
+    return random_program(rng, config, num_events, transfers)

@@ -53,36 +53,31 @@ class LogReader:
         with open(self.path, "rb", buffering=0) as file:
             size = os.fstat(file.fileno()).st_size
             scanner = FrameScanner(file, self.path, self._data_offset, size)
-            for offset, seq, payload in scanner.frames():
-                if seq >= start_seq:
-                    yield seq, self._decode(payload, offset, seq)
-        self.tail, self.last_seq, self.end_offset = (
-            scanner.tail,
-            scanner.last_seq,
-            scanner.end_offset,
-        )
+            offset, seq = -1, -1
+            try:
+                for offset, seq, payload in scanner.frames():  # noqa: B007 (used in except)
+                    if seq >= start_seq:
+                        yield seq, decode(payload)
+            except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
+                raise CorruptLogError(
+                    f"record with a valid checksum does not decode: {exc}",
+                    path=self.path,
+                    offset=offset,
+                    seq=seq,
+                ) from exc
+        self.tail, self.last_seq = scanner.tail, scanner.last_seq
+        self.end_offset = scanner.end_offset
         if scanner.tail is not None:
             _logger.warning("%s: torn tail (not modified): %s", self.path, scanner.tail)
 
     def __iter__(self) -> Iterator[tuple[int, Record]]:
         return self.records()
 
-    def _decode(self, payload: memoryview, offset: int, seq: int) -> Record:
-        try:
-            return decode(payload)
-        except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
-            raise CorruptLogError(
-                f"record with a valid checksum does not decode: {exc}",
-                path=self.path,
-                offset=offset,
-                seq=seq,
-            ) from exc
-
 
 def read_log(path: str | os.PathLike[str], start_seq: int = 0) -> Iterator[tuple[int, Record]]:
     """Stream ``(seq, record)`` from ``start_seq`` on; a torn tail ends the stream quietly
     (a warning is logged; use ``LogReader`` to inspect it)."""
-    yield from LogReader(path).records(start_seq)
+    return LogReader(path).records(start_seq)  # the header is checked here, at the call
 
 
 def read_header(path: str | os.PathLike[str]) -> LogHeader:

@@ -64,28 +64,33 @@ class FrameScanner:
     def frames(self) -> Iterator[tuple[int, int, memoryview]]:
         """Yield ``(offset, seq, payload)``; a payload view is valid until the next one."""
         self._file.seek(self._buf_start)
-        unpack, checksum = FRAME.unpack_from, _crc32c.crc32c
         while self._buf_start + self._pos < self._size:
-            pos, buf = self._pos, self._buf
-            if len(buf) - pos >= FRAME_BYTES:  # fast path: a good frame already buffered
-                crc, length, seq = unpack(buf, pos)
-                end = pos + FRAME_BYTES + length
-                if (
-                    0 < length <= MAX_RECORD_BYTES
-                    and end <= len(buf)
-                    and seq == self.last_seq + 1
-                    and checksum(self._view[pos + 4 : end]) == crc
-                ):
-                    self._pos = end
-                    yield self._buf_start + pos, seq, self._view[pos + FRAME_BYTES : end]
-                    self.last_seq = seq
-                    self.end_offset = self._buf_start + end
-                    continue
-            offset = self._buf_start + pos
+            yield from self._buffered_frames()
+            offset = self._buf_start + self._pos
+            if offset >= self._size:
+                return
             reason = self._check_frame()  # refills the buffer, or says why the frame is bad
             if reason:
                 self._bad_frame(offset, reason)
                 return
+
+    def _buffered_frames(self) -> Iterator[tuple[int, int, memoryview]]:
+        """The hot loop: the good frames lying wholly in the buffer, from the read position."""
+        unpack, checksum = FRAME.unpack_from, _crc32c.crc32c
+        buf, view, base = self._buf, self._view, self._buf_start
+        pos, expected, buf_len = self._pos, self.last_seq + 1, len(self._buf)
+        try:
+            while pos + FRAME_BYTES <= buf_len:
+                crc, length, seq = unpack(buf, pos)
+                end = pos + FRAME_BYTES + length
+                if not (0 < length <= MAX_RECORD_BYTES and end <= buf_len and seq == expected):
+                    break
+                if checksum(view[pos + 4 : end]) != crc:
+                    break
+                yield base + pos, seq, view[pos + FRAME_BYTES : end]
+                pos, expected = end, seq + 1
+        finally:
+            self._pos, self.last_seq, self.end_offset = pos, expected - 1, base + pos
 
     def _check_frame(self) -> str:
         """Why the frame at the read position is not the next record ('' if it is)."""

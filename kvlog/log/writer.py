@@ -22,16 +22,20 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import struct
 import tempfile
 import typing
 from types import TracebackType
 from typing import Literal
 
+import msgspec
+
 from kvlog import __version__
 from kvlog import crc32c as _crc32c
 from kvlog.errors import LogClosed, LogLocked, LogPoisoned, RecordRejected, SchemaVersionError
-from kvlog.events import SCHEMA_VERSION, Record, StepEnded, encode
+from kvlog.events import SCHEMA_VERSION, Record, StepEnded
 from kvlog.log.format import (
+    FRAME_BYTES,
     FRAME_HEAD,
     MAX_RECORD_BYTES,
     LogHeader,
@@ -50,7 +54,10 @@ __all__ = ["SYNC_MODES", "LogWriter", "SyncMode"]
 
 SyncMode = Literal["none", "step", "always"]
 SYNC_MODES: tuple[str, ...] = ("none", "step", "always")
-_RECORD_TYPES = typing.get_args(Record)
+_RECORD_TYPES = frozenset(typing.get_args(Record))
+_EMPTY_FRAME = bytes(FRAME_BYTES)
+_CRC = struct.Struct("<I")
+_encoder = msgspec.msgpack.Encoder()  # the configuration of kvlog.events.encode
 _logger = logging.getLogger("kvlog.log")
 
 
@@ -69,6 +76,7 @@ class LogWriter:
             raise ValueError(f"sync must be one of {SYNC_MODES}, not {sync!r}")
         self.path = os.fspath(path)
         self.sync_mode: SyncMode = sync
+        self._fsync_each, self._fsync_step = sync == "always", sync == "step"
         self._buffer_bytes = buffer_bytes
         self._buffer = bytearray()
         self._poison: OSError | None = None
@@ -104,20 +112,24 @@ class LogWriter:
 
     def append(self, record: Record) -> int:
         """Append one event or checkpoint; return its sequence number."""
-        self._check_usable()
-        if not isinstance(record, _RECORD_TYPES):
-            raise RecordRejected(f"not a log record: {type(record).__name__}")
-        payload = encode(record)
-        if len(payload) > MAX_RECORD_BYTES:
-            raise RecordRejected(f"record of {len(payload)} bytes > {MAX_RECORD_BYTES}")
-        seq = self.next_seq
-        head = FRAME_HEAD.pack(len(payload), seq)
-        buffer = self._buffer
-        buffer += _crc32c.crc32c(payload, _crc32c.crc32c(head)).to_bytes(4, "little")
-        buffer += head
-        buffer += payload
+        if self._poison is not None or self._closed:
+            self._check_usable()
+        record_type = type(record)
+        if record_type not in _RECORD_TYPES:  # exact types: a subclass would not decode
+            raise RecordRejected(f"not a log record: {record_type.__name__}")
+        buffer, seq = self._buffer, self.next_seq
+        start = len(buffer)
+        buffer += _EMPTY_FRAME
+        _encoder.encode_into(record, buffer, start + FRAME_BYTES)  # the payload, in place
+        length = len(buffer) - start - FRAME_BYTES
+        if length > MAX_RECORD_BYTES:
+            del buffer[start:]
+            raise RecordRejected(f"record of {length} bytes > {MAX_RECORD_BYTES}")
+        FRAME_HEAD.pack_into(buffer, start + 4, length, seq)
+        with memoryview(buffer)[start + 4 :] as checked:
+            _CRC.pack_into(buffer, start, _crc32c.crc32c(checked))
         self.next_seq = seq + 1
-        if self.sync_mode == "always" or (self.sync_mode == "step" and type(record) is StepEnded):
+        if self._fsync_each or (self._fsync_step and record_type is StepEnded):
             self._commit(fsync=True)
         elif len(buffer) >= self._buffer_bytes:
             self._commit(fsync=False)

@@ -508,7 +508,7 @@ def _random_transfer(
 
 @st.composite
 def reducer_programs(
-    draw: st.DrawFn, max_gpu_blocks: int = 160, max_events: int = 300, transfers: bool = True
+    draw: st.DrawFn, max_gpu_blocks: int = 160, max_events: int = 150, transfers: bool = True
 ) -> list[Event]:
     """A config (small pools, low thresholds, small pads) and a realistic program for it."""
     config = draw(machine_configs(max_gpu_blocks=max_gpu_blocks))

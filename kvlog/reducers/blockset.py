@@ -20,6 +20,7 @@ import numpy.typing as npt
 __all__ = [
     "ALL_ONES",
     "BIT",
+    "SCALAR_LIMIT",
     "BlockSet",
     "IdArray",
     "WordArray",
@@ -38,6 +39,8 @@ BIT: WordArray = np.left_shift(np.uint64(1), np.arange(64, dtype=np.uint64))
 _CHUNK = 256
 """Summary words looked at per numpy call when a scan has to skip far."""
 _MASK64 = (1 << 64) - 1
+SCALAR_LIMIT = 16
+"""Up to this many ids, updates loop over Python ints: cheaper than a dozen numpy calls."""
 
 
 def set_bits(words: WordArray, ids: IdArray) -> None:
@@ -119,7 +122,9 @@ class BlockSet:
 
     def add(self, ids: IdArray) -> None:
         """Add distinct ids that are not members."""
-        if ids.size == 0:
+        if ids.size <= SCALAR_LIMIT:
+            for block_id in ids.tolist():
+                self._add_one(block_id)
             return
         words = ids >> 6
         np.bitwise_or.at(self.words, words, BIT[ids & 63])
@@ -131,7 +136,9 @@ class BlockSet:
 
     def remove(self, ids: IdArray) -> None:
         """Remove distinct ids that are members."""
-        if ids.size == 0:
+        if ids.size <= SCALAR_LIMIT:
+            for block_id in ids.tolist():
+                self._remove_one(block_id)
             return
         words = ids >> 6
         np.bitwise_and.at(self.words, words, ~BIT[ids & 63])
@@ -140,6 +147,28 @@ class BlockSet:
         if empty.size:
             np.bitwise_and.at(self.nonempty, empty >> 6, ~BIT[empty & 63])
         self.count -= int(ids.size)
+
+    def _add_one(self, block_id: int) -> None:
+        w = block_id >> 6
+        old = int(self.words[w])
+        new = old | (1 << (block_id & 63))
+        self.words[w] = new
+        if not old:
+            self.nonempty[w >> 6] = int(self.nonempty[w >> 6]) | (1 << (w & 63))
+        if new == _MASK64:
+            self.notfull[w >> 6] = int(self.notfull[w >> 6]) & ~(1 << (w & 63))
+        self.count += 1
+
+    def _remove_one(self, block_id: int) -> None:
+        w = block_id >> 6
+        old = int(self.words[w])
+        new = old & ~(1 << (block_id & 63))
+        self.words[w] = new
+        if not new:
+            self.nonempty[w >> 6] = int(self.nonempty[w >> 6]) & ~(1 << (w & 63))
+        if old == _MASK64:
+            self.notfull[w >> 6] = int(self.notfull[w >> 6]) | (1 << (w & 63))
+        self.count -= 1
 
     def highest_at_most(self, limit: int) -> int:
         """The largest member ``<= limit``, or -1."""

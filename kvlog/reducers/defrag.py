@@ -69,7 +69,7 @@ __all__ = [
 def check_block_range(event: Event, name: str, block_ids: list[int], size: int) -> IdArray:
     """The ids as int64, or ``BlockOutOfRange`` naming the first id not below ``size``."""
     ids = np.asarray(block_ids, dtype=np.int64)
-    if ids.size and (int(ids.max()) >= size or int(ids.min()) < 0):
+    if ids.size and (max(block_ids) >= size or min(block_ids) < 0):
         bad = next(b for b in block_ids if not 0 <= b < size)
         raise BlockOutOfRange(f"{name} holds block id {bad}, outside [0, {size})", event)
     return ids
@@ -112,6 +112,8 @@ def _check_exclusive(
     state: State, event: BlocksAllocated, logical: IdArray, physical: IdArray
 ) -> None:
     """Without prefix caching a block must be free and not read by an unfinished store."""
+    if not state.refs[physical].any() and not state.store_pins[physical].any():
+        return
     taken = np.flatnonzero(state.refs[physical] > 0)
     if taken.size:
         b = int(logical[taken[0]])

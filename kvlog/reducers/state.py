@@ -20,7 +20,14 @@ import numpy as np
 import numpy.typing as npt
 
 from kvlog.events import CacheConfigured, SwapPlan
-from kvlog.reducers.blockset import BlockSet, IdArray, WordArray, clear_bits, set_bits
+from kvlog.reducers.blockset import (
+    SCALAR_LIMIT,
+    BlockSet,
+    IdArray,
+    WordArray,
+    clear_bits,
+    set_bits,
+)
 
 __all__ = ["MAX_JOBS_IN_FLIGHT", "Job", "State", "initial_state"]
 
@@ -144,6 +151,17 @@ class State:
     # -- primitives (keep arrays, bitmaps and max_used consistent) ------------------------
     def add_refs(self, physical: IdArray) -> None:
         """One more reference to each of ``physical`` (distinct ids)."""
+        if physical.size <= SCALAR_LIMIT:
+            refs, fresh = self.refs, []
+            for p in physical.tolist():
+                count = int(refs[p]) + 1
+                refs[p] = count
+                if count == 1:
+                    self.used._add_one(p)
+                    fresh.append(p)
+            if fresh:
+                self._max_used = max(self._max_used, *fresh)
+            return
         self.refs[physical] += 1
         fresh = physical[self.refs[physical] == 1]
         if fresh.size:
@@ -152,11 +170,21 @@ class State:
 
     def drop_refs(self, physical: IdArray) -> None:
         """One reference fewer to each of ``physical`` (repeats drop one each)."""
+        if physical.size <= SCALAR_LIMIT:
+            refs = self.refs
+            for p in physical.tolist():
+                count = int(refs[p]) - 1
+                refs[p] = count
+                if count == 0:
+                    self.used._remove_one(p)
+            self._refresh_max_used()
+            return
         np.subtract.at(self.refs, physical, 1)
         freed = physical[self.refs[physical] == 0]
         if freed.size:
-            if freed.size > 1:
-                freed = np.unique(freed)
+            if freed.size > 1:  # a table may repeat a block under prefix caching
+                freed = np.sort(freed)
+                freed = freed[np.concatenate(([True], freed[1:] != freed[:-1]))]
             self.used.remove(freed)
             self._refresh_max_used()
 

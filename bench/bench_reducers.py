@@ -4,17 +4,17 @@
     python bench/bench_reducers.py --quick    # 200 timed steps per size
 
 One synthetic serving trace shape at every size: the pool is filled to ~80% (untimed), then
-every step 0, 1 or 2 requests arrive (4..64 blocks each), 8 live requests grow by one block, and
-random live requests finish while more than 80% of the pool is used (so the pool stays in
-a 70-90% band and finishes leave holes); block ids come from a FIFO free list, like vLLM's.
-Per-step event volume is the same at every size; only the pool (and the live requests in
-it) grows. Both sides get the same events, timed one side after the other; the seed side is
-``tests/seed_model.py``'s ``SeedDefragmenter`` (the seed's ``defragment()``: a ``max()`` and ``sorted()`` over every
-used block). Their pairs are checked equal, step by step. A step is all of its events plus
-its ``StepEnded``. Printed: mean and p99 in microseconds and seed/kvlog, once with the
-seed's default threshold (defrag fires on most steps) and once with a threshold no pool can
-exceed (the trigger is evaluated and never fires: the cost of a step without defrag), and
-kvlog's no-defrag step cost at the largest size over the smallest.
+every step 0, 1 or 2 requests arrive (4..64 blocks each), 8 live requests grow by one block,
+and random live requests finish while more than 80% of the pool is used (so the pool stays in a
+70-90% band and finishes leave holes); block ids come from a FIFO free list, like vLLM's. Per-
+step event volume is the same at every size; only the pool (and the live requests in it) grows.
+Both sides get the same events, timed one side after the other; the seed side is
+``tests/seed_model.py``'s ``SeedDefragmenter`` (the seed's ``defragment()``: a ``max()`` and
+``sorted()`` over every used block). Their pairs are checked equal, step by step. A step is all
+of its events plus its ``StepEnded``. Printed: mean and p99 in microseconds and seed/kvlog,
+once with the seed's default threshold (defrag fires on most steps) and once with a threshold
+no pool can exceed (the trigger is evaluated and never fires: the cost of a step without
+defrag), and kvlog's no-defrag step cost at the largest size over the smallest.
 """
 
 from __future__ import annotations
@@ -128,6 +128,7 @@ def run_size(num_gpu_blocks: int, num_steps: int, threshold: int) -> dict[str, l
         theirs.append(pairs)
     assert ours == theirs, "kvlog and the seed disagree"
     return {"kvlog": kvlog_us, "seed": seed_us, "defrag": [float(bool(p)) for p in ours]}
+
 
 def p99(values: list[float]) -> float:
     return sorted(values)[min(len(values) - 1, int(0.99 * len(values)))]

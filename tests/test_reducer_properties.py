@@ -1,0 +1,233 @@
+"""Property tests for the reducers: invariants, refusals, snapshots, digests, bitmaps.
+
+- ``check_invariants`` holds after every event of random realistic programs.
+- Every refused event (planted defects of each kind) raises a typed ``InvalidEvent``,
+  ``validate`` agrees with ``reduce``, and the digest and snapshot do not move.
+- ``snapshot``/``restore`` at any point gives the same digest and the same future plans.
+- The digest is a pinned value for a fixed program and does not depend on the process.
+- ``BlockSet`` behaves like a Python set; ``resolve_array`` like ``resolve``.
+- ``check_invariants`` notices corruption (it can fail).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from strategies import random_program, reducer_programs
+
+from kvlog import errors
+from kvlog.events import (
+    BlocksAllocated,
+    CacheConfigured,
+    Event,
+    LoadRequested,
+    StoreRequested,
+    TransferFinished,
+)
+from kvlog.reducers import (
+    State,
+    check_invariants,
+    digest,
+    initial_state,
+    reduce,
+    restore,
+    snapshot,
+    validate,
+)
+from kvlog.reducers.blockset import BlockSet
+
+
+def apply_all(events: list[Event]) -> tuple[State, list[object]]:
+    state, plans = initial_state(), []
+    for event in events:
+        state, new = reduce(state, event)
+        plans.extend(new)
+    return state, plans
+
+
+def planted_defects(state: State, rng: random.Random) -> list[tuple[Event, type[Exception]]]:
+    """Events that this state must refuse, each with the error class it must raise."""
+    config = state.config
+    assert config is not None
+    n, last = config.num_gpu_blocks, state.last_job_id
+    out: list[tuple[Event, type[Exception]]] = [
+        (BlocksAllocated(req_id="bad", block_ids=[n + rng.randrange(3)]), errors.BlockOutOfRange),
+        (BlocksAllocated(req_id="bad", block_ids=[1, 1]), errors.DuplicateBlock),
+        (TransferFinished(job_id=last + 1 + rng.randrange(3), success=True), errors.UnknownJob),
+        (config, errors.AlreadyConfigured),
+        (
+            StoreRequested(job_id=last + 1, gpu_block_ids=[n], cpu_block_ids=[0]),
+            errors.BlockOutOfRange,
+        ),
+        (
+            LoadRequested(
+                job_id=last + 1, cpu_block_ids=[config.num_cpu_blocks], gpu_block_ids=[0]
+            ),
+            errors.BlockOutOfRange,
+        ),
+    ]
+    if last >= 0:
+        store = StoreRequested(job_id=rng.randint(0, last), gpu_block_ids=[0], cpu_block_ids=[0])
+        out.append((store, errors.DuplicateJob))
+    held = [b for r in state.live_requests() for b in state.request_blocks(r)]
+    if held and not config.prefix_caching:
+        taken = BlocksAllocated(req_id="bad", block_ids=[rng.choice(held)])
+        out.append((taken, errors.BlockInUse))
+    if config.block_size_factor > 1 and config.num_cpu_blocks:
+        bad_size = StoreRequested(job_id=last + 1, gpu_block_ids=[1], cpu_block_ids=[0])
+        out.append((bad_size, errors.TransferSizeMismatch))
+    return out
+
+
+@given(reducer_programs(), st.randoms(use_true_random=False))
+def test_invariants_hold_and_refusals_change_nothing(
+    events: list[Event], rng: random.Random
+) -> None:
+    state = initial_state()
+    with pytest.raises(errors.NotConfigured):
+        validate(state, events[-1] if len(events) > 1 else BlocksAllocated("a", [1]))
+    for i, event in enumerate(events):
+        validate(state, event)  # a valid event passes validate
+        state, _ = reduce(state, event)
+        check_invariants(state)
+        if i % 7 == 0:
+            before, blob = digest(state), snapshot(state)
+            for bad, error in planted_defects(state, rng):
+                with pytest.raises(error) as raised:
+                    validate(state, bad)
+                assert isinstance(raised.value, errors.InvalidEvent)
+                with pytest.raises(error):
+                    reduce(state, bad)
+                assert digest(state) == before and snapshot(state) == blob
+            check_invariants(state)
+
+
+@given(reducer_programs(), st.data())
+def test_restore_gives_the_same_digest_and_the_same_future(
+    events: list[Event], data: st.DataObject
+) -> None:
+    cut = data.draw(st.integers(1, len(events)))
+    state, _ = apply_all(events[:cut])
+    copy = restore(snapshot(state))
+    assert digest(copy) == digest(state)
+    assert snapshot(copy) == snapshot(state)
+    check_invariants(copy)
+    for event in events[cut:]:
+        _, ours = reduce(state, event)
+        _, theirs = reduce(copy, event)
+        assert ours == theirs
+    assert digest(copy) == digest(state)
+
+
+def test_restore_refuses_bytes_that_are_not_a_snapshot() -> None:
+    state, _ = apply_all(random_program(random.Random(3), CONFIG, 200))
+    blob = bytearray(snapshot(state))
+    with pytest.raises(errors.CorruptLogError):
+        restore(b"not a snapshot")
+    with pytest.raises(errors.CorruptLogError):
+        restore(bytes(blob[: len(blob) // 2]))
+
+
+CONFIG = CacheConfigured(
+    num_gpu_blocks=96,
+    block_size=16,
+    num_cpu_blocks=16,
+    block_size_factor=2,
+    prefix_caching=True,
+    threshold=2,
+    max_swaps=8,
+    pad_sizes=(2, 8),
+    page_size_bytes=256,
+)
+PINNED_DIGEST = "b91aa0f37fc4f3be46b9d24f4f9c5ba28a52e11ac96c57aef710f1c186c3feb9"
+"""Recorded when the canonical encoding was fixed: a change here is a format change."""
+
+
+def _fixed_digest() -> str:
+    state, _ = apply_all(random_program(random.Random(7), CONFIG, 400))
+    return digest(state)
+
+
+def test_digest_is_pinned_for_a_fixed_program() -> None:
+    assert _fixed_digest() == PINNED_DIGEST
+
+
+def test_digest_does_not_depend_on_the_process() -> None:
+    code = (
+        "import sys; sys.path.insert(0, 'tests'); "
+        "from test_reducer_properties import _fixed_digest; print(_fixed_digest())"
+    )
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == _fixed_digest()
+
+
+@given(reducer_programs(), st.lists(st.integers(-3, 200), max_size=40))
+def test_resolve_array_matches_resolve(events: list[Event], ids: list[int]) -> None:
+    state, _ = apply_all(events)
+    array = np.asarray(ids, dtype=np.int64)
+    assert state.resolve_array(array).tolist() == [state.resolve(b) for b in ids]
+    assert state.resolve_array(array).dtype == array.dtype
+    n = state.num_gpu_blocks
+    assert all(state.unresolve(state.resolve(b)) == b for b in range(n))
+
+
+def test_check_invariants_notices_corruption() -> None:
+    state, _ = apply_all(random_program(random.Random(5), CONFIG, 300))
+    check_invariants(state)
+    corruptions = [
+        lambda s: s.refs.__setitem__(5, s.refs[5] + 1),
+        lambda s: s.fwd.__setitem__(slice(1, 3), s.fwd[[2, 1]]),
+        lambda s: s.store_pins.__setitem__(7, s.store_pins[7] + 1),
+        lambda s: s.used.words.__setitem__(0, s.used.words[0] ^ np.uint64(2)),
+        lambda s: setattr(s, "_max_used", s.max_used + 1),
+    ]
+    for corrupt in corruptions:
+        broken = restore(snapshot(state))
+        corrupt(broken)
+        with pytest.raises(AssertionError):
+            check_invariants(broken)
+
+
+@given(
+    st.integers(1, 5000),
+    st.lists(st.tuples(st.booleans(), st.lists(st.integers(0, 4999), max_size=40)), max_size=30),
+    st.integers(0, 4999),
+)
+def test_blockset_behaves_like_a_set(
+    size: int, ops: list[tuple[bool, list[int]]], probe: int
+) -> None:
+    blocks, model = BlockSet(size), set()
+    probe %= size
+    for add, raw in ops:
+        ids = sorted({b % size for b in raw})
+        change = [b for b in ids if (b in model) != add]
+        if add:
+            blocks.add(np.asarray(change, dtype=np.int64))
+            model |= set(change)
+        else:
+            blocks.remove(np.asarray(change, dtype=np.int64))
+            model -= set(change)
+        assert blocks.count == len(model)
+        assert list(blocks.descending(probe)) == sorted(
+            (b for b in model if b <= probe), reverse=True
+        )
+        clear = [b for b in blocks.ascending_clear(probe) if b < size]
+        assert clear == [b for b in range(probe, size) if b not in model]
+        assert blocks.highest_at_most(size - 1) == max(model, default=-1)
+        assert all(blocks.contains(b) == (b in model) for b in ids)
+    same = BlockSet.from_mask(blocks.to_mask())
+    assert np.array_equal(same.words, blocks.words)
+    assert np.array_equal(same.nonempty, blocks.nonempty)
+    assert np.array_equal(same.notfull, blocks.notfull)

@@ -175,7 +175,10 @@ class BlockSet:
         return next(self.descending(limit), -1)
 
     def descending(self, limit: int, exclude: WordArray | None = None) -> Iterator[int]:
-        """Members ``<= limit`` from the highest down, skipping bits set in ``exclude``."""
+        """Members ``<= limit`` from the highest down, skipping bits set in ``exclude``.
+
+        Words are read 64 at a time (one summary word's worth) as Python ints.
+        """
         if limit < 0 or self.size == 0:
             return
         limit = min(limit, self.size - 1)
@@ -185,21 +188,29 @@ class BlockSet:
             w = _prev_set(self.nonempty, w)
             if w < 0:
                 return
-            bits = int(self.words[w])
-            if w == first:
-                bits &= (2 << (limit & 63)) - 1
-            if exclude is not None:
-                bits &= ~int(exclude[w])
-            while bits:
-                b = bits.bit_length() - 1
-                yield (w << 6) | b
-                bits ^= 1 << b
-            w -= 1
+            lo = w & ~63
+            chunk = self.words[lo : lo + 64].tolist()
+            skip = exclude[lo : lo + 64].tolist() if exclude is not None else None
+            todo = int(self.nonempty[w >> 6]) & ((2 << (w & 63)) - 1)
+            while todo:
+                top = todo.bit_length() - 1
+                todo ^= 1 << top
+                bits = chunk[top]
+                if lo + top == first:
+                    bits &= (2 << (limit & 63)) - 1
+                if skip is not None:
+                    bits &= ~skip[top]
+                while bits:
+                    b = bits.bit_length() - 1
+                    yield ((lo + top) << 6) | b
+                    bits ^= 1 << b
+            w = lo - 1
 
     def ascending_clear(self, start: int, exclude: WordArray | None = None) -> Iterator[int]:
         """Non-members ``>= start`` from the lowest up, skipping bits set in ``exclude``.
 
-        May yield ids at or above ``size`` from the last word's unused bits.
+        Words are read 64 at a time as Python ints. May yield ids at or above ``size`` from
+        the last word's unused bits.
         """
         first = start >> 6
         w = first
@@ -207,16 +218,24 @@ class BlockSet:
             w = _next_set(self.notfull, w)
             if w < 0:
                 return
-            bits = ~int(self.words[w]) & _MASK64
-            if w == first:
-                bits &= ~((1 << (start & 63)) - 1)
-            if exclude is not None:
-                bits &= ~int(exclude[w])
-            while bits:
-                low = bits & -bits
-                yield (w << 6) | (low.bit_length() - 1)
-                bits ^= low
-            w += 1
+            lo = w & ~63
+            chunk = self.words[lo : lo + 64].tolist()
+            skip = exclude[lo : lo + 64].tolist() if exclude is not None else None
+            todo = int(self.notfull[w >> 6]) & ~((1 << (w & 63)) - 1)
+            while todo:
+                low = todo & -todo
+                todo ^= low
+                index = low.bit_length() - 1
+                bits = ~chunk[index] & _MASK64
+                if lo + index == first:
+                    bits &= ~((1 << (start & 63)) - 1)
+                if skip is not None:
+                    bits &= ~skip[index]
+                while bits:
+                    bit = bits & -bits
+                    yield ((lo + index) << 6) | (bit.bit_length() - 1)
+                    bits ^= bit
+            w = lo + 64
 
 
 def pack_words(mask: npt.NDArray[np.bool_]) -> WordArray:

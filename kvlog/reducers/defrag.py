@@ -50,7 +50,7 @@ from kvlog.events import (
     StepEnded,
     SwapPlan,
 )
-from kvlog.reducers.blockset import IdArray
+from kvlog.reducers.blockset import SCALAR_LIMIT, IdArray
 from kvlog.reducers.state import State
 
 __all__ = [
@@ -62,6 +62,7 @@ __all__ = [
     "configure",
     "end_step",
     "pad_bucket",
+    "pair_up",
     "release",
 ]
 
@@ -88,21 +89,29 @@ def configure(state: State, event: CacheConfigured) -> list[Plan]:
     return []
 
 
-def check_allocate(state: State, event: BlocksAllocated) -> IdArray:
-    """Refuse a bad allocation; return the physical ids it references."""
+def check_allocate(state: State, event: BlocksAllocated) -> IdArray | list[int]:
+    """Refuse a bad allocation; return the physical ids it references (a list when small)."""
     config = state.config
     assert config is not None, "reduce() dispatches only configured states here"
-    logical = check_block_range(event, "block_ids", event.block_ids, config.num_gpu_blocks)
-    physical = state.fwd[logical].astype(np.int64)
-    if not config.prefix_caching and physical.size:
-        _check_exclusive(state, event, logical, physical)
-    return physical
+    block_ids = event.block_ids
+    if len(block_ids) <= SCALAR_LIMIT:  # the common decode case: a block or two
+        if block_ids and max(block_ids) >= config.num_gpu_blocks:
+            check_block_range(event, "block_ids", block_ids, config.num_gpu_blocks)
+        fwd, refs, pins = state.fwd, state.refs, state.store_pins
+        physical = [int(fwd[b]) for b in block_ids]
+        if config.prefix_caching or not any(refs[p] or pins[p] for p in physical):
+            return physical
+    logical = check_block_range(event, "block_ids", block_ids, config.num_gpu_blocks)
+    array = state.fwd[logical].astype(np.int64)
+    if not config.prefix_caching and array.size:
+        _check_exclusive(state, event, logical, array)
+    return array
 
 
 def allocate(state: State, event: BlocksAllocated) -> list[Plan]:
     """Append blocks to a request's table and reference their physical blocks."""
     physical = check_allocate(state, event)
-    if physical.size:
+    if len(physical):
         state.tables.setdefault(event.req_id, []).extend(event.block_ids)
         state.add_refs(physical)
     return []
@@ -149,11 +158,11 @@ def end_step(state: State, event: StepEnded) -> list[Plan]:
     state.step = event.step
     if not config.defrag:
         return []
-    pairs = choose_pairs(state)
-    if not pairs:
+    sources, destinations = pair_up(state)
+    if not sources:
         return []
-    moved = np.asarray(pairs, dtype=np.int64)
-    state.move_refs(moved[:, 0], moved[:, 1])
+    pairs = list(zip(sources, destinations, strict=True))
+    state.move_refs(np.array(sources, dtype=np.int64), np.array(destinations, dtype=np.int64))
     mode: Literal["swap", "move"] = "swap" if config.prefix_caching else "move"
     padded_to = pad_bucket(len(pairs), config.pad_sizes)
     return [SwapPlan(step=event.step, pairs=pairs, padded_to=padded_to, mode=mode)]
@@ -166,17 +175,29 @@ def pad_bucket(num_pairs: int, pad_sizes: tuple[int, ...]) -> int:
 
 def choose_pairs(state: State) -> list[tuple[int, int]]:
     """The ``(src, dst)`` pairs of this step's defrag, per the rule in the module docstring."""
+    return list(zip(*pair_up(state), strict=True))
+
+
+def pair_up(state: State) -> tuple[list[int], list[int]]:
+    """Sources and destinations of this step's defrag (equal lengths; empty: no plan)."""
     config = state.config
-    assert config is not None, "choose_pairs needs a configured state"
+    assert config is not None, "pair_up needs a configured state"
     max_used = state.max_used
     if max_used < 0 or max_used - config.threshold <= state.num_used:
-        return []
-    sources = state.used.descending(max_used, state.pinned)
-    destinations = state.used.ascending_clear(1, state.pinned)
-    pairs: list[tuple[int, int]] = []
+        return [], []
+    sources: list[int] = []
+    destinations: list[int] = []
     limit = config.max_swaps
-    for src, dst in zip(sources, destinations, strict=False):
-        if len(pairs) == limit or dst > src:
+    candidates = zip(
+        state.used.descending(max_used, state.pinned),
+        state.used.ascending_clear(1, state.pinned),
+        strict=False,
+    )
+    for src, dst in candidates:
+        if dst > src:
             break
-        pairs.append((src, dst))
-    return pairs
+        sources.append(src)
+        destinations.append(dst)
+        if len(sources) == limit:
+            break
+    return sources, destinations

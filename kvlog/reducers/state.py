@@ -149,11 +149,11 @@ class State:
         return bool(self.store_pins[physical] or self.load_pins[physical])
 
     # -- primitives (keep arrays, bitmaps and max_used consistent) ------------------------
-    def add_refs(self, physical: IdArray) -> None:
+    def add_refs(self, physical: IdArray | list[int]) -> None:
         """One more reference to each of ``physical`` (distinct ids)."""
-        if physical.size <= SCALAR_LIMIT:
+        if isinstance(physical, list) or physical.size <= SCALAR_LIMIT:
             refs, fresh = self.refs, []
-            for p in physical.tolist():
+            for p in physical if isinstance(physical, list) else physical.tolist():
                 count = int(refs[p]) + 1
                 refs[p] = count
                 if count == 1:

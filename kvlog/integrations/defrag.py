@@ -130,19 +130,28 @@ class OnlineDefragmenter:
         for req_id, blocks in new_blocks.items():
             block_ids = _ids(blocks)
             if block_ids:
+                self.session.release_holds(block_ids)
                 self._allocate(str(req_id), block_ids)
 
     def _allocate(self, req_id: str, block_ids: list[int]) -> None:
-        """``BlocksAllocated``; a block still held by another request means the scheduler
-        preempted that request without telling the runner: release it, then retry."""
+        """``BlocksAllocated``. A block still held by a live request (without prefix caching)
+        means the scheduler preempted that request without the runner saying so (vLLM's
+        runner does not pass preemptions; a resumed request even gets its own blocks back):
+        release the holders, then allocate."""
         try:
             self.session.apply(BlocksAllocated(req_id=req_id, block_ids=block_ids))
         except BlockInUse:
             state = self.session.engine.state
             wanted = set(block_ids)
-            for owner in state.live_requests():
-                if owner != req_id and wanted.intersection(state.request_blocks(owner)):
-                    self.session.apply(RequestPreempted(req_id=owner))
+            owners = [
+                owner
+                for owner in state.live_requests()
+                if wanted.intersection(state.request_blocks(owner))
+            ]
+            if not owners:
+                raise
+            for owner in owners:
+                self.session.apply(RequestPreempted(req_id=owner))
             self.session.apply(BlocksAllocated(req_id=req_id, block_ids=block_ids))
 
     def defragment(self) -> None:

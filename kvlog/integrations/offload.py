@@ -114,9 +114,10 @@ class OffloadingWorker:
         if self._shut_down:
             raise TransferSpecError("the offloading worker was shut down")
         self.session.apply(event)
-        self.session.submitted(
-            event.job_id, "store" if isinstance(event, StoreRequested) else "load"
-        )
+        kind: JobKind = "store" if isinstance(event, StoreRequested) else "load"
+        self.session.submitted(event.job_id, kind)
+        if kind == "load":
+            self.session.hold(event.job_id, event.gpu_block_ids)
 
     def get_finished(self) -> list[TransferResult]:
         """Transfers finished since the last call (logged as ``TransferFinished``)."""

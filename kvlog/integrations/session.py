@@ -14,16 +14,27 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from kvlog.engine import Engine
 from kvlog.errors import ConfigError, LayoutError
-from kvlog.events import DEFAULT_PAD_SIZES, CacheConfigured, Event, Plan
+from kvlog.events import (
+    DEFAULT_PAD_SIZES,
+    BlocksAllocated,
+    CacheConfigured,
+    Event,
+    Plan,
+    RequestFinished,
+)
 from kvlog.executors import TransferResult, make_executor
 from kvlog.executors.layouts import KVCaches, register_layout
 from kvlog.integrations.config import FacadeConfig
 
-__all__ = ["Backend", "JobKind", "KvCacheSession", "derive_num_gpu_blocks"]
+__all__ = ["HOLD_PREFIX", "Backend", "JobKind", "KvCacheSession", "derive_num_gpu_blocks"]
+
+HOLD_PREFIX = "kvlog-load-hold-"
+"""Request ids of the placeholders that hold loaded blocks (see ``KvCacheSession.hold``)."""
 
 Backend = Literal["auto", "cpu", "cuda", "hpu", "fake"]
 JobKind = Literal["store", "load"]
@@ -96,6 +107,7 @@ class KvCacheSession:
         self._engine: Engine | None = None
         self._kinds: dict[int, JobKind] = {}
         self._finished: dict[JobKind, list[TransferResult]] = {"store": [], "load": []}
+        self._holds: dict[int, str] = {}
         self.step = 0
 
     # -- start-up ------------------------------------------------------------------------
@@ -191,6 +203,42 @@ class KvCacheSession:
         for result in results:
             kind = self._kinds.pop(result.job_id, "store")
             self._finished[kind].append(result)
+
+    # -- blocks a load writes before the runner sees their request -----------------------
+    def hold(self, job_id: int, gpu_block_ids: list[int]) -> None:
+        """Give a load's destination blocks that no request holds to a placeholder request.
+
+        vLLM allocates a request's blocks, loads into them, and reports the request to the
+        runner only when it is scheduled, possibly steps after the load ended. Until then
+        the blocks must count as used, or defrag would move other blocks into them.
+        """
+        state = self.engine.state
+        physical = state.resolve_array(np.asarray(gpu_block_ids, dtype=np.int64))
+        unowned = [
+            b
+            for b, p in zip(gpu_block_ids, physical.tolist(), strict=True)
+            if state.refs[p] == 0 and b not in self._holds
+        ]
+        if unowned:
+            hold_id = f"{HOLD_PREFIX}{job_id}"
+            self.apply(BlocksAllocated(req_id=hold_id, block_ids=unowned))
+            self._holds.update(dict.fromkeys(unowned, hold_id))
+
+    def release_holds(self, block_ids: Iterable[int]) -> None:
+        """Release every placeholder that holds one of ``block_ids`` (a request claims them)."""
+        if not self._holds:
+            return
+        hold_ids = sorted({self._holds[b] for b in block_ids if b in self._holds})
+        for hold_id in hold_ids:
+            self.apply(RequestFinished(req_id=hold_id))
+        if hold_ids:
+            released = set(hold_ids)
+            self._holds = {b: h for b, h in self._holds.items() if h not in released}
+
+    @property
+    def held_blocks(self) -> dict[int, str]:
+        """Logical block -> the placeholder request that holds it for a load."""
+        return dict(self._holds)
 
     def close(self) -> None:
         if self._engine is not None:

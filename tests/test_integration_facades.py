@@ -1,0 +1,275 @@
+"""Narrative tests of the facades' surface: exact block ids, exact events, exact errors."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from seed_reference import SeedDefragmenter, make_hpu_caches, read_tags, write_canary
+
+from kvlog.errors import BlockInUse, ConfigError, LayoutError, TransferSpecError
+from kvlog.events import BlocksAllocated, RequestFinished, RequestPreempted, StepEnded
+from kvlog.integrations import (
+    OffloadingHandlers,
+    OffloadingWorker,
+    OnlineDefragmenter,
+    derive_num_gpu_blocks,
+)
+from kvlog.log import LogReader
+
+BS = 4
+
+
+def make(num_blocks: int = 64, **kwargs: object) -> OnlineDefragmenter:
+    env = {"VLLM_DEFRAG_THRESHOLD": "4"}
+    defrag = OnlineDefragmenter(environ=env, **kwargs)  # type: ignore[arg-type]
+    defrag.initialize(make_hpu_caches(num_blocks, BS), BS)
+    return defrag
+
+
+def events(path: Path) -> list[object]:
+    return [r for _, r in LogReader(path).records() if type(r).__name__ != "Checkpoint"]
+
+
+def test_num_gpu_blocks_comes_from_the_hpu_layout() -> None:
+    caches = make_hpu_caches(10, BS)  # 11 * 4 slots: 10 blocks and the pad block
+    assert derive_num_gpu_blocks(caches, BS) == 10
+    assert derive_num_gpu_blocks(make_hpu_caches(10, BS, mla=True), BS) == 10
+    with pytest.raises(LayoutError):
+        derive_num_gpu_blocks(caches, 3)
+    defrag = OnlineDefragmenter(environ={})
+    defrag.initialize(caches, BS)
+    config = defrag.session.cache_config()
+    assert (config.num_gpu_blocks, config.block_size, config.page_size_bytes) == (10, BS, 128)
+
+
+def test_the_seed_surface_and_its_attributes() -> None:
+    defrag = make()
+    assert defrag.enabled and defrag.threshold == 4 and not defrag.graphed
+    assert defrag.to_swap_pad_thresholds == [8, 16, 32, 64, 128, 256, 512]
+    assert defrag.cache_utils is not None and defrag.cache_utils.kv_caches is not None
+    assert defrag.resolve(40) == 40 and defrag.resolve_all([[1, 40]]) == [[1, 40]]
+    defrag.update_state({"a": list(range(1, 37)), "b": [40]}, [])
+    defrag.defragment()
+    assert defrag.last_swap is None
+    defrag.update_state({}, ["a"])
+    defrag.defragment()
+    assert defrag.last_swap is not None and defrag.last_swap.pairs == [(40, 1)]
+    assert defrag.resolve(40) == 1 and defrag.unresolve(1) == 40 and defrag.unresolve(40) == 1
+    assert defrag.used_blocks == {1: 1}
+    assert defrag.req_blocks == {"b": [40]}
+    # pads and ids the Engine does not know pass through, as in the seed
+    assert defrag.resolve_all([[40, -1], [], [64, 7]]) == [[1, -1], [], [64, 7]]
+
+
+def test_decisions_equal_the_seed_on_the_same_runner_calls() -> None:
+    defrag, seed = make(), SeedDefragmenter(threshold=4)
+    seed.initialize(make_hpu_caches(64, BS), BS)
+    steps = [
+        ({"a": [1, 2, 3], "b": list(range(10, 40)), "c": [50, 51]}, []),
+        ({"d": [4, 5]}, ["b"]),
+        ({"a": [6]}, []),
+        ({}, ["d"]),
+        ({"e": [7, 8, 9]}, ["a"]),
+    ]
+    for new, finished in steps:
+        # the seed frees after allocating; both orders give the same decision (DESIGN.md)
+        seed.update_state(new, finished)
+        expected = seed.defragment()
+        defrag.update_state(new, finished)
+        defrag.defragment()
+        got = [] if defrag.last_swap is None else defrag.last_swap.pairs
+        assert got == expected
+        tables = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 50, 51]]
+        assert defrag.resolve_all(tables) == seed.resolve_all(tables)
+
+
+def test_update_state_logs_finished_then_preempted_then_allocations(tmp_path: Path) -> None:
+    log = tmp_path / "a.kvlog"
+    defrag = make(log_path=log)
+    defrag.update_state({"a": [1, 2]}, [])
+    defrag.defragment()
+    defrag.update_state({"b": [1], "c": [2, 3]}, ["a"], preempted_reqs=["x"])
+    defrag.defragment()
+    defrag.close()
+    assert events(log)[1:] == [
+        BlocksAllocated(req_id="a", block_ids=[1, 2]),
+        StepEnded(step=0),
+        RequestFinished(req_id="a"),
+        RequestPreempted(req_id="x"),
+        BlocksAllocated(req_id="b", block_ids=[1]),
+        BlocksAllocated(req_id="c", block_ids=[2, 3]),
+        StepEnded(step=1),
+    ]
+
+
+def test_a_silent_preemption_is_released_when_its_blocks_are_handed_out(tmp_path: Path) -> None:
+    log = tmp_path / "a.kvlog"
+    defrag = make(log_path=log)
+    defrag.update_state({"a": [1, 2], "b": [3]}, [])
+    defrag.update_state({"c": [2, 4]}, [])  # the scheduler preempted a and said nothing
+    assert defrag.req_blocks == {"b": [3], "c": [2, 4]}
+    defrag.update_state({"b": [3, 5]}, [])  # b resumed with its own block back
+    assert defrag.req_blocks == {"b": [3, 5], "c": [2, 4]}
+    defrag.close()
+    assert events(log)[3:] == [
+        RequestPreempted(req_id="a"),
+        BlocksAllocated(req_id="c", block_ids=[2, 4]),
+        RequestPreempted(req_id="b"),
+        BlocksAllocated(req_id="b", block_ids=[3, 5]),
+    ]
+
+
+def test_a_block_a_store_still_reads_is_refused(tmp_path: Path) -> None:
+    defrag = make(backend="fake")
+    worker = OffloadingWorker(defrag, num_cpu_blocks=4)
+    defrag.update_state({"a": [1, 2]}, [])
+    assert worker.submit_store(1, [1, 2], [0, 1])
+    before = defrag.engine.digest()
+    with pytest.raises(BlockInUse):
+        defrag.update_state({"b": [2]}, ["a"])  # vLLM would have delayed freeing block 2
+    # a was released (logged); the refused allocation changed nothing
+    assert defrag.req_blocks == {} and defrag.engine.digest() != before
+    worker.wait(None)
+    defrag.update_state({"b": [2]}, [])
+    assert defrag.req_blocks == {"b": [2]}
+
+
+def test_loaded_blocks_are_held_until_their_request_shows_up() -> None:
+    """vLLM loads into a request's blocks before the runner sees the request: the blocks
+    count as used (and move with their bytes) until ``update_state`` names them."""
+    defrag = make(backend="fake")
+    worker = OffloadingWorker(defrag, num_cpu_blocks=4)
+    executor = defrag.engine.executor
+    assert executor is not None
+    for cpu_block, tag in ((0, 0xC0), (1, 0xC1)):
+        executor.write_cpu_block(cpu_block, np.full(16, tag, np.uint64).tobytes())
+    defrag.update_state({"a": [30]}, [])
+    assert worker.submit_load(1, np.array([0, 1]), np.array([20, 21])) is True
+    assert defrag.session.held_blocks == {20: "kvlog-load-hold-1", 21: "kvlog-load-hold-1"}
+    worker.wait({1})
+    assert [r.job_id for r in worker.get_finished()] == [1]
+    defrag.defragment()  # used {20, 21, 30}: all three move down, bytes and all
+    assert defrag.last_swap is not None
+    assert defrag.last_swap.pairs == [(30, 1), (21, 2), (20, 3)]
+    defrag.update_state({"r": [20, 21, 22]}, [])  # the loaded request is scheduled
+    assert defrag.session.held_blocks == {}
+    assert defrag.req_blocks == {"a": [30], "r": [20, 21, 22]}
+    caches = defrag.cache_utils.kv_caches  # type: ignore[union-attr]
+    tables = defrag.resolve_all([[20, 21]])
+    assert tables == [[3, 2]]
+    assert [read_tags(caches, BS, b) for b in tables[0]] == [{0xC0}, {0xC1}]  # type: ignore[arg-type]
+
+
+def test_worker_results_carry_job_id_success_bytes_and_seconds() -> None:
+    defrag = make(backend="cpu")
+    worker = OffloadingWorker(defrag, num_cpu_blocks=4, block_size_factor=2)
+    defrag.update_state({"a": [5, 6]}, [])
+    write_canary(defrag.cache_utils.kv_caches, BS, 5, 0x55)  # type: ignore[union-attr,arg-type]
+    assert worker.submit_store(3, [5, 6], [1])
+    worker.wait([3])
+    (result,) = worker.get_finished()
+    assert (result.job_id, result.success, result.transfer_size) == (3, True, 256)
+    assert result.transfer_type == ("GPU", "CPU") and result.transfer_time is not None
+    assert result.num_bytes == 256 and result.elapsed_s >= 0
+    assert worker.get_finished() == []
+    worker.shutdown()
+    with pytest.raises(TransferSpecError):
+        worker.submit_store(4, [5, 6], [2])
+
+
+def test_handlers_split_results_by_direction() -> None:
+    defrag = make(backend="fake")
+    handlers = OffloadingHandlers(defrag, num_cpu_blocks=4)
+    defrag.update_state({"a": [5, 6]}, [])
+
+    class Spec:
+        def __init__(self, ids: list[int]) -> None:
+            self.block_ids = np.array(ids, dtype=np.int32)
+
+    assert handlers.gpu_to_cpu_handler.transfer_async(1, (Spec([5]), Spec([0])))
+    assert handlers.cpu_to_gpu_handler.transfer_async(2, (Spec([1]), Spec([9])))
+    handlers.gpu_to_cpu_handler.wait({1, 2})
+    assert [r.job_id for r in handlers.cpu_to_gpu_handler.get_finished()] == [2]
+    assert [r.job_id for r in handlers.gpu_to_cpu_handler.get_finished()] == [1]
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [np.array([[1, 2]]), np.array([1.5]), ["x"]],
+    ids=["2-d", "floats", "strings"],
+)
+def test_bad_specs_raise_transfer_spec_error(spec: object) -> None:
+    worker = OffloadingWorker(make(), num_cpu_blocks=4)
+    with pytest.raises(TransferSpecError):
+        worker.submit_store(1, spec, [0])
+
+
+def test_two_kv_cache_groups_are_refused() -> None:
+    class TwoGroups:
+        block_ids = np.array([1, 2])
+        group_sizes = (1, 1)
+
+    worker = OffloadingWorker(make(), num_cpu_blocks=4)
+    with pytest.raises(TransferSpecError):
+        worker.submit_store(1, TwoGroups(), [0, 1])
+
+
+def test_the_cpu_pool_is_fixed_once_the_engine_started() -> None:
+    defrag = make()
+    defrag.update_state({"a": [1]}, [])
+    with pytest.raises(ConfigError):
+        OffloadingWorker(defrag, num_cpu_blocks=4)
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["move", "swap"])
+def test_warmup_changes_no_byte_and_logs_nothing(tmp_path: Path, prefix_caching: bool) -> None:
+    log = tmp_path / "w.kvlog"
+    defrag = make(16, prefix_caching=prefix_caching, log_path=log, backend="fake")
+    caches = defrag.cache_utils.kv_caches  # type: ignore[union-attr]
+    for block in range(17):
+        write_canary(caches, BS, block, 100 + block)  # type: ignore[arg-type]
+    digest = defrag.engine.digest()
+    defrag.warmup()
+    assert [read_tags(caches, BS, b) for b in range(17)] == [{100 + b} for b in range(17)]  # type: ignore[arg-type]
+    assert defrag.engine.digest() == digest
+    defrag.close()
+    assert [type(e).__name__ for e in events(log)] == ["CacheConfigured"]
+
+
+def test_cache_utils_swap_refuses_while_blocks_are_live() -> None:
+    defrag = make()
+    assert defrag.cache_utils is not None
+    defrag.cache_utils.swap([(2, 1)], 8)  # nothing live: allowed (the plugin's warm-up)
+    defrag.update_state({"a": [1]}, [])
+    with pytest.raises(ConfigError):
+        defrag.cache_utils.swap([(2, 1)], 8)
+
+
+def test_kvlog_path_gets_the_pid_and_never_overwrites_a_log(tmp_path: Path) -> None:
+    pattern = str(tmp_path / "server-{pid}.kvlog")
+    paths = []
+    for _ in range(2):
+        defrag = OnlineDefragmenter(environ={"KVLOG_PATH": pattern})
+        defrag.initialize(make_hpu_caches(8, BS), BS)
+        defrag.update_state({"a": [1]}, [])
+        paths.append(defrag.engine.log_path)
+        defrag.close()
+    pid = os.getpid()
+    assert paths == [
+        str(tmp_path / f"server-{pid}.kvlog"),
+        str(tmp_path / f"server-{pid}.1.kvlog"),
+    ]
+
+
+def test_disabled_defrag_still_records_and_never_swaps(tmp_path: Path) -> None:
+    log = tmp_path / "d.kvlog"
+    defrag = OnlineDefragmenter(environ={"VLLM_DEFRAG": "0", "KVLOG_PATH": str(log)})
+    defrag.initialize(make_hpu_caches(64, BS), BS)
+    defrag.update_state({"b": [40]}, [])
+    defrag.defragment()
+    assert not defrag.enabled and defrag.last_swap is None and defrag.resolve(40) == 40
+    defrag.close()
+    assert len(events(log)) == 3

@@ -20,6 +20,7 @@ from kvlog.events import (
     RequestPreempted,
     StepEnded,
     StoreRequested,
+    SwapPlan,
     TransferFinished,
 )
 
@@ -28,7 +29,9 @@ __all__ = [
     "any_record",
     "block_lists",
     "cache_configs",
+    "distinct_blocks",
     "req_ids",
+    "swap_plans",
 ]
 
 req_ids = st.text(alphabet="abcdefghij0123456789-", min_size=1, max_size=12)
@@ -152,7 +155,7 @@ def _model_views(model: Any) -> tuple[Any, list[int], set[int]]:
 
 def _sample(draw: st.DrawFn, pool: list[int], min_size: int, max_size: int) -> list[int]:
     """Distinct elements of ``pool`` (``[]`` when it is too small)."""
-    if len(pool) < min_size:
+    if len(pool) < min_size or not pool:
         return []
     return draw(
         st.lists(
@@ -171,7 +174,12 @@ def draw_allocation(draw: st.DrawFn, model: Any) -> BlocksAllocated:
         others = sorted({b for r, t in model.tables.items() if r != req_id for b in t} - own)
         shared = _sample(draw, others, 1, 4)
     fresh_pool = [b for b in free if b not in own and b not in shared]
-    fresh = _sample(draw, fresh_pool, 0 if shared else 1, draw(st.sampled_from([1, 2, 4, 8])))
+    count = draw(st.sampled_from([1, 2, 4, 8]))
+    where = draw(st.sampled_from(["anywhere", "anywhere", "highest", "lowest"]))
+    if where == "anywhere" or len(fresh_pool) <= count:
+        fresh = _sample(draw, fresh_pool, 0 if shared else 1, count)
+    else:  # a FIFO free queue hands out runs from one end: fragmentation builds up fast
+        fresh = fresh_pool[-count:] if where == "highest" else fresh_pool[:count]
     return BlocksAllocated(req_id=req_id, block_ids=shared + fresh)
 
 
@@ -360,6 +368,8 @@ def draw_invalid_event(draw: st.DrawFn, model: Any, kind: str) -> Event | None:
     if kind == "duplicate_in_event":
         _, free, _ = _model_views(model)
         ids = _sample(draw, free, 1, 3)
+        if not ids:
+            return None
         return BlocksAllocated(req_id=draw(st.sampled_from(MACHINE_REQ_IDS)), block_ids=ids + ids)
     if kind == "block_in_use":
         return _in_use_event(draw, model)
@@ -387,6 +397,42 @@ def draw_invalid_event(draw: st.DrawFn, model: Any, kind: str) -> Event | None:
     return draw(
         st.sampled_from([RequestFinished(req_id=""), BlocksAllocated(req_id="", block_ids=[])])
     )
+
+
+# --- executor tests (kvlog.executors) -------------------------------------------------------
+
+
+@st.composite
+def swap_plans(
+    draw: st.DrawFn,
+    num_gpu_blocks: int,
+    pad_sizes: tuple[int, ...] = (8, 16, 32, 64),
+    exclude: frozenset[int] = frozenset(),
+    step: int = 0,
+) -> SwapPlan:
+    """Defrag-like ``SwapPlan``s over blocks ``1..num_gpu_blocks-1`` minus ``exclude``.
+
+    Sources and destinations are disjoint (as defrag guarantees); half the time they are
+    ordered like defrag's (highest used into lowest free, i.e. reversed runs), else shuffled.
+    ``padded_to`` is the smallest pad size that fits, or the pair count when none does.
+    """
+    pool = [b for b in range(1, num_gpu_blocks) if b not in exclude]
+    chosen = draw(st.lists(st.sampled_from(pool), unique=True, max_size=len(pool))) if pool else []
+    half = len(chosen) // 2
+    src, dst = chosen[:half], chosen[half : 2 * half]
+    if draw(st.booleans()):
+        src, dst = sorted(src, reverse=True), sorted(dst)
+    pairs = list(zip(src, dst, strict=True))
+    padded_to = next((p for p in pad_sizes if p >= len(pairs)), len(pairs))
+    mode = draw(st.sampled_from(["move", "swap"]))
+    return SwapPlan(step=step, pairs=pairs, padded_to=padded_to, mode=mode)
+
+
+def distinct_blocks(pool: list[int], max_size: int) -> st.SearchStrategy[list[int]]:
+    """Up to ``max_size`` distinct elements of ``pool``, in any order (empty pool: [])."""
+    if not pool:
+        return st.just([])
+    return st.lists(st.sampled_from(pool), unique=True, max_size=min(max_size, len(pool)))
 
 
 # --- Reducer programs: realistic event sequences from a tiny simulated scheduler ------------

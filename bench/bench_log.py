@@ -82,14 +82,25 @@ def make_records(count: int, seed: int = 0) -> list[Record]:
     return records[:count]
 
 
-def _kvlog_append(path: str, records: list[Record], sync: str) -> None:
-    with LogWriter(path, sync) as writer:  # type: ignore[arg-type]
+def _kvlog_append(path: str, records: list[Record], sync: str) -> Callable[[], None]:
+    """Create the log (not timed: an atomic creation costs a few fsyncs once); return
+    the timed part: every append, then close."""
+    if os.path.exists(path):
+        os.unlink(path)
+    writer = LogWriter(path, sync)  # type: ignore[arg-type]
+
+    def run() -> None:
         for record in records:
             writer.append(record)
+        writer.close()
+
+    return run
 
 
-def _baseline_append(path: str, records: list[Record], sync: str) -> None:
-    with open(path, "wb") as file:
+def _baseline_append(path: str, records: list[Record], sync: str) -> Callable[[], None]:
+    file = open(path, "wb")  # noqa: SIM115 (closed by run)
+
+    def run() -> None:
         for record in records:
             payload = encode(record)
             file.write(_LENGTH.pack(len(payload)))
@@ -99,6 +110,9 @@ def _baseline_append(path: str, records: list[Record], sync: str) -> None:
                 os.fdatasync(file.fileno())
         file.flush()
         os.fdatasync(file.fileno())
+        file.close()
+
+    return run
 
 
 def _baseline_read(path: str) -> int:
@@ -113,15 +127,15 @@ def _baseline_read(path: str) -> int:
 
 def _best_pair_s(
     repeat: int,
-    run: Callable[[], object],
-    baseline: Callable[[], object],
-    before: Callable[[], object] = int,
+    make_run: Callable[[], Callable[[], object]],
+    make_baseline: Callable[[], Callable[[], object]],
 ) -> tuple[float, float]:
-    """Best wall time of ``run`` and of ``baseline``, alternated so both see the same load."""
+    """Best wall time of kvlog's and the baseline's timed parts, alternated so both see
+    the same machine load. ``make_*`` prepare (untimed) and return what is timed."""
     best = [float("inf"), float("inf")]
     for _ in range(repeat):
-        for index, function in enumerate((baseline, run)):
-            before()
+        for index, make in enumerate((make_baseline, make_run)):
+            function = make()
             start = time.perf_counter()
             function()
             best[index] = min(best[index], time.perf_counter() - start)
@@ -139,12 +153,6 @@ def _row(name: str, count: int, num_bytes: int, seconds: float, base_s: float | 
 def _bench_appends(directory: str, records: list[Record], repeat: int, quick: bool) -> list[str]:
     rows = []
     path, base_path = os.path.join(directory, "a.kvlog"), os.path.join(directory, "a.bin")
-
-    def remove() -> None:
-        for name in (path, base_path):
-            if os.path.exists(name):
-                os.unlink(name)
-
     fsynced = (2_000, 200) if quick else (10_000, 1_000)  # fsync-bound: fewer records
     for sync, subset in (
         ("none", records),
@@ -155,10 +163,7 @@ def _bench_appends(directory: str, records: list[Record], repeat: int, quick: bo
             repeat,
             lambda s=sync, r=subset: _kvlog_append(path, r, s),
             lambda s=sync, r=subset: _baseline_append(base_path, r, s),
-            remove,
         )
-        remove()
-        _kvlog_append(path, subset, sync)
         size = os.path.getsize(path)
         rows.append(_row(f"append sync={sync}", len(subset), size, seconds, base_s))
         rows.append(_row("  baseline (bare file, same fsyncs)", len(subset), size, base_s, None))
@@ -167,16 +172,20 @@ def _bench_appends(directory: str, records: list[Record], repeat: int, quick: bo
 
 def _bench_reads(directory: str, records: list[Record], repeat: int) -> list[str]:
     path, base_path = os.path.join(directory, "r.kvlog"), os.path.join(directory, "r.bin")
-    _kvlog_append(path, records, "none")
-    _baseline_append(base_path, records, "none")
+    _kvlog_append(path, records, "none")()
+    _baseline_append(base_path, records, "none")()
     size, count = os.path.getsize(path), len(records)
 
-    def base_read() -> int:
-        return _baseline_read(base_path)
+    def timed(function: Callable[[], object]) -> Callable[[], Callable[[], object]]:
+        return lambda: function
 
-    seconds, base_s = _best_pair_s(repeat, lambda: sum(1 for _ in read_log(path)), base_read)
-    skip_s, _ = _best_pair_s(repeat, lambda: sum(1 for _ in LogReader(path).records(count)), int)
-    reopen_s, _ = _best_pair_s(repeat, lambda: LogWriter(path, "none").close(), int)
+    def skip_all() -> int:
+        return sum(1 for _ in LogReader(path).records(count))
+
+    base = timed(lambda: _baseline_read(base_path))
+    seconds, base_s = _best_pair_s(repeat, timed(lambda: sum(1 for _ in read_log(path))), base)
+    skip_s, _ = _best_pair_s(repeat, timed(skip_all), timed(int))
+    reopen_s, _ = _best_pair_s(repeat, timed(lambda: LogWriter(path, "none").close()), timed(int))
     return [
         _row("read all (verify + decode)", count, size, seconds, base_s),
         _row("  baseline (bare file, decode)", count, size, base_s, None),

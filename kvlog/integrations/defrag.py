@@ -170,11 +170,11 @@ class OnlineDefragmenter:
 
     def resolve_all(self, block_table_list: Sequence[Sequence[int]]) -> list[list[int]]:
         """:meth:`resolve` over every table, vectorized (one numpy pass for all tables)."""
-        tables = [_ids(table) for table in block_table_list]
-        if not self.session.started or not tables:
-            return tables
-        lengths = [len(t) for t in tables]
-        flat = np.fromiter(itertools.chain.from_iterable(tables), np.int64, sum(lengths))
+        if not self.session.started or not block_table_list:
+            return [_ids(table) for table in block_table_list]
+        lengths = [len(t) for t in block_table_list]
+        chained = itertools.chain.from_iterable(block_table_list)
+        flat = np.fromiter(chained, np.int64, sum(lengths))
         resolved = self.session.engine.state.resolve_array(flat).tolist()
         ends = itertools.accumulate(lengths)
         return [resolved[end - n : end] for end, n in zip(ends, lengths, strict=True)]

@@ -4,7 +4,8 @@ A :class:`BlockSet` holds a subset of ``range(size)``: bit ``i`` of ``words[w]``
 ``64 * w + i``. Two summary bitmaps over the words (``nonempty``: the word has a set bit;
 ``notfull``: the word has a clear bit) let scans skip 4096 blocks per summary bit, so finding
 the highest member or the lowest non-member costs a few word operations, not a pass over the
-cache. Updates are vectorized over the changed ids only: their cost is O(len(ids)).
+cache. Updates touch the changed ids only, O(len(ids)): a Python-int loop for a few ids
+(cheaper than a dozen numpy calls), vectorized numpy (``ufunc.at``) for more.
 
 Bits at or above ``size`` in the last word are always clear: a scan for clear bits can yield
 such ids, and callers bound their scans (defrag never pairs a destination above its source).

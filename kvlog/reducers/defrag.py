@@ -29,8 +29,12 @@ with ``padded_to`` the smallest pad size >= len(pairs) (else the largest) and ``
 pair then swaps the two blocks' ref counts and the mappings of both original logical ids
 (the seed's ``swap_refs`` and ``update_mapping``).
 
-Cost: the trigger is O(1) (``num_used`` and ``max_used`` are kept incrementally); pairing
-walks two bitmaps word by word and costs O(pairs) plus the words it skips.
+Cost, none of it proportional to the pool: an event costs O(its blocks) (Python ints for up
+to ``SCALAR_LIMIT`` ids, vectorized numpy beyond); the trigger is O(1) (``num_used`` and
+``max_used`` are kept incrementally; ``max_used`` is searched again only when its block is
+freed or moved, downward through the summary bitmap); pairing walks the ``used`` bitmap from
+both ends, 64 words at a time as Python ints, skipping 4096-block runs through the summaries,
+and costs O(pairs) plus the words it passes.
 """
 
 from __future__ import annotations

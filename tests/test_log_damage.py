@@ -29,8 +29,8 @@ from kvlog.events import (
     TransferFinished,
     encode,
 )
-from kvlog.log import LogHeader, LogReader, LogWriter, Recovery
-from kvlog.log.format import FRAME, encode_header, frame_crc
+from kvlog.log import LogHeader, LogReader, LogWriter, Recovery, read_header
+from kvlog.log.format import FRAME, encode_header, frame_crc, record_seed
 
 
 def _write_log(path: Path, records: list[Record]) -> bytes:
@@ -70,8 +70,12 @@ def _frame_offsets(data: bytes) -> list[int]:
     return offsets
 
 
-def _frame(seq: int, payload: bytes) -> bytes:
-    return FRAME.pack(frame_crc(len(payload), seq, payload), len(payload), seq) + payload
+def _frame(seq: int, payload: bytes, seed: int = 0) -> bytes:
+    return FRAME.pack(frame_crc(len(payload), seq, payload, seed), len(payload), seq) + payload
+
+
+def _seed(path: Path) -> int:
+    return record_seed(read_header(path).file_id)
 
 
 def _read_all(path: Path) -> tuple[list[Record], Recovery | None]:
@@ -119,7 +123,8 @@ def test_torn_write_at_every_byte_of_the_last_three_records(tmp_path: Path, no_f
             assert writer.next_seq == kept
             for record in extra:
                 writer.append(record)
-        appended = b"".join(_frame(kept + i, encode(record)) for i, record in enumerate(extra))
+        seed = _seed(path)
+        appended = b"".join(_frame(kept + i, encode(r), seed) for i, r in enumerate(extra))
         assert path.read_bytes() == data[:boundary] + appended  # cut exactly, appended cleanly
         if cut % 50 == 0:
             assert [record for _, record in LogReader(path)] == records[:kept] + extra
@@ -247,7 +252,7 @@ def test_unreadable_versions(
 def test_valid_frame_in_unknown_future_record_is_corrupt_on_read(tmp_path: Path) -> None:
     path = tmp_path / "alien.kvlog"
     data = _write_log(path, [StepEnded(0)])
-    _overwrite(path, data + _frame(1, b"\x81\xa4type\xa6Future"))
+    _overwrite(path, data + _frame(1, b"\x81\xa4type\xa6Future", _seed(path)))
     reader = LogReader(path)
     with pytest.raises(CorruptLogError, match="does not decode") as info:
         list(reader)
@@ -316,7 +321,7 @@ def test_valid_frame_anywhere_after_damage_is_found(tmp_path: Path, where: int) 
     chunk = kvlog.log.scan._CHUNK_BYTES
     gap = where if where >= 0 else chunk + where  # from where the search starts
     bad = bytes(gap + 1)  # the search starts one byte after the bad frame
-    frame = _frame(len(records) + 3, b"\x81\xa4type\xa9StepEnded")
+    frame = _frame(len(records) + 3, b"\x81\xa4type\xa9StepEnded", _seed(tmp_path / "clean.kvlog"))
     path = tmp_path / "hidden.kvlog"
     _overwrite(path, data + bad + frame + bytes(40))
     with pytest.raises(CorruptLogError) as info:
@@ -333,3 +338,37 @@ def test_implausible_length_is_bounded(tmp_path: Path) -> None:
     got, tail = _read_all(path)
     assert got == [StepEnded(0)]
     assert tail is not None and "length" in tail.reason
+
+
+def test_a_record_spliced_from_another_log_is_refused(tmp_path: Path) -> None:
+    """Both logs number from 0: only the per-file id in each checksum tells a frame of
+    another log, at the same seq and of the same length, from ours."""
+    ours = [StepEnded(0), RequestFinished("a"), StepEnded(1)]
+    theirs = [StepEnded(7), RequestFinished("b"), StepEnded(8)]
+    data = _write_log(tmp_path / "ours.kvlog", ours)
+    other = _write_log(tmp_path / "theirs.kvlog", theirs)
+    starts, other_starts = _frame_offsets(data), _frame_offsets(other)
+    assert starts == other_starts  # same layout: only the checksums can tell
+    path = tmp_path / "spliced.kvlog"
+    _overwrite(path, data[: starts[1]] + other[starts[1] : starts[2]] + data[starts[2] :])
+    with pytest.raises(CorruptLogError) as info:
+        _read_all(path)
+    assert (info.value.offset, info.value.seq) == (starts[1], 1)
+    _overwrite(path, data[: starts[2]] + other[starts[2] :])  # their last record: a torn tail
+    tail = Recovery(starts[3] - starts[2], 1, starts[2], "record checksum mismatch")
+    assert _read_all(path) == (ours[:2], tail)
+
+
+def test_logs_without_a_file_id_stay_readable(tmp_path: Path) -> None:
+    """A header without ``file_id`` (0): record checksums without a per-file value."""
+    path = tmp_path / "unsalted.kvlog"
+    header = encode_header(LogHeader(schema_version=1, kvlog_version="0.1.0"))
+    _overwrite(path, header + _frame(0, encode(StepEnded(0))))
+    assert read_header(path).file_id == 0
+    with LogWriter(path) as writer:  # appends keep the log's (absent) id
+        assert writer.next_seq == 1
+        writer.append(StepEnded(1))
+    assert path.read_bytes() == header + _frame(0, encode(StepEnded(0))) + _frame(
+        1, encode(StepEnded(1))
+    )
+    assert [record for _, record in LogReader(path)] == [StepEnded(0), StepEnded(1)]

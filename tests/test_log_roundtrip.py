@@ -92,14 +92,32 @@ def test_header_of_a_new_log(tmp_path: Path) -> None:
     path = tmp_path / "new.kvlog"
     with LogWriter(path, meta={"model": "llama", "host": "gaudi-3"}) as writer:
         assert writer.next_seq == 0 and writer.recovery is None
-    expected = LogHeader(SCHEMA_VERSION, kvlog.__version__, {"model": "llama", "host": "gaudi-3"})
+    file_id = writer.header.file_id
+    meta = {"model": "llama", "host": "gaudi-3"}
+    expected = LogHeader(SCHEMA_VERSION, kvlog.__version__, meta, file_id=file_id)
     assert writer.header == expected == read_header(path) == LogReader(path).header
+    assert 0 < file_id < 2**64
     assert expected.format_version == FORMAT_VERSION
     assert path.read_bytes().startswith(MAGIC)
     assert list(read_log(path)) == []
     with LogWriter(path, meta={"other": "x"}) as writer:  # reopen keeps the header
         assert writer.header == expected
     assert os.listdir(tmp_path) == ["new.kvlog"]  # no temporary file left behind
+    with LogWriter(tmp_path / "other.kvlog") as other:
+        assert other.header.file_id != file_id  # random per file
+
+
+def test_a_given_file_id_makes_identical_files(tmp_path: Path) -> None:
+    records = [BlocksAllocated("a", [1, 2]), StepEnded(0)]
+    for name in ("one.kvlog", "two.kvlog"):
+        with LogWriter(tmp_path / name, file_id=12345) as writer:
+            for record in records:
+                writer.append(record)
+    assert (tmp_path / "one.kvlog").read_bytes() == (tmp_path / "two.kvlog").read_bytes()
+    assert read_header(tmp_path / "one.kvlog").file_id == 12345
+    for bad in (0, -1, 2**64):
+        with pytest.raises(ValueError, match="file_id"):
+            LogWriter(tmp_path / f"bad{bad}.kvlog", file_id=bad)
 
 
 def test_existing_empty_file_is_a_new_log(tmp_path: Path) -> None:

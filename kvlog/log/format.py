@@ -7,15 +7,18 @@ A file is a header followed by records, all integers little-endian::
     record  crc u32 | length u32 | seq u64 | payload (length bytes: kvlog.events.encode)
 
 The header crc is CRC-32C over ``format_version..body_len`` and the body; a record crc is
-CRC-32C over the rest of its frame (``length``, ``seq``, payload: one contiguous span), so
-a flipped bit anywhere in a record (its length and sequence number included) fails the
-check. ``magic`` and
+CRC-32C over the header's ``file_id`` (8 bytes) then the rest of its frame (``length``,
+``seq``, payload: one contiguous span), so a flipped bit anywhere in a record (its length
+and sequence number included) fails the check, and so does a frame copied in from another
+log (every log numbers from 0; the random ``file_id`` tells them apart). ``file_id`` 0,
+the default of a header without one, means no id in the checksum. ``magic`` and
 ``format_version`` keep their place in every future format, so an old kvlog can always
 tell a newer file from a damaged one. Sequence numbers start at 0 and are dense.
 """
 
 from __future__ import annotations
 
+import os
 import struct
 from typing import BinaryIO
 
@@ -38,6 +41,8 @@ __all__ = [
     "Recovery",
     "encode_header",
     "frame_crc",
+    "new_file_id",
+    "record_seed",
     "parse_header",
     "read_up_to",
 ]
@@ -62,6 +67,8 @@ class LogHeader(msgspec.Struct, frozen=True):
     kvlog_version: str
     meta: dict[str, str] = msgspec.field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+    file_id: int = 0
+    """Random per-file value in every record checksum (0: none)."""
 
 
 class Recovery(msgspec.Struct, frozen=True):
@@ -88,9 +95,19 @@ def encode_header(header: LogHeader) -> bytes:
     return _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(body), crc) + body
 
 
-def frame_crc(length: int, seq: int, payload: bytes | bytearray | memoryview) -> int:
-    """The crc field of a record frame."""
-    return _crc32c.crc32c(payload, _crc32c.crc32c(FRAME_HEAD.pack(length, seq)))
+def new_file_id() -> int:
+    """A random nonzero 64-bit file id."""
+    return int.from_bytes(os.urandom(8), "little") | 1
+
+
+def record_seed(file_id: int) -> int:
+    """The running CRC that every record checksum of a log starts from."""
+    return _crc32c.crc32c(file_id.to_bytes(8, "little")) if file_id else 0
+
+
+def frame_crc(length: int, seq: int, payload: bytes | bytearray | memoryview, seed: int = 0) -> int:
+    """The crc field of a record frame, for a log whose ``record_seed`` is ``seed``."""
+    return _crc32c.crc32c(payload, _crc32c.crc32c(FRAME_HEAD.pack(length, seq), seed))
 
 
 def parse_header(file: BinaryIO, path: str) -> tuple[LogHeader, int]:

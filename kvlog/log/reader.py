@@ -17,7 +17,7 @@ import msgspec
 
 from kvlog.errors import CorruptLogError
 from kvlog.events import Record, decode
-from kvlog.log.format import LogHeader, Recovery, parse_header
+from kvlog.log.format import LogHeader, Recovery, parse_header, record_seed
 from kvlog.log.scan import FrameScanner
 
 __all__ = ["LogReader", "read_header", "read_log"]
@@ -52,7 +52,8 @@ class LogReader:
             raise ValueError(f"start_seq must be >= 0, not {start_seq}")
         with open(self.path, "rb", buffering=0) as file:
             size = os.fstat(file.fileno()).st_size
-            scanner = FrameScanner(file, self.path, self._data_offset, size)
+            seed = record_seed(self.header.file_id)
+            scanner = FrameScanner(file, self.path, self._data_offset, size, seed)
             offset, seq = -1, -1
             try:
                 for offset, seq, payload in scanner.frames():  # noqa: B007 (used in except)

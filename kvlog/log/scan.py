@@ -49,7 +49,10 @@ class FrameScanner:
     the last good frame) and ``tail`` (a ``Recovery`` when a torn tail follows, else None).
     """
 
-    def __init__(self, file: BinaryIO, path: str, start_offset: int, file_size: int) -> None:
+    def __init__(
+        self, file: BinaryIO, path: str, start_offset: int, file_size: int, seed: int = 0
+    ) -> None:
+        self._seed = seed  # record_seed of the log's file_id
         self._file = file
         self._path = path
         self._size = file_size
@@ -76,7 +79,7 @@ class FrameScanner:
 
     def _buffered_frames(self) -> Iterator[tuple[int, int, memoryview]]:
         """The hot loop: the good frames lying wholly in the buffer, from the read position."""
-        unpack, checksum = FRAME.unpack_from, _crc32c.crc32c
+        unpack, checksum, seed = FRAME.unpack_from, _crc32c.crc32c, self._seed
         buf, view, base = self._buf, self._view, self._buf_start
         pos, expected, buf_len = self._pos, self.last_seq + 1, len(self._buf)
         try:
@@ -85,7 +88,7 @@ class FrameScanner:
                 end = pos + FRAME_BYTES + length
                 if not (0 < length <= MAX_RECORD_BYTES and end <= buf_len and seq == expected):
                     break
-                if checksum(view[pos + 4 : end]) != crc:
+                if checksum(view[pos + 4 : end], seed) != crc:
                     break
                 yield base + pos, seq, view[pos + FRAME_BYTES : end]
                 pos, expected = end, seq + 1
@@ -104,7 +107,7 @@ class FrameScanner:
             if not self._fill(FRAME_BYTES + length):
                 return "incomplete record"
             end = FRAME_BYTES + length
-        if _crc32c.crc32c(self._view[self._pos + 4 : end]) != crc:
+        if _crc32c.crc32c(self._view[self._pos + 4 : end], self._seed) != crc:
             return "record checksum mismatch"
         if seq != self.last_seq + 1:
             raise CorruptLogError(
@@ -117,7 +120,8 @@ class FrameScanner:
 
     def _bad_frame(self, offset: int, reason: str) -> None:
         expected = self.last_seq + 1
-        found = find_valid_frame(self._file.fileno(), offset + 1, self._size, expected)
+        fd = self._file.fileno()
+        found = find_valid_frame(fd, offset + 1, self._size, expected, self._seed)
         if found is not None:
             found_offset, found_seq = found
             raise CorruptLogError(
@@ -145,7 +149,9 @@ class FrameScanner:
         return len(self._buf) >= need
 
 
-def find_valid_frame(fd: int, start: int, file_size: int, min_seq: int) -> tuple[int, int] | None:
+def find_valid_frame(
+    fd: int, start: int, file_size: int, min_seq: int, seed: int = 0
+) -> tuple[int, int] | None:
     """The first ``(offset, seq)`` at or after ``start`` holding a valid frame with a
     sequence number of at least ``min_seq``, or None."""
     max_seq = min_seq + (file_size - start) // _MIN_FRAME_BYTES
@@ -154,7 +160,7 @@ def find_valid_frame(fd: int, start: int, file_size: int, min_seq: int) -> tuple
         chunk = os.pread(fd, min(_CHUNK_BYTES + FRAME_BYTES, file_size - position), position)
         for offset, length, seq, crc in _candidates(chunk, position, file_size, min_seq, max_seq):
             payload = os.pread(fd, length, offset + FRAME_BYTES)
-            if len(payload) == length and frame_crc(length, seq, payload) == crc:
+            if len(payload) == length and frame_crc(length, seq, payload, seed) == crc:
                 return offset, seq
         position += _CHUNK_BYTES
     return None

@@ -12,7 +12,8 @@ A new log is created atomically (header written to a temporary file, fsynced, th
 linked into place), so a crash during creation leaves either no file or a whole header:
 a non-empty file with a short or damaged header is corrupt and never rewritten. An
 existing empty file (``touch``, ``NamedTemporaryFile``) counts as absent. On reopen, the
-existing header is kept (``meta`` is only written at creation); a torn tail is truncated
+existing header is kept (``meta`` and ``file_id``, random unless given for byte-identical
+files, are only written at creation); a torn tail is truncated
 (and fsynced) and reported on ``.recovery``; other damage raises ``CorruptLogError``.
 One writer per file: an exclusive ``flock`` raises ``LogLocked`` for a second one.
 """
@@ -41,7 +42,9 @@ from kvlog.log.format import (
     LogHeader,
     Recovery,
     encode_header,
+    new_file_id,
     parse_header,
+    record_seed,
 )
 from kvlog.log.scan import FrameScanner
 
@@ -71,6 +74,7 @@ class LogWriter:
         *,
         meta: dict[str, str] | None = None,
         buffer_bytes: int = 1 << 20,
+        file_id: int | None = None,
     ) -> None:
         if sync not in SYNC_MODES:
             raise ValueError(f"sync must be one of {SYNC_MODES}, not {sync!r}")
@@ -81,8 +85,9 @@ class LogWriter:
         self._buffer = bytearray()
         self._poison: OSError | None = None
         self._closed = False
+        self._seed = 0
         if not os.path.exists(self.path) or os.path.getsize(self.path) == 0:
-            _create(self.path, _new_header(meta))
+            _create(self.path, _new_header(meta, file_id))
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | getattr(os, "O_CLOEXEC", 0))
         try:
             _lock(self._fd, self.path)
@@ -90,6 +95,10 @@ class LogWriter:
         except BaseException:
             os.close(self._fd)
             raise
+
+    def _seed_of(self, header: LogHeader) -> int:
+        self._seed = record_seed(header.file_id)
+        return self._seed
 
     def _recover(self) -> tuple[LogHeader, int, Recovery | None]:
         """Verify every frame; cut a torn tail. Returns the header, next seq and recovery."""
@@ -101,7 +110,8 @@ class LogWriter:
                     f"{header.schema_version} log; start a new log",
                     path=self.path,
                 )
-            scanner = FrameScanner(file, self.path, data_offset, os.fstat(file.fileno()).st_size)
+            size = os.fstat(file.fileno()).st_size
+            scanner = FrameScanner(file, self.path, data_offset, size, self._seed_of(header))
             for _ in scanner.frames():
                 pass
         if scanner.tail is not None:
@@ -127,7 +137,7 @@ class LogWriter:
             raise RecordRejected(f"record of {length} bytes > {MAX_RECORD_BYTES}")
         FRAME_HEAD.pack_into(buffer, start + 4, length, seq)
         with memoryview(buffer)[start + 4 :] as checked:
-            _CRC.pack_into(buffer, start, _crc32c.crc32c(checked))
+            _CRC.pack_into(buffer, start, _crc32c.crc32c(checked, self._seed))
         self.next_seq = seq + 1
         if self._fsync_each or (self._fsync_step and record_type is StepEnded):
             self._commit(fsync=True)
@@ -197,12 +207,16 @@ class LogWriter:
             raise LogPoisoned(f"{self.path}: log write or fsync failed: {exc}") from exc
 
 
-def _new_header(meta: dict[str, str] | None) -> LogHeader:
+def _new_header(meta: dict[str, str] | None, file_id: int | None) -> LogHeader:
     meta = dict(meta or {})
     for key, value in meta.items():
         if not isinstance(key, str) or not isinstance(value, str):
             raise TypeError(f"log meta must map str to str, got {key!r}: {value!r}")
-    return LogHeader(schema_version=SCHEMA_VERSION, kvlog_version=__version__, meta=meta)
+    if file_id is None:
+        file_id = new_file_id()
+    elif not 0 < file_id < 1 << 64:
+        raise ValueError(f"file_id must be in 1..2**64-1, not {file_id}")
+    return LogHeader(SCHEMA_VERSION, __version__, meta, file_id=file_id)
 
 
 def _create(path: str, header: LogHeader) -> None:

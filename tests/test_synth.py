@@ -20,8 +20,14 @@ from kvlog.events import (
 from kvlog.log import LogReader
 from kvlog.synth import BlockPool, CpuCache, SynthConfig, run_synth
 
-SMALL = SynthConfig(steps=300, num_gpu_blocks=256, prompt_len_mean=160, output_len_mean=48,
-                    arrival_rate=0.3, prefix_len_max_blocks=6)
+SMALL = SynthConfig(
+    steps=300,
+    num_gpu_blocks=256,
+    prompt_len_mean=160,
+    output_len_mean=48,
+    arrival_rate=0.3,
+    prefix_len_max_blocks=6,
+)
 OFFLOAD = SMALL.replace(num_cpu_blocks=96, block_size_factor=2)
 
 
@@ -83,8 +89,14 @@ def test_same_seed_same_log_other_seed_other_log(tmp_path: str) -> None:
 def test_steps_follow_the_design_order(tmp_path: str) -> None:
     path = os.path.join(tmp_path, "a.kvlog")
     result = run_synth(OFFLOAD, path, sync="none")
-    order = {TransferFinished: 0, RequestFinished: 1, StoreRequested: 2,
-             RequestPreempted: 3, BlocksAllocated: 3, LoadRequested: 3}
+    order = {
+        TransferFinished: 0,
+        RequestFinished: 1,
+        StoreRequested: 2,
+        RequestPreempted: 3,
+        BlocksAllocated: 3,
+        LoadRequested: 3,
+    }
     step_events: list[object] = []
     num_steps = 0
     for event in events(path)[1:]:

@@ -1,0 +1,91 @@
+"""Replay speed on a large synthetic log: events per second, against a decode-only baseline.
+
+    python bench/bench_replay.py            # ~100k+ events (records a log first, ~15 s)
+    python bench/bench_replay.py --quick    # ~20k events
+
+The log is recorded by ``kvlog synth`` (prefix caching, offload, defrag, memory pressure)
+into a temporary directory (or ``--log PATH``, reused when it exists). Every mode reads the
+same file; the baseline, measured in the same run, streams and decodes the records without
+reducing them, so the ratios show what the reducers and the replay bookkeeping cost on top
+of reading the log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+
+from kvlog import replay
+from kvlog.log import read_log
+from kvlog.synth import SynthConfig, run_synth
+
+
+def record(path: str, steps: int) -> int:
+    config = SynthConfig(
+        steps=steps,
+        num_gpu_blocks=2048,
+        num_cpu_blocks=1024,
+        block_size_factor=2,
+        prefix_caching=True,
+        arrival_rate=0.5,
+    )
+    result = run_synth(config, path, sync="none")
+    return result.num_events
+
+
+def best_of(repeat: int, fn: Callable[[], int]) -> tuple[float, int]:
+    """The fastest of ``repeat`` runs (seconds) and what the function counted."""
+    times, count = [], 0
+    for _ in range(repeat):
+        started = time.perf_counter()
+        count = fn()
+        times.append(time.perf_counter() - started)
+    return min(times), count
+
+
+def decode_only(path: str) -> int:
+    return sum(1 for _ in read_log(path))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a ~20k-event log, one repeat")
+    parser.add_argument("--log", help="log file to use (recorded there if missing)")
+    parser.add_argument("--repeat", type=int, default=0, help="runs per mode (best is kept)")
+    args = parser.parse_args(argv)
+    steps = 3000 if args.quick else 16000
+    repeat = args.repeat or (1 if args.quick else 3)
+    directory = tempfile.mkdtemp(prefix="kvlog-bench-")
+    path = args.log or os.path.join(directory, "bench.kvlog")
+    if not os.path.exists(path):
+        started = time.perf_counter()
+        num = record(path, steps)
+        print(f"recorded {num:,} events in {time.perf_counter() - started:.1f} s -> {path}")
+    size = os.path.getsize(path)
+
+    base_s, num_records = best_of(repeat, lambda: decode_only(path))
+    modes: list[tuple[str, Callable[[], int]]] = [
+        ("replay, verify checkpoints", lambda: replay(path, series=False).num_events),
+        ("replay, verify + per-step series", lambda: replay(path).num_events),
+        ("resume state from latest snapshot", lambda: replay(path, from_snapshot=True).num_events),
+        ("what-if --threshold 8 (two runs)", lambda: replay(path, threshold=8).num_events),
+    ]
+    print(f"log: {size / 1e6:.1f} MB, {num_records:,} records; best of {repeat}")
+    print(f"{'mode':36} {'seconds':>8} {'events':>8} {'events/s':>12} {'time vs decode':>15}")
+    name = "baseline: decode only (read_log)"
+    print(f"{name:36} {base_s:8.3f} {num_records:8,} {num_records / base_s:12,.0f} {1.0:14.1f}x")
+    for name, fn in modes:
+        seconds, events = best_of(repeat, fn)
+        rate = f"{events / seconds:12,.0f}" if events else f"{'-':>12}"
+        print(f"{name:36} {seconds:8.3f} {events:8,} {rate} {seconds / base_s:14.1f}x")
+    check = replay(path, series=False)
+    print(f"verified {check.num_verified}/{check.num_checkpoints} checkpoints, ok={check.ok}")
+    return 0 if check.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

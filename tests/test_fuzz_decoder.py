@@ -21,8 +21,8 @@ from strategies import any_record
 from kvlog import replay
 from kvlog.errors import CorruptLogError, KvlogError
 from kvlog.events import Record, decode, encode
-from kvlog.log import MAGIC, LogReader, LogWriter
-from kvlog.log.format import FRAME, frame_crc
+from kvlog.log import MAGIC, LogReader, LogWriter, read_header
+from kvlog.log.format import FRAME, frame_crc, record_seed
 
 # A decoded record must be one of the schema's own types, never a raw container.
 _RECORD_TYPES = typing.get_args(Record)
@@ -106,15 +106,17 @@ def _replay_everything(path: str) -> None:
         replay(path)
 
 
-def _header_bytes(tmp: str) -> bytes:
+def _header_bytes(tmp: str) -> tuple[bytes, int]:
+    """The bytes of a new log's header and the checksum seed of its records."""
     path = os.path.join(tmp, "empty.kvlog")
     LogWriter(path, sync="none").close()
     with open(path, "rb") as file:
-        return file.read()
+        return file.read(), record_seed(read_header(path).file_id)
 
 
-def _frame(seq: int, payload: bytes) -> bytes:
-    return FRAME.pack(frame_crc(len(payload), seq, payload), len(payload), seq) + payload
+def _frame(seq: int, payload: bytes, seed: int) -> bytes:
+    crc = frame_crc(len(payload), seq, payload, seed)
+    return FRAME.pack(crc, len(payload), seq) + payload
 
 
 def _write(tmp: str, data: bytes) -> str:
@@ -142,7 +144,7 @@ def test_arbitrary_files_raise_only_kvlog_errors(data: bytes) -> None:
 @given(st.binary(max_size=400), st.booleans())
 def test_a_valid_header_then_arbitrary_bytes(tail: bytes, replay_it: bool) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        path = _write(tmp, _header_bytes(tmp) + tail)
+        path = _write(tmp, _header_bytes(tmp)[0] + tail)
         assert _read_everything(path) == []  # garbage never passes as a record
         if replay_it:
             _replay_everything(path)
@@ -161,8 +163,8 @@ def test_checksummed_frames_with_arbitrary_payloads(payloads: list[bytes]) -> No
     reader yields what decodes and refuses the first payload that does not with
     ``CorruptLogError`` (a wrapped msgspec error) naming that frame's offset and seq."""
     with tempfile.TemporaryDirectory() as tmp:
-        header = _header_bytes(tmp)
-        frames = [_frame(seq, payload) for seq, payload in enumerate(payloads)]
+        header, seed = _header_bytes(tmp)
+        frames = [_frame(seq, payload, seed) for seq, payload in enumerate(payloads)]
         path = _write(tmp, header + b"".join(frames))
         decodable = []
         for payload in payloads:

@@ -280,3 +280,14 @@ def test_a_device_instance_is_accepted_as_backend() -> None:
     config = config_for(NUM_BLOCKS, BLOCK_SIZE, NUM_CPU_BLOCKS)
     executor = make_executor(kv_caches, config, backend=device, layout="block_major")
     assert executor.device is device and executor.backend == "fake"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_empty_job_and_an_empty_swap_are_no_ops(backend: str) -> None:
+    executor = build(backend, "vllm", 2)
+    before = [executor.read_gpu_block(b) for b in range(NUM_BLOCKS)]
+    executor.execute(SwapPlan(step=1, pairs=[], padded_to=8, mode="swap"))
+    executor.execute(TransferPlan(job_id=4, kind="store", pairs=[], num_bytes=0))
+    (result,) = executor.wait([4])
+    assert (result.job_id, result.success, result.num_bytes) == (4, True, 0)
+    assert [executor.read_gpu_block(b) for b in range(NUM_BLOCKS)] == before

@@ -95,6 +95,8 @@ def build_host_program(
 
     ``max_rows`` caps the rows of one segment (swaps exchange through a bounded scratch).
     """
+    if len(dst) == 0:
+        return HostProgram(())
     order = np.argsort(dst, kind="stable")
     src, dst = src[order], dst[order]
     starts, directions = find_runs(src, dst)
@@ -194,11 +196,13 @@ def build_device_transfer_program(
     host_ids: np.ndarray, device_ids: np.ndarray, device: torch.device
 ) -> DeviceTransferProgram:
     """Group pairs by contiguous host rows; move the device index to ``device`` once."""
+    count = len(host_ids)
+    if count == 0:
+        return DeviceTransferProgram((), None)
     order = np.argsort(host_ids, kind="stable")
     host_ids, device_ids = host_ids[order], device_ids[order]
-    count = len(host_ids)
-    breaks = np.flatnonzero(np.diff(host_ids) != 1) + 1 if count else np.zeros(0, np.int64)
-    starts = np.concatenate(([0], breaks)).astype(np.int64) if count else breaks
+    breaks = np.flatnonzero(np.diff(host_ids) != 1) + 1
+    starts = np.concatenate(([0], breaks)).astype(np.int64)
     stops = np.append(starts[1:], count)
     runs: list[tuple[int, int, int, int]] = []
     gathered: list[np.ndarray] = []

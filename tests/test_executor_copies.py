@@ -1,0 +1,119 @@
+"""Copy programs: exact runs and segments, and random pairs against plain numpy copies."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvlog.executors.copies import (
+    build_device_transfer_program,
+    build_host_program,
+    find_runs,
+)
+
+ROWS, PAGE = 40, 6
+
+
+def _rows(seed: int, rows: int = ROWS) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(-128, 128, (rows, PAGE), generator=generator, dtype=torch.int8)
+
+
+def test_runs_forward_reversed_and_single() -> None:
+    src = np.array([10, 11, 12, 7, 6, 5, 20, 30])
+    dst = np.array([0, 1, 2, 3, 4, 5, 9, 10])
+    starts, directions = find_runs(src, dst)
+    assert starts.tolist() == [0, 3, 6, 7]
+    assert directions.tolist() == [1, -1, 1, 1]
+
+
+def test_defrag_pairs_become_one_reversed_segment() -> None:
+    program = build_host_program(np.array([19, 18, 17]), np.array([1, 2, 3]), merge=False)
+    ((d0, d1, s0, s1, index),) = program.segments
+    assert (d0, d1, s0, s1) == (1, 4, 17, 20)
+    assert index is not None and index.tolist() == [2, 1, 0]
+
+
+def test_consecutive_pairs_become_one_slice_and_scattered_ones_a_gather() -> None:
+    program = build_host_program(np.arange(5, 13), np.arange(0, 8), merge=True)
+    assert program.segments == ((0, 8, 5, 13, None),)
+    gathered = build_host_program(np.array([9, 2, 30, 4]), np.array([0, 1, 2, 3]), merge=True)
+    ((d0, d1, s0, s1, index),) = gathered.segments
+    assert (d0, d1, s0, s1) == (0, 4, 2, 31)
+    assert index is not None and index.tolist() == [7, 0, 28, 2]
+
+
+def test_segments_respect_max_rows() -> None:
+    program = build_host_program(np.arange(20, 10, -1), np.arange(0, 10), merge=False, max_rows=4)
+    assert [(d0, d1, s0, s1) for d0, d1, s0, s1, _ in program.segments] == [
+        (0, 4, 17, 21),
+        (4, 8, 13, 17),
+        (8, 10, 11, 13),
+    ]
+
+
+@st.composite
+def disjoint_pairs(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray]:
+    """Pairs over one tensor: distinct sources, distinct destinations, the two disjoint."""
+    blocks = draw(st.permutations(range(ROWS)))
+    count = draw(st.integers(0, ROWS // 2))
+    src, dst = list(blocks[:count]), list(blocks[count : 2 * count])
+    if draw(st.booleans()):
+        src, dst = sorted(src, reverse=True), sorted(dst)
+    return np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64)
+
+
+@given(pairs=disjoint_pairs(), max_rows=st.integers(1, 8))
+def test_in_place_move_and_exchange_match_numpy(
+    pairs: tuple[np.ndarray, np.ndarray], max_rows: int
+) -> None:
+    src, dst = pairs
+    moved, swapped = _rows(1), _rows(1)
+    expected_move, expected_swap = moved.numpy().copy(), swapped.numpy().copy()
+    expected_move[dst] = expected_move[src]
+    expected_swap[dst], expected_swap[src] = expected_swap[src], expected_swap[dst].copy()
+    build_host_program(src, dst, merge=False).copy(moved, moved)
+    program = build_host_program(src, dst, merge=False, max_rows=max_rows)
+    program.exchange(swapped, torch.empty(max_rows, PAGE, dtype=torch.int8))
+    assert np.array_equal(moved.numpy(), expected_move)
+    assert np.array_equal(swapped.numpy(), expected_swap)
+
+
+@st.composite
+def transfer_pairs(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray]:
+    """Pairs between two tensors: any sources (repeats allowed), distinct destinations."""
+    count = draw(st.integers(0, ROWS))
+    dst = draw(st.permutations(range(ROWS)))[:count]
+    if draw(st.booleans()):
+        dst = sorted(dst)
+    src = draw(st.lists(st.integers(0, ROWS - 1), min_size=count, max_size=count))
+    if draw(st.booleans()):
+        src = sorted(src)
+    return np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64)
+
+
+@given(pairs=transfer_pairs())
+def test_host_transfer_programs_match_numpy(pairs: tuple[np.ndarray, np.ndarray]) -> None:
+    src, dst = pairs
+    source, target = _rows(2), _rows(3)
+    expected = target.numpy().copy()
+    expected[dst] = source.numpy()[src]
+    build_host_program(src, dst, merge=True).copy(target, source)
+    assert np.array_equal(target.numpy(), expected)
+
+
+@given(pairs=transfer_pairs())
+def test_device_transfer_programs_match_numpy(pairs: tuple[np.ndarray, np.ndarray]) -> None:
+    device_ids, host_ids = pairs  # store: device rows (repeats allowed) into distinct host rows
+    device, host = _rows(4), _rows(5)
+    expected = host.numpy().copy()
+    expected[host_ids] = device.numpy()[device_ids]
+    build_device_transfer_program(host_ids, device_ids, torch.device("cpu")).store(host, device)
+    assert np.array_equal(host.numpy(), expected)
+    host_ids, device_ids = pairs  # load: host rows into distinct device rows
+    expected_device = device.numpy().copy()
+    expected_device[device_ids] = host.numpy()[host_ids]
+    build_device_transfer_program(host_ids, device_ids, torch.device("cpu")).load(host, device)
+    assert np.array_equal(device.numpy(), expected_device)

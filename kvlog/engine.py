@@ -2,17 +2,15 @@
 
 ``apply(event)`` is the one way in. Its order, and what it guarantees:
 
-1. **check** that the log will take the record (a type and size the writer accepts), so
-   the only way an append can still fail is an I/O error;
-2. **reduce**: the reducer validates the event against the state before it changes
-   anything, so a refused event (``InvalidEvent``) leaves the state and its digest as they
-   were and is never logged;
-3. **append** it to the log. If the write or fsync fails the writer is poisoned, and so
-   is the engine: every later call raises ``LogPoisoned``. The state then holds this event,
-   which (like every event appended since the last group commit) may or may not be on disk;
-   ``Engine.resume(log_path)`` rebuilds the state from exactly what is durable. (The other
-   order, append then reduce, would log events the reducer refuses; the reducers expose no
-   validation without mutation, and copying the state per event would cost O(cache size).)
+1. **validate**: the log must take the record (a type and a size the writer accepts) and
+   ``reducers.validate`` must accept the event against the state; a refused event raises
+   (``InvalidEvent``, ``RecordRejected``), is never logged and changes nothing;
+2. **append** it to the log. If the write or fsync fails, the writer is poisoned and so is
+   the engine (every later call raises ``LogPoisoned``), and the state has not changed: it
+   is the state of every event appended before. Events buffered since the last group commit
+   may or may not be on disk; ``Engine.resume(log_path)`` rebuilds exactly what is durable;
+3. **reduce**: the event is known valid, so this cannot refuse it (if it does, that is a
+   reducer bug and an ``AssertionError``);
 4. hand the plans to the executor, if any, and return them.
 
 Every ``checkpoint_every`` steps the engine appends a ``Checkpoint`` record (sequence
@@ -33,7 +31,7 @@ from typing import TYPE_CHECKING, Any, overload
 import numpy as np
 
 from kvlog import reducers
-from kvlog.errors import BlockOutOfRange, LogClosed, LogPoisoned, RecordRejected
+from kvlog.errors import BlockOutOfRange, InvalidEvent, LogClosed, LogPoisoned, RecordRejected
 from kvlog.events import (
     CacheConfigured,
     Checkpoint,
@@ -115,9 +113,14 @@ class Engine:
         self._check_open()
         if self._log is not None:
             _check_record(event)
-        self._state, plans = reducers.reduce(self._state, event)
-        if self._log is not None:
+            reducers.validate(self._state, event)
             self._last_seq = self._log.append(event)
+        try:
+            self._state, plans = reducers.reduce(self._state, event)
+        except InvalidEvent as exc:
+            if self._log is None:
+                raise
+            raise AssertionError(f"reducer bug: validate accepted, reduce refused: {exc}") from exc
         if self.executor is not None:
             for plan in plans:
                 self.executor.execute(plan)

@@ -206,3 +206,16 @@ def test_random_programs_replay_and_one_edit_is_found(
         d = replay(edited, against=path).divergence
         assert d is not None and d.seq == seq and d.kind == "event"
         assert not isinstance(dict(LogReader(edited).records())[seq], Checkpoint)
+
+
+def test_a_torn_tail_is_reported_and_the_rest_verifies(
+    recorded: tuple[str, str], tmp_path: str
+) -> None:
+    path, _ = recorded
+    torn = os.path.join(tmp_path, "torn.kvlog")
+    with open(path, "rb") as src, open(torn, "wb") as dst:
+        data = src.read()
+        dst.write(data[: len(data) - 7])  # the final checkpoint loses its last bytes
+    result = replay(torn)
+    assert result.tail and result.divergence is None
+    assert result.num_verified == result.num_checkpoints == replay(path).num_checkpoints - 1

@@ -31,26 +31,24 @@ def test_runs_forward_reversed_and_single() -> None:
 
 def test_defrag_pairs_become_one_reversed_segment() -> None:
     program = build_host_program(np.array([19, 18, 17]), np.array([1, 2, 3]), merge=False)
-    ((d0, d1, s0, s1, index),) = program.segments
-    assert (d0, d1, s0, s1) == (1, 4, 17, 20)
-    assert index is not None and index.tolist() == [2, 1, 0]
+    assert program.segments == ((1, 4, 17, 20, -1, None),)
 
 
 def test_consecutive_pairs_become_one_slice_and_scattered_ones_a_gather() -> None:
     program = build_host_program(np.arange(5, 13), np.arange(0, 8), merge=True)
-    assert program.segments == ((0, 8, 5, 13, None),)
+    assert program.segments == ((0, 8, 5, 13, 1, None),)
     gathered = build_host_program(np.array([9, 2, 30, 4]), np.array([0, 1, 2, 3]), merge=True)
-    ((d0, d1, s0, s1, index),) = gathered.segments
-    assert (d0, d1, s0, s1) == (0, 4, 2, 31)
+    ((d0, d1, s0, s1, step, index),) = gathered.segments
+    assert (d0, d1, s0, s1, step) == (0, 4, 2, 31, 0)
     assert index is not None and index.tolist() == [7, 0, 28, 2]
 
 
 def test_segments_respect_max_rows() -> None:
     program = build_host_program(np.arange(20, 10, -1), np.arange(0, 10), merge=False, max_rows=4)
-    assert [(d0, d1, s0, s1) for d0, d1, s0, s1, _ in program.segments] == [
-        (0, 4, 17, 21),
-        (4, 8, 13, 17),
-        (8, 10, 11, 13),
+    assert [segment[:5] for segment in program.segments] == [
+        (0, 4, 17, 21, -1),
+        (4, 8, 13, 17, -1),
+        (8, 10, 11, 13, -1),
     ]
 
 

@@ -7,7 +7,7 @@ pairs.
 - :class:`HostProgram` (host memory on both sides): pairs sorted by destination and cut
   into runs of consecutive ids. A forward run is one slice ``copy_``; a reversed run (defrag
   moves the highest used block into the lowest free one, so its runs go backwards) is one
-  ``index_select`` into the destination slice from a narrowed source window. For transfers
+  assignment from a reversed view. For transfers
   (``merge=True``) a contiguous destination range made of short runs becomes one gather.
 - :class:`DeviceTransferProgram` (accelerator <-> pinned host): host rows are always
   addressed as contiguous slices (what DMA needs); the device side is a slice where it is
@@ -30,9 +30,10 @@ __all__ = [
     "find_runs",
 ]
 
-Segment = tuple[int, int, int, int, "torch.Tensor | None"]
-"""``(dst_start, dst_stop, src_start, src_stop, index)``: ``dst[dst_start:dst_stop]`` gets
-``src[src_start:src_stop]`` (``index is None``) or ``src[src_start:src_stop][index]``."""
+Segment = tuple[int, int, int, int, int, "torch.Tensor | None"]
+"""``(dst_start, dst_stop, src_start, src_stop, step, index)``: ``dst[dst_start:dst_stop]``
+gets ``src[src_start:src_stop]`` (``step`` 1), the same rows in reverse order (``step`` -1),
+or ``src[src_start:src_stop][index]`` (``step`` 0, a gather)."""
 
 _MERGE_BELOW_RUN_LENGTH = 8
 """A destination range whose runs average fewer rows than this becomes one gather."""
@@ -63,29 +64,44 @@ def find_runs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]
 
 @dataclass(frozen=True)
 class HostProgram:
-    """Segments of a host copy, shared by every canonical tensor of a plan."""
+    """Segments of a host copy, shared by every canonical tensor of a plan.
+
+    Forward runs and gathers are torch calls (``copy_``, ``index_select(out=)``); reversed
+    runs are one numpy assignment from a negative-stride view, which copies row by row
+    with no temporary (torch has no negative strides).
+    """
 
     segments: tuple[Segment, ...]
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Apply the program: rows of ``src`` into rows of ``dst`` (may be the same tensor)."""
-        for d0, d1, s0, s1, index in self.segments:
-            if index is None:
+        dst_rows, src_rows = _numpy(dst), _numpy(src)
+        for d0, d1, s0, s1, step, index in self.segments:
+            if step == 1:
                 dst[d0:d1].copy_(src[s0:s1])
+            elif step == -1:
+                dst_rows[d0:d1] = src_rows[s0:s1][::-1]
             else:
+                assert index is not None, "a gather segment without its index"
                 torch.index_select(src[s0:s1], 0, index, out=dst[d0:d1])
 
     def exchange(self, tensor: torch.Tensor, scratch: torch.Tensor) -> None:
         """Swap the rows of each segment pairwise within ``tensor`` (segments <= scratch)."""
-        for d0, d1, s0, s1, index in self.segments:
+        rows = _numpy(tensor)
+        for d0, d1, s0, s1, step, _ in self.segments:
+            assert step != 0, "exchange needs runs, not gathers"
             held = scratch[: d1 - d0]
             held.copy_(tensor[d0:d1])
-            if index is None:
+            if step == 1:
                 tensor[d0:d1].copy_(tensor[s0:s1])
                 tensor[s0:s1].copy_(held)
-            else:  # a reversed run: the index is its own inverse
-                torch.index_select(tensor[s0:s1], 0, index, out=tensor[d0:d1])
-                torch.index_select(held, 0, index, out=tensor[s0:s1])
+            else:
+                rows[d0:d1] = rows[s0:s1][::-1]
+                rows[s0:s1] = _numpy(held)[::-1]
+
+
+def _numpy(tensor: torch.Tensor) -> np.ndarray:
+    return tensor.numpy()  # type: ignore[no-any-return]
 
 
 def build_host_program(
@@ -102,7 +118,6 @@ def build_host_program(
     starts, directions = find_runs(src, dst)
     stops = np.append(starts[1:], len(dst))
     segments: list[Segment] = []
-    reversed_index: dict[int, torch.Tensor] = {}
     if merge:
         starts, stops, directions = _merge_short_runs(dst, starts, stops, directions)
     for start, stop, direction in zip(
@@ -110,25 +125,20 @@ def build_host_program(
     ):
         for a in range(start, stop, max_rows):
             b = min(stop, a + max_rows)
-            segments.append(_segment(src[a:b], int(dst[a]), direction, reversed_index))
+            segments.append(_segment(src[a:b], int(dst[a]), direction))
     return HostProgram(tuple(segments))
 
 
-def _segment(
-    src: np.ndarray, dst_start: int, direction: int, reversed_index: dict[int, torch.Tensor]
-) -> Segment:
+def _segment(src: np.ndarray, dst_start: int, direction: int) -> Segment:
     length = len(src)
     first = int(src[0])
+    dst_stop = dst_start + length
     if direction == 1:
-        return (dst_start, dst_start + length, first, first + length, None)
+        return (dst_start, dst_stop, first, first + length, 1, None)
     if direction == -1:
-        if length not in reversed_index:
-            reversed_index[length] = torch.arange(length - 1, -1, -1, dtype=torch.int64)
-        low = first - length + 1
-        return (dst_start, dst_start + length, low, first + 1, reversed_index[length])
+        return (dst_start, dst_stop, first - length + 1, first + 1, -1, None)
     low, high = int(src.min()), int(src.max()) + 1  # a merged gather (direction 0)
-    index = torch.from_numpy(src - low)
-    return (dst_start, dst_start + length, low, high, index)
+    return (dst_start, dst_stop, low, high, 0, torch.from_numpy(src - low))
 
 
 def _merge_short_runs(

@@ -355,6 +355,8 @@ def print_replay(result: ReplayResult, out: TextIO) -> None:
     if result.whatif is not None:
         diffs = result.whatif.differences
         out.write(f"\nwhat-if {result.whatif.overrides}: {len(diffs)} differences\n")
+        for name, (before, after) in diffs.items():
+            out.write(f"  {name}: {_fmt(before)} -> {_fmt(after)}\n")
         if result.whatif.whatif.rejected is not None:
             out.write(f"  what-if stopped: {result.whatif.whatif.rejected.message}\n")
     if result.canary is not None:

@@ -349,6 +349,7 @@ class _Replayer:
         self.last_event_seq = -1
         self.last_event: Event | None = None
         self.last_verified_seq = -1
+        self.num_steps_max_used_differs = 0
         self.stopped = False
 
     # -- setup ---------------------------------------------------------------------------
@@ -438,6 +439,8 @@ class _Replayer:
             self.stopped = True
             return
         whatif_plans = self._whatif(seq, event)
+        if type(event) is StepEnded:
+            self._compare_step()
         self.last_event_seq, self.last_event = seq, event
         if tracker is not None and effective.alive:
             for plan in whatif_plans if self.whatif is not None else plans:
@@ -445,6 +448,14 @@ class _Replayer:
             tracker.after(effective.state, event)
         if self.other is not None:
             self.other.compare(self, seq, event, plans)
+
+    def _compare_step(self) -> None:
+        """Count the steps where the what-if's highest used block differs."""
+        run, recorded = self.whatif, self.recorded
+        if run is None or not run.alive or recorded is None:
+            return
+        if run.state.max_used != recorded.state.max_used:
+            self.num_steps_max_used_differs += 1
 
     def _whatif(self, seq: int, event: Event) -> list[Plan]:
         run = self.whatif
@@ -511,10 +522,7 @@ class _Replayer:
         if self.whatif is not None and result.recorded is not None:
             stats = self.whatif.finish()
             result.whatif = WhatIf(
-                dict(self.overrides),
-                result.recorded,
-                stats,
-                _max_used_differences(result.recorded, stats),
+                dict(self.overrides), result.recorded, stats, self.num_steps_max_used_differs
             )
         if self.tracker is not None:
             effective = self.whatif or self.recorded
@@ -523,12 +531,6 @@ class _Replayer:
             result.canary = self.tracker.check(effective.state)
             self.executor.shutdown()
         return result
-
-
-def _max_used_differences(a: RunStats, b: RunStats) -> int:
-    if a.series is None or b.series is None:
-        return 0
-    return sum(1 for x, y in zip(a.series.max_used, b.series.max_used, strict=False) if x != y)
 
 
 def _encoded(record: Record) -> bytes:

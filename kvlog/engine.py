@@ -79,15 +79,14 @@ class Engine:
         self._num_checkpoints = 0
         self._last_seq = -1
         if log_path is not None:
+            if _state is None and _holds_records(log_path):
+                raise FileExistsError(
+                    f"{os.fspath(log_path)} already holds records; use Engine.resume() to "
+                    "continue it (the file was not touched)"
+                )
             self._log = LogWriter(log_path, sync=sync, meta=meta)
             self._last_seq = _last_event_seq
         if _state is None:
-            if self._log is not None and self._log.next_seq != 0:
-                path = self._log.path
-                self._log.close()
-                raise FileExistsError(
-                    f"{path} already holds records; use Engine.resume() to continue it"
-                )
             self.apply(config)
         elif self._log is not None:
             self._checkpoint(force_snapshot=True)
@@ -350,6 +349,15 @@ def _check_record(event: Event) -> None:
         raise RecordRejected(
             f"{type(event).__name__} encodes to more than {MAX_RECORD_BYTES} bytes"
         )
+
+
+def _holds_records(path: str | os.PathLike[str]) -> bool:
+    """Whether a log file exists with at least one record (read only, never modified)."""
+    from kvlog.log import LogReader
+
+    if not os.path.exists(path) or os.path.getsize(path) == 0:
+        return False
+    return next(iter(LogReader(path).records()), None) is not None
 
 
 def _last_event_seq(path: str | os.PathLike[str]) -> int:

@@ -113,8 +113,12 @@ def test_existing_log_needs_resume(tmp_path: str) -> None:
         fragmented(engine)
         engine.apply(StepEnded(step=0))
         digest = engine.digest()
+    size = os.path.getsize(path)
+    with open(path, "ab") as f:
+        f.write(b"\x07torn")  # a torn tail that a writer would cut
     with pytest.raises(FileExistsError):
         Engine(CONFIG, path)
+    assert os.path.getsize(path) == size + 5, "refusing must not modify the log"
     with Engine.resume(path, sync="none") as resumed:
         assert resumed.digest() == digest
         resumed.apply(BlocksAllocated(req_id="b", block_ids=[7]))

@@ -30,22 +30,25 @@ def test_runs_forward_reversed_and_single() -> None:
 
 
 def test_defrag_pairs_become_one_reversed_segment() -> None:
-    program = build_host_program(np.array([19, 18, 17]), np.array([1, 2, 3]), merge=False)
-    assert program.segments == ((1, 4, 17, 20, -1, None),)
+    program = build_host_program(np.array([19, 18, 17]), np.array([1, 2, 3]))
+    assert program.segments == ((1, 4, 17, 20, -1),)
 
 
-def test_consecutive_pairs_become_one_slice_and_scattered_ones_a_gather() -> None:
-    program = build_host_program(np.arange(5, 13), np.arange(0, 8), merge=True)
-    assert program.segments == ((0, 8, 5, 13, 1, None),)
-    gathered = build_host_program(np.array([9, 2, 30, 4]), np.array([0, 1, 2, 3]), merge=True)
-    ((d0, d1, s0, s1, step, index),) = gathered.segments
-    assert (d0, d1, s0, s1, step) == (0, 4, 2, 31, 0)
-    assert index is not None and index.tolist() == [7, 0, 28, 2]
+def test_consecutive_pairs_become_one_slice_and_scattered_ones_single_rows() -> None:
+    program = build_host_program(np.arange(5, 13), np.arange(0, 8))
+    assert program.segments == ((0, 8, 5, 13, 1),)
+    scattered = build_host_program(np.array([9, 2, 30, 4]), np.array([3, 0, 1, 2]))
+    assert scattered.segments == (
+        (0, 1, 2, 3, 1),
+        (1, 2, 30, 31, 1),
+        (2, 3, 4, 5, 1),
+        (3, 4, 9, 10, 1),
+    )
 
 
 def test_segments_respect_max_rows() -> None:
-    program = build_host_program(np.arange(20, 10, -1), np.arange(0, 10), merge=False, max_rows=4)
-    assert [segment[:5] for segment in program.segments] == [
+    program = build_host_program(np.arange(20, 10, -1), np.arange(0, 10), max_rows=4)
+    assert list(program.segments) == [
         (0, 4, 17, 21, -1),
         (4, 8, 13, 17, -1),
         (8, 10, 11, 13, -1),
@@ -72,8 +75,8 @@ def test_in_place_move_and_exchange_match_numpy(
     expected_move, expected_swap = moved.numpy().copy(), swapped.numpy().copy()
     expected_move[dst] = expected_move[src]
     expected_swap[dst], expected_swap[src] = expected_swap[src], expected_swap[dst].copy()
-    build_host_program(src, dst, merge=False).copy(moved, moved)
-    program = build_host_program(src, dst, merge=False, max_rows=max_rows)
+    build_host_program(src, dst).copy(moved, moved)
+    program = build_host_program(src, dst, max_rows=max_rows)
     program.exchange(swapped, torch.empty(max_rows, PAGE, dtype=torch.int8))
     assert np.array_equal(moved.numpy(), expected_move)
     assert np.array_equal(swapped.numpy(), expected_swap)
@@ -98,7 +101,7 @@ def test_host_transfer_programs_match_numpy(pairs: tuple[np.ndarray, np.ndarray]
     source, target = _rows(2), _rows(3)
     expected = target.numpy().copy()
     expected[dst] = source.numpy()[src]
-    build_host_program(src, dst, merge=True).copy(target, source)
+    build_host_program(src, dst).copy(target, source)
     assert np.array_equal(target.numpy(), expected)
 
 

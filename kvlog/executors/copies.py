@@ -1,14 +1,12 @@
 """Copy programs: a plan's ``(src, dst)`` rows compiled once, applied to every canonical view.
 
 A program is built once per plan from numpy arrays and then applied to each canonical tensor
-with a handful of torch calls, so the per-tensor cost is a few copy calls, not a loop over
-pairs.
+with a handful of copy calls, so the per-tensor cost is one call per run of consecutive
+blocks.
 
 - :class:`HostProgram` (host memory on both sides): pairs sorted by destination and cut
-  into runs of consecutive ids. A forward run is one slice ``copy_``; a reversed run (defrag
-  moves the highest used block into the lowest free one, so its runs go backwards) is one
-  assignment from a reversed view. For transfers
-  (``merge=True``) a contiguous destination range made of short runs becomes one gather.
+  into runs of consecutive ids; each run is one slice copy, forward or reversed (defrag
+  moves the highest used block into the lowest free one, so its runs go backwards).
 - :class:`DeviceTransferProgram` (accelerator <-> pinned host): host rows are always
   addressed as contiguous slices (what DMA needs); the device side is a slice where it is
   contiguous, otherwise one device index tensor per job, sliced per host run.
@@ -30,13 +28,9 @@ __all__ = [
     "find_runs",
 ]
 
-Segment = tuple[int, int, int, int, int, "torch.Tensor | None"]
-"""``(dst_start, dst_stop, src_start, src_stop, step, index)``: ``dst[dst_start:dst_stop]``
-gets ``src[src_start:src_stop]`` (``step`` 1), the same rows in reverse order (``step`` -1),
-or ``src[src_start:src_stop][index]`` (``step`` 0, a gather)."""
-
-_MERGE_BELOW_RUN_LENGTH = 8
-"""A destination range whose runs average fewer rows than this becomes one gather."""
+Segment = tuple[int, int, int, int, int]
+"""``(dst_start, dst_stop, src_start, src_stop, step)``: ``dst[dst_start:dst_stop]`` gets
+``src[src_start:src_stop]`` (``step`` 1) or the same rows in reverse order (``step`` -1)."""
 
 
 def find_runs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -66,9 +60,9 @@ def find_runs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]
 class HostProgram:
     """Segments of a host copy, shared by every canonical tensor of a plan.
 
-    Forward runs and gathers are torch calls (``copy_``, ``index_select(out=)``); reversed
-    runs are one numpy assignment from a negative-stride view, which copies row by row
-    with no temporary (torch has no negative strides).
+    Every segment is one numpy slice assignment (a ``memcpy`` per run; a reversed run reads
+    a negative-stride view, which torch cannot express): no temporaries, no index tensors,
+    and, unlike torch's threaded ``copy_``, no thread pool to wake for each small copy.
     """
 
     segments: tuple[Segment, ...]
@@ -76,40 +70,32 @@ class HostProgram:
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Apply the program: rows of ``src`` into rows of ``dst`` (may be the same tensor)."""
         dst_rows, src_rows = _numpy(dst), _numpy(src)
-        for d0, d1, s0, s1, step, index in self.segments:
-            if step == 1:
-                dst[d0:d1].copy_(src[s0:s1])
-            elif step == -1:
-                dst_rows[d0:d1] = src_rows[s0:s1][::-1]
-            else:
-                assert index is not None, "a gather segment without its index"
-                torch.index_select(src[s0:s1], 0, index, out=dst[d0:d1])
+        for d0, d1, s0, s1, step in self.segments:
+            dst_rows[d0:d1] = src_rows[s0:s1] if step == 1 else src_rows[s0:s1][::-1]
 
     def exchange(self, tensor: torch.Tensor, scratch: torch.Tensor) -> None:
         """Swap the rows of each segment pairwise within ``tensor`` (segments <= scratch)."""
-        rows = _numpy(tensor)
-        for d0, d1, s0, s1, step, _ in self.segments:
-            assert step != 0, "exchange needs runs, not gathers"
-            held = scratch[: d1 - d0]
-            held.copy_(tensor[d0:d1])
+        rows, spare = _numpy(tensor), _numpy(scratch)
+        for d0, d1, s0, s1, step in self.segments:
+            held = spare[: d1 - d0]
+            held[:] = rows[d0:d1]
             if step == 1:
-                tensor[d0:d1].copy_(tensor[s0:s1])
-                tensor[s0:s1].copy_(held)
+                rows[d0:d1] = rows[s0:s1]
+                rows[s0:s1] = held
             else:
                 rows[d0:d1] = rows[s0:s1][::-1]
-                rows[s0:s1] = _numpy(held)[::-1]
+                rows[s0:s1] = held[::-1]
 
 
 def _numpy(tensor: torch.Tensor) -> np.ndarray:
+    assert tensor.device.type == "cpu", "host programs run on CPU tensors only"
     return tensor.numpy()  # type: ignore[no-any-return]
 
 
-def build_host_program(
-    src: np.ndarray, dst: np.ndarray, *, merge: bool, max_rows: int = 1 << 30
-) -> HostProgram:
-    """Compile pairs into host segments; ``merge`` only where src and dst never alias.
+def build_host_program(src: np.ndarray, dst: np.ndarray, max_rows: int = 1 << 30) -> HostProgram:
+    """Compile pairs (distinct destinations) into runs, at most ``max_rows`` rows each.
 
-    ``max_rows`` caps the rows of one segment (swaps exchange through a bounded scratch).
+    ``max_rows`` lets swaps exchange through a bounded scratch buffer.
     """
     if len(dst) == 0:
         return HostProgram(())
@@ -118,55 +104,15 @@ def build_host_program(
     starts, directions = find_runs(src, dst)
     stops = np.append(starts[1:], len(dst))
     segments: list[Segment] = []
-    if merge:
-        starts, stops, directions = _merge_short_runs(dst, starts, stops, directions)
     for start, stop, direction in zip(
         starts.tolist(), stops.tolist(), directions.tolist(), strict=True
     ):
         for a in range(start, stop, max_rows):
-            b = min(stop, a + max_rows)
-            segments.append(_segment(src[a:b], int(dst[a]), direction))
+            length = min(stop, a + max_rows) - a
+            first, dst_start = int(src[a]), int(dst[a])
+            low = first if direction == 1 else first - length + 1
+            segments.append((dst_start, dst_start + length, low, low + length, direction))
     return HostProgram(tuple(segments))
-
-
-def _segment(src: np.ndarray, dst_start: int, direction: int) -> Segment:
-    length = len(src)
-    first = int(src[0])
-    dst_stop = dst_start + length
-    if direction == 1:
-        return (dst_start, dst_stop, first, first + length, 1, None)
-    if direction == -1:
-        return (dst_start, dst_stop, first - length + 1, first + 1, -1, None)
-    low, high = int(src.min()), int(src.max()) + 1  # a merged gather (direction 0)
-    return (dst_start, dst_stop, low, high, 0, torch.from_numpy(src - low))
-
-
-def _merge_short_runs(
-    dst: np.ndarray, starts: np.ndarray, stops: np.ndarray, directions: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Join runs over one contiguous destination range into a gather where runs are short."""
-    count = len(dst)
-    if count == 0:
-        return starts, stops, directions
-    breaks = np.flatnonzero(np.diff(dst) != 1) + 1
-    group_starts = np.concatenate(([0], breaks))
-    group_stops = np.append(breaks, count)
-    runs_per_group = np.diff(np.searchsorted(starts, np.append(group_starts, count)))
-    out_starts: list[int] = []
-    out_directions: list[int] = []
-    run_at = 0
-    for g0, g1, num_runs in zip(
-        group_starts.tolist(), group_stops.tolist(), runs_per_group.tolist(), strict=True
-    ):
-        if num_runs > 1 and (g1 - g0) < _MERGE_BELOW_RUN_LENGTH * num_runs:
-            out_starts.append(g0)
-            out_directions.append(0)
-        else:
-            out_starts.extend(starts[run_at : run_at + num_runs].tolist())
-            out_directions.extend(directions[run_at : run_at + num_runs].tolist())
-        run_at += int(num_runs)
-    new_starts = np.asarray(out_starts, dtype=np.int64)
-    return new_starts, np.append(new_starts[1:], count), np.asarray(out_directions, np.int64)
 
 
 @dataclass(frozen=True)

@@ -78,11 +78,11 @@ class SwapExecutor:
 
     def _apply_host(self, plan: SwapPlan, src: np.ndarray, dst: np.ndarray) -> None:
         if plan.mode == "move":
-            program = build_host_program(src, dst, merge=False)
+            program = build_host_program(src, dst)
             for view in self._views:
                 program.copy(view, view)
             return
-        program = build_host_program(src, dst, merge=False, max_rows=self._chunk_rows)
+        program = build_host_program(src, dst, max_rows=self._chunk_rows)
         scratch = self._host_scratch()
         for view in self._views:
             rows = scratch[: self._chunk_rows * view.shape[1]].view(-1, view.shape[1])

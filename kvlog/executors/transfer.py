@@ -169,7 +169,7 @@ class TransferExecutor:
         gpu_views, cpu_views = self._gpu_views, self._cpu_views
         if self._device.host_like:
             src, dst = (gpu_ids, cpu_ids) if store else (cpu_ids, gpu_ids)
-            host = build_host_program(src, dst, merge=True)
+            host = build_host_program(src, dst)
             dst_views, src_views = (cpu_views, gpu_views) if store else (gpu_views, cpu_views)
             views = list(zip(dst_views, src_views, strict=True))
 

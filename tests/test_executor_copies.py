@@ -118,3 +118,14 @@ def test_device_transfer_programs_match_numpy(pairs: tuple[np.ndarray, np.ndarra
     expected_device[device_ids] = host.numpy()[host_ids]
     build_device_transfer_program(host_ids, device_ids, torch.device("cpu")).load(host, device)
     assert np.array_equal(device.numpy(), expected_device)
+
+
+def test_long_runs_take_the_threaded_torch_copy_and_land_exactly() -> None:
+    page = 1 << 20  # 6 rows of 1 MiB: above TORCH_COPY_BYTES, so torch copy_ runs it
+    generator = torch.Generator().manual_seed(9)
+    source = torch.randint(-128, 128, (10, page), generator=generator, dtype=torch.int8)
+    target = torch.zeros(10, page, dtype=torch.int8)
+    src, dst = np.array([0, 1, 2, 3, 4, 5, 9]), np.array([4, 5, 6, 7, 8, 9, 0])
+    build_host_program(src, dst).copy(target, source)
+    assert torch.equal(target[4:10], source[0:6]) and torch.equal(target[0], source[9])
+    assert not target[1:4].any()

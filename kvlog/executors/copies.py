@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 __all__ = [
+    "TORCH_COPY_BYTES",
     "DeviceTransferProgram",
     "HostProgram",
     "Segment",
@@ -27,6 +28,9 @@ __all__ = [
     "build_host_program",
     "find_runs",
 ]
+
+TORCH_COPY_BYTES = 4 << 20
+"""Forward runs of at least this many bytes use torch's (multi-threaded) ``copy_``."""
 
 Segment = tuple[int, int, int, int, int]
 """``(dst_start, dst_stop, src_start, src_stop, step)``: ``dst[dst_start:dst_stop]`` gets
@@ -60,9 +64,10 @@ def find_runs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]
 class HostProgram:
     """Segments of a host copy, shared by every canonical tensor of a plan.
 
-    Every segment is one numpy slice assignment (a ``memcpy`` per run; a reversed run reads
-    a negative-stride view, which torch cannot express): no temporaries, no index tensors,
-    and, unlike torch's threaded ``copy_``, no thread pool to wake for each small copy.
+    Every segment is one slice copy: numpy slice assignment (a ``memcpy`` per row run; a
+    reversed run reads a negative-stride view, which torch cannot express) with no thread
+    pool to wake for each small copy, or torch's threaded ``copy_`` for long forward runs
+    (``TORCH_COPY_BYTES``). No temporaries, no index tensors.
     """
 
     segments: tuple[Segment, ...]
@@ -70,8 +75,12 @@ class HostProgram:
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Apply the program: rows of ``src`` into rows of ``dst`` (may be the same tensor)."""
         dst_rows, src_rows = _numpy(dst), _numpy(src)
+        threaded_rows = max(1, TORCH_COPY_BYTES // max(1, int(dst.shape[1])))
         for d0, d1, s0, s1, step in self.segments:
-            dst_rows[d0:d1] = src_rows[s0:s1] if step == 1 else src_rows[s0:s1][::-1]
+            if step == 1 and d1 - d0 >= threaded_rows:
+                dst[d0:d1].copy_(src[s0:s1])  # long runs: torch's threaded copy
+            else:
+                dst_rows[d0:d1] = src_rows[s0:s1] if step == 1 else src_rows[s0:s1][::-1]
 
     def exchange(self, tensor: torch.Tensor, scratch: torch.Tensor) -> None:
         """Swap the rows of each segment pairwise within ``tensor`` (segments <= scratch)."""

@@ -1,11 +1,15 @@
-"""Sets of block ids as two-level numpy uint64 bitmaps.
+"""Sets of block ids as two-level uint64 bitmaps (numpy views of ``array.array`` words).
 
 A :class:`BlockSet` holds a subset of ``range(size)``: bit ``i`` of ``words[w]`` is block
 ``64 * w + i``. Two summary bitmaps over the words (``nonempty``: the word has a set bit;
 ``notfull``: the word has a clear bit) let scans skip 4096 blocks per summary bit, so finding
 the highest member or the lowest non-member costs a few word operations, not a pass over the
-cache. Updates touch the changed ids only, O(len(ids)): a Python-int loop for a few ids
-(cheaper than a dozen numpy calls), vectorized numpy (``ufunc.at``) for more.
+cache. Each bitmap is a numpy array (``words``, ``nonempty``, ``notfull``) sharing memory
+with an ``array.array`` (``word_buffer``, ``nonempty_buffer``, ``notfull_buffer``, see
+``buffers.py``): per-id loops read and write Python ints through the buffers, vectorized
+updates go through numpy. Updates touch the changed ids only, O(len(ids)): a Python-int loop
+up to ``SCALAR_LIMIT`` ids, vectorized numpy (``ufunc.at``) beyond; whole-word updates
+(``set_word_bits`` / ``clear_word_bits``) serve callers that have grouped their ids already.
 
 Bits at or above ``size`` in the last word are always clear: a scan for clear bits can yield
 such ids, and callers bound their scans (defrag never pairs a destination above its source).
@@ -13,10 +17,13 @@ such ids, and callers bound their scans (defrag never pairs a destination above 
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterator
 
 import numpy as np
 import numpy.typing as npt
+
+from kvlog.reducers.buffers import WordArray, uint64_buffer
 
 __all__ = [
     "ALL_ONES",
@@ -32,15 +39,16 @@ __all__ = [
 ]
 
 IdArray = npt.NDArray[np.int64]
-WordArray = npt.NDArray[np.uint64]
 
 ALL_ONES = np.uint64(0xFFFF_FFFF_FFFF_FFFF)
 BIT: WordArray = np.left_shift(np.uint64(1), np.arange(64, dtype=np.uint64))
 """``BIT[i] == 1 << i`` as uint64, to build masks by fancy indexing."""
 _CHUNK = 256
 """Summary words looked at per numpy call when a scan has to skip far."""
+_NEAR = 8
+"""Summary words a scan reads one by one (Python ints) before it switches to numpy."""
 _MASK64 = (1 << 64) - 1
-SCALAR_LIMIT = 16
+SCALAR_LIMIT = 96
 """Up to this many ids, updates loop over Python ints: cheaper than a dozen numpy calls."""
 
 
@@ -54,54 +62,74 @@ def clear_bits(words: WordArray, ids: IdArray) -> None:
     np.bitwise_and.at(words, ids >> 6, ~BIT[ids & 63])
 
 
-def _prev_set(summary: WordArray, index: int) -> int:
+def _prev_set(summary: array[int], view: WordArray, index: int) -> int:
     """Largest ``i <= index`` whose bit is set in ``summary`` (bit ``i % 64`` of word
-    ``i // 64``), or -1."""
+    ``i // 64``), or -1. ``view`` is the numpy view of ``summary``."""
+    if index < 0:
+        return -1
     s = index >> 6
-    bits = int(summary[s]) & ((2 << (index & 63)) - 1)
+    bits = summary[s] & ((2 << (index & 63)) - 1)
+    near = s - _NEAR
     while not bits:
         if s == 0:
             return -1
-        lo = max(0, s - _CHUNK)
-        hits = np.flatnonzero(summary[lo:s])
-        if hits.size == 0:
-            s = lo  # summary[lo] was zero too: the next round looks below it
+        if s > near:
+            s -= 1
+            bits = summary[s]
             continue
-        s = lo + int(hits[-1])
-        bits = int(summary[s])
+        lo = max(0, s - _CHUNK)
+        hits = np.flatnonzero(view[lo:s])
+        s = lo + int(hits[-1]) if hits.size else lo
+        bits = summary[s] if hits.size else 0
     return (s << 6) | (bits.bit_length() - 1)
 
 
-def _next_set(summary: WordArray, index: int) -> int:
+def _next_set(summary: array[int], view: WordArray, index: int) -> int:
     """Smallest ``i >= index`` whose bit is set in ``summary``, or -1."""
     s = index >> 6
-    if s >= summary.size:
+    size = len(summary)
+    if s >= size:
         return -1
-    bits = int(summary[s]) & ~((1 << (index & 63)) - 1)
+    bits = summary[s] >> (index & 63) << (index & 63)
+    near = s + _NEAR
     while not bits:
-        lo = s + 1
-        if lo >= summary.size:
+        s += 1
+        if s >= size:
             return -1
-        hits = np.flatnonzero(summary[lo : lo + _CHUNK])
-        if hits.size == 0:
-            s = lo + _CHUNK - 1
+        if s < near:
+            bits = summary[s]
             continue
-        s = lo + int(hits[0])
-        bits = int(summary[s])
+        hits = np.flatnonzero(view[s : s + _CHUNK])
+        if hits.size == 0:
+            s += _CHUNK - 1
+            continue
+        s += int(hits[0])
+        bits = summary[s]
     return (s << 6) | ((bits & -bits).bit_length() - 1)
 
 
 class BlockSet:
     """A subset of ``range(size)`` with O(changed) updates and word-level scans."""
 
-    __slots__ = ("count", "nonempty", "notfull", "size", "words")
+    __slots__ = (
+        "count",
+        "nonempty",
+        "nonempty_buffer",
+        "notfull",
+        "notfull_buffer",
+        "size",
+        "word_buffer",
+        "words",
+    )
 
     def __init__(self, size: int) -> None:
         num_words = (size + 63) >> 6
         self.size = size
         self.count = 0
-        self.words: WordArray = np.zeros(num_words, dtype=np.uint64)
-        self.nonempty, self.notfull = summaries(self.words)
+        self.word_buffer, self.words = uint64_buffer(num_words)
+        self.nonempty_buffer, self.nonempty = uint64_buffer((num_words + 63) >> 6)
+        self.notfull_buffer, self.notfull = uint64_buffer((num_words + 63) >> 6)
+        self.nonempty[:], self.notfull[:] = summaries(self.words)
 
     @classmethod
     def from_mask(cls, mask: npt.NDArray[np.bool_]) -> BlockSet:
@@ -119,13 +147,12 @@ class BlockSet:
 
     def contains(self, block_id: int) -> bool:
         """Whether ``block_id`` is a member."""
-        return bool((int(self.words[block_id >> 6]) >> (block_id & 63)) & 1)
+        return bool((self.word_buffer[block_id >> 6] >> (block_id & 63)) & 1)
 
     def add(self, ids: IdArray) -> None:
         """Add distinct ids that are not members."""
         if ids.size <= SCALAR_LIMIT:
-            for block_id in ids.tolist():
-                self._add_one(block_id)
+            self.add_ids(ids.tolist())
             return
         words = ids >> 6
         np.bitwise_or.at(self.words, words, BIT[ids & 63])
@@ -138,8 +165,7 @@ class BlockSet:
     def remove(self, ids: IdArray) -> None:
         """Remove distinct ids that are members."""
         if ids.size <= SCALAR_LIMIT:
-            for block_id in ids.tolist():
-                self._remove_one(block_id)
+            self.remove_ids(ids.tolist())
             return
         words = ids >> 6
         np.bitwise_and.at(self.words, words, ~BIT[ids & 63])
@@ -149,94 +175,113 @@ class BlockSet:
             np.bitwise_and.at(self.nonempty, empty >> 6, ~BIT[empty & 63])
         self.count -= int(ids.size)
 
-    def _add_one(self, block_id: int) -> None:
-        w = block_id >> 6
-        old = int(self.words[w])
-        new = old | (1 << (block_id & 63))
-        self.words[w] = new
-        if not old:
-            self.nonempty[w >> 6] = int(self.nonempty[w >> 6]) | (1 << (w & 63))
-        if new == _MASK64:
-            self.notfull[w >> 6] = int(self.notfull[w >> 6]) & ~(1 << (w & 63))
-        self.count += 1
+    def add_ids(self, ids: list[int]) -> None:
+        """Add distinct non-members given as Python ints, one by one."""
+        words, nonempty, notfull = self.word_buffer, self.nonempty_buffer, self.notfull_buffer
+        for block_id in ids:
+            w = block_id >> 6
+            old = words[w]
+            new = old | (1 << (block_id & 63))
+            words[w] = new
+            if not old:
+                nonempty[w >> 6] |= 1 << (w & 63)
+            if new == _MASK64:
+                notfull[w >> 6] ^= 1 << (w & 63)
+        self.count += len(ids)
 
-    def _remove_one(self, block_id: int) -> None:
-        w = block_id >> 6
-        old = int(self.words[w])
-        new = old & ~(1 << (block_id & 63))
-        self.words[w] = new
+    def remove_ids(self, ids: list[int]) -> None:
+        """Remove distinct members given as Python ints, one by one."""
+        words, nonempty, notfull = self.word_buffer, self.nonempty_buffer, self.notfull_buffer
+        for block_id in ids:
+            w = block_id >> 6
+            old = words[w]
+            new = old ^ (1 << (block_id & 63))
+            words[w] = new
+            if not new:
+                nonempty[w >> 6] ^= 1 << (w & 63)
+            if old == _MASK64:
+                notfull[w >> 6] |= 1 << (w & 63)
+        self.count -= len(ids)
+
+    def set_word_bits(self, w: int, mask: int) -> None:
+        """Add the members ``64 * w + i`` for the bits ``i`` of ``mask`` (all non-members)."""
+        old = self.word_buffer[w]
+        new = old | mask
+        self.word_buffer[w] = new
+        if not old:
+            self.nonempty_buffer[w >> 6] |= 1 << (w & 63)
+        if new == _MASK64:
+            self.notfull_buffer[w >> 6] ^= 1 << (w & 63)
+        self.count += mask.bit_count()
+
+    def clear_word_bits(self, w: int, mask: int) -> None:
+        """Remove the members ``64 * w + i`` for the bits ``i`` of ``mask`` (all members)."""
+        old = self.word_buffer[w]
+        new = old ^ mask
+        self.word_buffer[w] = new
         if not new:
-            self.nonempty[w >> 6] = int(self.nonempty[w >> 6]) & ~(1 << (w & 63))
+            self.nonempty_buffer[w >> 6] ^= 1 << (w & 63)
         if old == _MASK64:
-            self.notfull[w >> 6] = int(self.notfull[w >> 6]) | (1 << (w & 63))
-        self.count -= 1
+            self.notfull_buffer[w >> 6] |= 1 << (w & 63)
+        self.count -= mask.bit_count()
+
+    def prev_nonempty(self, w: int) -> int:
+        """The largest word index ``<= w`` with a member, or -1."""
+        return _prev_set(self.nonempty_buffer, self.nonempty, w)
+
+    def next_notfull(self, w: int) -> int:
+        """The smallest word index ``>= w`` with a non-member bit, or -1."""
+        return _next_set(self.notfull_buffer, self.notfull, w)
 
     def highest_at_most(self, limit: int) -> int:
         """The largest member ``<= limit``, or -1."""
-        return next(self.descending(limit), -1)
+        if limit < 0 or self.size == 0:
+            return -1
+        limit = min(limit, self.size - 1)
+        w = limit >> 6
+        bits = self.word_buffer[w] & ((2 << (limit & 63)) - 1)
+        if not bits:
+            w = self.prev_nonempty(w - 1)
+            if w < 0:
+                return -1
+            bits = self.word_buffer[w]
+        return (w << 6) | (bits.bit_length() - 1)
 
     def descending(self, limit: int, exclude: WordArray | None = None) -> Iterator[int]:
-        """Members ``<= limit`` from the highest down, skipping bits set in ``exclude``.
-
-        Words are read 64 at a time (one summary word's worth) as Python ints.
-        """
+        """Members ``<= limit`` from the highest down, skipping bits set in ``exclude``."""
         if limit < 0 or self.size == 0:
             return
         limit = min(limit, self.size - 1)
-        first = limit >> 6
-        w = first
+        words = self.word_buffer
+        w = limit >> 6
+        top = (2 << (limit & 63)) - 1
         while w >= 0:
-            w = _prev_set(self.nonempty, w)
-            if w < 0:
-                return
-            lo = w & ~63
-            chunk = self.words[lo : lo + 64].tolist()
-            skip = exclude[lo : lo + 64].tolist() if exclude is not None else None
-            todo = int(self.nonempty[w >> 6]) & ((2 << (w & 63)) - 1)
-            while todo:
-                top = todo.bit_length() - 1
-                todo ^= 1 << top
-                bits = chunk[top]
-                if lo + top == first:
-                    bits &= (2 << (limit & 63)) - 1
-                if skip is not None:
-                    bits &= ~skip[top]
-                while bits:
-                    b = bits.bit_length() - 1
-                    yield ((lo + top) << 6) | b
-                    bits ^= 1 << b
-            w = lo - 1
+            bits = words[w] & top
+            if exclude is not None:
+                bits &= ~int(exclude[w])
+            while bits:
+                b = bits.bit_length() - 1
+                yield (w << 6) | b
+                bits ^= 1 << b
+            w, top = self.prev_nonempty(w - 1), _MASK64
 
     def ascending_clear(self, start: int, exclude: WordArray | None = None) -> Iterator[int]:
         """Non-members ``>= start`` from the lowest up, skipping bits set in ``exclude``.
 
-        Words are read 64 at a time as Python ints. May yield ids at or above ``size`` from
-        the last word's unused bits.
+        May yield ids at or above ``size`` from the last word's unused bits.
         """
-        first = start >> 6
-        w = first
-        while w < self.words.size:
-            w = _next_set(self.notfull, w)
-            if w < 0:
-                return
-            lo = w & ~63
-            chunk = self.words[lo : lo + 64].tolist()
-            skip = exclude[lo : lo + 64].tolist() if exclude is not None else None
-            todo = int(self.notfull[w >> 6]) & ~((1 << (w & 63)) - 1)
-            while todo:
-                low = todo & -todo
-                todo ^= low
-                index = low.bit_length() - 1
-                bits = ~chunk[index] & _MASK64
-                if lo + index == first:
-                    bits &= ~((1 << (start & 63)) - 1)
-                if skip is not None:
-                    bits &= ~skip[index]
-                while bits:
-                    bit = bits & -bits
-                    yield ((lo + index) << 6) | (bit.bit_length() - 1)
-                    bits ^= bit
-            w = lo + 64
+        words = self.word_buffer
+        w = self.next_notfull(start >> 6)
+        bottom = _MASK64 >> (start & 63) << (start & 63) if w == start >> 6 else _MASK64
+        while w >= 0:
+            bits = ~words[w] & bottom
+            if exclude is not None:
+                bits &= ~int(exclude[w])
+            while bits:
+                bit = bits & -bits
+                yield (w << 6) | (bit.bit_length() - 1)
+                bits ^= bit
+            w, bottom = self.next_notfull(w + 1), _MASK64
 
 
 def pack_words(mask: npt.NDArray[np.bool_]) -> WordArray:

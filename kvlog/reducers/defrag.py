@@ -29,12 +29,13 @@ with ``padded_to`` the smallest pad size >= len(pairs) (else the largest) and ``
 pair then swaps the two blocks' ref counts and the mappings of both original logical ids
 (the seed's ``swap_refs`` and ``update_mapping``).
 
-Cost, none of it proportional to the pool: an event costs O(its blocks) (Python ints for up
-to ``SCALAR_LIMIT`` ids, vectorized numpy beyond); the trigger is O(1) (``num_used`` and
-``max_used`` are kept incrementally; ``max_used`` is searched again only when its block is
-freed or moved, downward through the summary bitmap); pairing walks the ``used`` bitmap from
-both ends, 64 words at a time as Python ints, skipping 4096-block runs through the summaries,
-and costs O(pairs) plus the words it passes.
+Cost, none of it proportional to the pool: an event costs O(its blocks) (a Python-int loop
+over ``array.array`` buffers for up to ``SCALAR_LIMIT`` ids, vectorized numpy beyond); the
+trigger is O(1) (``num_used`` and ``max_used`` are kept incrementally; ``max_used`` is
+searched again only when its block is freed or moved, downward through the summary bitmap);
+pairing is one loop that walks the ``used`` bitmap from both ends a word at a time as Python
+ints, skipping 4096-block runs through the summaries, and costs O(pairs) plus the words it
+passes; the move then writes each touched bitmap word once.
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ from kvlog.events import (
 )
 from kvlog.reducers.blockset import SCALAR_LIMIT, IdArray
 from kvlog.reducers.state import State
+
+_MASK64 = (1 << 64) - 1
 
 __all__ = [
     "allocate",
@@ -101,9 +104,15 @@ def check_allocate(state: State, event: BlocksAllocated) -> IdArray | list[int]:
     if len(block_ids) <= SCALAR_LIMIT:  # the common decode case: a block or two
         if block_ids and max(block_ids) >= config.num_gpu_blocks:
             check_block_range(event, "block_ids", block_ids, config.num_gpu_blocks)
-        fwd, refs, pins = state.fwd, state.refs, state.store_pins
-        physical = [int(fwd[b]) for b in block_ids]
-        if config.prefix_caching or not any(refs[p] or pins[p] for p in physical):
+        fwd = state.fwd_buffer
+        physical = [fwd[b] for b in block_ids]
+        if config.prefix_caching:
+            return physical
+        refs, pins = state.refs_buffer, state.store_pins_buffer
+        for p in physical:
+            if refs[p] or pins[p]:
+                break
+        else:
             return physical
     logical = check_block_range(event, "block_ids", block_ids, config.num_gpu_blocks)
     array = state.fwd[logical].astype(np.int64)
@@ -116,7 +125,11 @@ def allocate(state: State, event: BlocksAllocated) -> list[Plan]:
     """Append blocks to a request's table and reference their physical blocks."""
     physical = check_allocate(state, event)
     if len(physical):
-        state.tables.setdefault(event.req_id, []).extend(event.block_ids)
+        table = state.tables.get(event.req_id)
+        if table is None:
+            state.tables[event.req_id] = list(event.block_ids)
+        else:
+            table.extend(event.block_ids)
         state.add_refs(physical)
     return []
 
@@ -150,7 +163,12 @@ def _check_exclusive(
 def release(state: State, event: RequestFinished | RequestPreempted) -> list[Plan]:
     """Drop a request's table; its blocks lose one reference each."""
     table = state.tables.pop(event.req_id, None)
-    if table is not None:
+    if table is None:
+        return []
+    if len(table) <= SCALAR_LIMIT:
+        fwd = state.fwd_buffer
+        state.drop_refs([fwd[b] for b in table])
+    else:
         state.drop_refs(state.fwd[np.asarray(table, dtype=np.int64)].astype(np.int64))
     return []
 
@@ -162,11 +180,12 @@ def end_step(state: State, event: StepEnded) -> list[Plan]:
     state.step = event.step
     if not config.defrag:
         return []
-    sources, destinations = pair_up(state)
+    walk = _walk(state)
+    sources, destinations = walk[0], walk[1]
     if not sources:
         return []
+    state.move_blocks(*walk)
     pairs = list(zip(sources, destinations, strict=True))
-    state.move_refs(np.array(sources, dtype=np.int64), np.array(destinations, dtype=np.int64))
     mode: Literal["swap", "move"] = "swap" if config.prefix_caching else "move"
     padded_to = pad_bucket(len(pairs), config.pad_sizes)
     return [SwapPlan(step=event.step, pairs=pairs, padded_to=padded_to, mode=mode)]
@@ -184,24 +203,68 @@ def choose_pairs(state: State) -> list[tuple[int, int]]:
 
 def pair_up(state: State) -> tuple[list[int], list[int]]:
     """Sources and destinations of this step's defrag (equal lengths; empty: no plan)."""
+    sources, destinations, _, _ = _walk(state)
+    return sources, destinations
+
+
+Walk = tuple[list[int], list[int], list[tuple[int, int]], list[tuple[int, int]]]
+"""Sources, destinations, and both grouped by bitmap word as ``(word index, bit mask)``."""
+
+
+def _walk(state: State) -> Walk:
+    """Pair sources with destinations in one loop over Python-int words, per the rule in
+    the module docstring: sources from ``max_used`` down, destinations from block 1 up,
+    both skipping pinned blocks, a word read when its cursor reaches it. The words are
+    read before anything moves; the bits taken per word are kept for ``move_blocks``."""
     config = state.config
     assert config is not None, "pair_up needs a configured state"
     max_used = state.max_used
     if max_used < 0 or max_used - config.threshold <= state.num_used:
-        return [], []
+        return [], [], [], []
+    used, pinned = state.used, state.pinned_buffer
+    words = used.word_buffer
     sources: list[int] = []
     destinations: list[int] = []
-    limit = config.max_swaps
-    candidates = zip(
-        state.used.descending(max_used, state.pinned),
-        state.used.ascending_clear(1, state.pinned),
-        strict=False,
-    )
-    for src, dst in candidates:
-        if dst > src:
+    vacated: list[tuple[int, int]] = []
+    filled: list[tuple[int, int]] = []
+    sw, dw, limit = max_used >> 6, 0, config.max_swaps
+    source_bits = words[sw] & ~pinned[sw]  # nothing is used above max_used
+    free_bits = ~(words[0] | pinned[0]) & _MASK64 & ~1  # block 0 is never a destination
+    taken_sources = taken_free = 0
+    while limit:
+        if not source_bits:
+            if taken_sources:
+                vacated.append((sw, taken_sources))
+                taken_sources = 0
+            sw = used.prev_nonempty(sw - 1)
+            if sw < dw:  # every source left is below every destination left (or none)
+                break
+            source_bits = words[sw] & ~pinned[sw]
+            continue
+        if not free_bits:
+            if taken_free:
+                filled.append((dw, taken_free))
+                taken_free = 0
+            dw = used.next_notfull(dw + 1)
+            if dw < 0 or dw > sw:
+                break
+            free_bits = ~(words[dw] | pinned[dw]) & _MASK64
+            continue
+        bit = source_bits.bit_length() - 1
+        top, low = 1 << bit, free_bits & -free_bits
+        source = (sw << 6) | bit
+        destination = (dw << 6) | (low.bit_length() - 1)
+        if destination > source:
             break
-        sources.append(src)
-        destinations.append(dst)
-        if len(sources) == limit:
-            break
-    return sources, destinations
+        sources.append(source)
+        destinations.append(destination)
+        source_bits ^= top
+        taken_sources |= top
+        free_bits ^= low
+        taken_free |= low
+        limit -= 1
+    if taken_sources:
+        vacated.append((sw, taken_sources))
+    if taken_free:
+        filled.append((dw, taken_free))
+    return sources, destinations, vacated, filled

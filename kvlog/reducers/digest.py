@@ -79,7 +79,7 @@ def _rebuild(canonical: list[Any]) -> State:
         array = np.frombuffer(raw, dtype="<i4").astype(np.int32)
         if array.size != state.num_gpu_blocks:
             raise ValueError(f"{name} holds {array.size} blocks, not {state.num_gpu_blocks}")
-        setattr(state, name, array)
+        getattr(state, name)[:] = array  # into the buffer the State's loops index
     state.step, state.last_job_id = int(step), int(last_job_id)
     state.tables = {str(req_id): [int(b) for b in table] for req_id, table in tables}
     for job_id, kind, gpu, cpu in jobs:

@@ -9,6 +9,11 @@ Per-block state lives in numpy arrays sized ``num_gpu_blocks`` (physical space u
   many unfinished loads write it. ``pinned`` is the uint64 bitmap of ``store + load > 0``.
 - ``used``: the :class:`BlockSet` of blocks with ``refs > 0``; ``max_used`` is kept with it.
 
+Each array is a numpy view of an ``array.array`` (``refs_buffer``, ``fwd_buffer``, ...; see
+``buffers.py``): per-block loops index the buffer with Python ints, vectorized code the
+view; they share memory, so either may write. Assign into them (``refs[:] = ...``), never
+rebind the attributes.
+
 Everything else is per request (``tables``: logical block ids) or per job (``store_jobs``,
 ``load_jobs``: in submit order). The reducers change the arrays only through the primitives
 here, so the bitmaps never disagree with the counts; each costs O(blocks it is given).
@@ -20,21 +25,15 @@ import numpy as np
 import numpy.typing as npt
 
 from kvlog.events import CacheConfigured, SwapPlan
-from kvlog.reducers.blockset import (
-    SCALAR_LIMIT,
-    BlockSet,
-    IdArray,
-    WordArray,
-    clear_bits,
-    set_bits,
-)
+from kvlog.reducers.blockset import SCALAR_LIMIT, BlockSet, IdArray, clear_bits, set_bits
+from kvlog.reducers.buffers import int32_buffer, uint64_buffer
 
 __all__ = ["MAX_JOBS_IN_FLIGHT", "Job", "State", "initial_state"]
 
 MAX_JOBS_IN_FLIGHT = 1 << 16
 """Bound on unfinished transfer jobs (stores and loads together)."""
-
-Int32Array = npt.NDArray[np.int32]
+_MOVE_LOOP_LIMIT = 12
+"""Up to this many defrag pairs, ``move_blocks`` updates the arrays in a Python loop."""
 
 
 class Job:
@@ -47,10 +46,6 @@ class Job:
         self.kind = kind
         self.gpu_block_ids = gpu_block_ids
         self.cpu_block_ids = cpu_block_ids
-
-
-def _empty_i32(size: int) -> Int32Array:
-    return np.zeros(size, dtype=np.int32)
 
 
 class State:
@@ -74,13 +69,14 @@ class State:
 
     def _allocate_arrays(self, num_gpu_blocks: int) -> None:
         identity = np.arange(num_gpu_blocks, dtype=np.int32)
-        self.refs: Int32Array = _empty_i32(num_gpu_blocks)
-        self.fwd: Int32Array = identity
-        self.bwd: Int32Array = identity.copy()
-        self.store_pins: Int32Array = _empty_i32(num_gpu_blocks)
-        self.load_pins: Int32Array = _empty_i32(num_gpu_blocks)
+        zeros = np.zeros(num_gpu_blocks, dtype=np.int32)
+        self.refs_buffer, self.refs = int32_buffer(zeros)
+        self.fwd_buffer, self.fwd = int32_buffer(identity)
+        self.bwd_buffer, self.bwd = int32_buffer(identity)
+        self.store_pins_buffer, self.store_pins = int32_buffer(zeros)
+        self.load_pins_buffer, self.load_pins = int32_buffer(zeros)
         self.used = BlockSet(num_gpu_blocks)
-        self.pinned: WordArray = np.zeros(self.used.words.size, dtype=np.uint64)
+        self.pinned_buffer, self.pinned = uint64_buffer(self.used.words.size)
         self._max_used = -1
 
     def configure(self, config: CacheConfigured) -> None:
@@ -106,14 +102,14 @@ class State:
 
     def resolve(self, block_id: int) -> int:
         """Logical -> physical; ids outside the pool (pad entries) are returned unchanged."""
-        if 0 <= block_id < self.refs.size:
-            return int(self.fwd[block_id])
+        if 0 <= block_id < len(self.fwd_buffer):
+            return self.fwd_buffer[block_id]
         return block_id
 
     def unresolve(self, physical: int) -> int:
         """Physical -> logical; ids outside the pool are returned unchanged."""
-        if 0 <= physical < self.refs.size:
-            return int(self.bwd[physical])
+        if 0 <= physical < len(self.bwd_buffer):
+            return self.bwd_buffer[physical]
         return physical
 
     def resolve_array(self, block_ids: npt.NDArray[np.integer]) -> npt.NDArray[np.integer]:
@@ -144,63 +140,101 @@ class State:
 
     def is_pinned(self, physical: int) -> bool:
         """Whether an unfinished transfer reads or writes this physical block."""
-        if not 0 <= physical < self.refs.size:
+        if not 0 <= physical < len(self.refs_buffer):
             return False
-        return bool(self.store_pins[physical] or self.load_pins[physical])
+        return bool(self.store_pins_buffer[physical] or self.load_pins_buffer[physical])
 
     # -- primitives (keep arrays, bitmaps and max_used consistent) ------------------------
     def add_refs(self, physical: IdArray | list[int]) -> None:
         """One more reference to each of ``physical`` (distinct ids)."""
         if isinstance(physical, list) or physical.size <= SCALAR_LIMIT:
-            refs, fresh = self.refs, []
+            refs, fresh = self.refs_buffer, []
             for p in physical if isinstance(physical, list) else physical.tolist():
-                count = int(refs[p]) + 1
+                count = refs[p] + 1
                 refs[p] = count
                 if count == 1:
-                    self.used._add_one(p)
                     fresh.append(p)
             if fresh:
+                self.used.add_ids(fresh)
                 self._max_used = max(self._max_used, *fresh)
             return
         self.refs[physical] += 1
-        fresh = physical[self.refs[physical] == 1]
-        if fresh.size:
-            self.used.add(fresh)
-            self._max_used = max(self._max_used, int(fresh.max()))
+        fresh_ids = physical[self.refs[physical] == 1]
+        if fresh_ids.size:
+            self.used.add(fresh_ids)
+            self._max_used = max(self._max_used, int(fresh_ids.max()))
 
-    def drop_refs(self, physical: IdArray) -> None:
+    def drop_refs(self, physical: IdArray | list[int]) -> None:
         """One reference fewer to each of ``physical`` (repeats drop one each)."""
-        if physical.size <= SCALAR_LIMIT:
-            refs = self.refs
-            for p in physical.tolist():
-                count = int(refs[p]) - 1
+        if isinstance(physical, list) or physical.size <= SCALAR_LIMIT:
+            refs, freed = self.refs_buffer, []
+            for p in physical if isinstance(physical, list) else physical.tolist():
+                count = refs[p] - 1
                 refs[p] = count
-                if count == 0:
-                    self.used._remove_one(p)
-            self._refresh_max_used()
+                if not count:
+                    freed.append(p)
+            if freed:
+                self.used.remove_ids(freed)
+                self._refresh_max_used()
             return
-        np.subtract.at(self.refs, physical, 1)
-        freed = physical[self.refs[physical] == 0]
-        if freed.size:
-            if freed.size > 1:  # a table may repeat a block under prefix caching
-                freed = np.sort(freed)
-                freed = freed[np.concatenate(([True], freed[1:] != freed[:-1]))]
-            self.used.remove(freed)
+        if self.config is not None and not self.config.prefix_caching:
+            self.refs[physical] -= 1  # no sharing: a table never repeats a block
+        else:
+            np.subtract.at(self.refs, physical, 1)
+        freed_ids = physical[self.refs[physical] == 0]
+        if freed_ids.size:
+            if freed_ids.size > 1:  # a table may repeat a block under prefix caching
+                freed_ids = np.sort(freed_ids)
+                freed_ids = freed_ids[np.concatenate(([True], freed_ids[1:] != freed_ids[:-1]))]
+            self.used.remove(freed_ids)
             self._refresh_max_used()
 
     def move_refs(self, sources: IdArray, destinations: IdArray) -> None:
         """Defrag: each source's refs go to its (free) destination; mappings follow."""
-        self.refs[destinations] = self.refs[sources]
-        self.refs[sources] = 0
         self.used.remove(sources)
         self.used.add(destinations)
+        self._move_arrays(sources, destinations)
+        self._refresh_max_used()
+
+    def move_blocks(
+        self,
+        sources: list[int],
+        destinations: list[int],
+        vacated: list[tuple[int, int]],
+        filled: list[tuple[int, int]],
+    ) -> None:
+        """``move_refs`` for the pairing walk's output: ``vacated`` / ``filled`` are the
+        sources / destinations grouped by bitmap word as ``(word index, bit mask)``, so the
+        bitmap changes one word at a time."""
+        used = self.used
+        for w, mask in vacated:
+            used.clear_word_bits(w, mask)
+        for w, mask in filled:
+            used.set_word_bits(w, mask)
+        if len(sources) > _MOVE_LOOP_LIMIT:
+            src = np.array(sources, dtype=np.int64)
+            self._move_arrays(src, np.array(destinations, dtype=np.int64))
+        else:
+            refs, fwd, bwd = self.refs_buffer, self.fwd_buffer, self.bwd_buffer
+            for s, d in zip(sources, destinations, strict=True):
+                refs[d] = refs[s]
+                refs[s] = 0
+                logical_source, logical_destination = bwd[s], bwd[d]
+                fwd[logical_source] = d
+                fwd[logical_destination] = s
+                bwd[d] = logical_source
+                bwd[s] = logical_destination
+        self._refresh_max_used()
+
+    def _move_arrays(self, sources: IdArray, destinations: IdArray) -> None:
+        self.refs[destinations] = self.refs[sources]
+        self.refs[sources] = 0
         logical_sources = self.bwd[sources]
         logical_destinations = self.bwd[destinations]
         self.fwd[logical_sources] = destinations
         self.fwd[logical_destinations] = sources
         self.bwd[destinations] = logical_sources
         self.bwd[sources] = logical_destinations
-        self._refresh_max_used()
 
     def _refresh_max_used(self) -> None:
         if self._max_used >= 0 and not self.used.contains(self._max_used):

@@ -154,6 +154,28 @@ def test_stream_device_orders_jobs_with_events_only(fake_cuda: _FakeCuda) -> Non
     assert fake_cuda.streams == 3, "streams are reused from the pool"
 
 
+def test_the_device_index_moves_inside_the_transfer_stream(
+    fake_cuda: _FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvlog.executors import transfer
+
+    seen: list[tuple[Any, ...]] = []
+    build = transfer.build_device_transfer_program
+
+    def spy(*args: Any) -> Any:
+        seen.append(fake_cuda.log[-1])  # what the stream context was when it ran
+        return build(*args)
+
+    monkeypatch.setattr(transfer, "build_device_transfer_program", spy)
+    device = StreamDevice("cuda", torch.device("cpu"))
+    device.device_type, device.pin_memory = "cpu", False
+    kv_caches, layout = caches()
+    executor = make_executor(kv_caches, config_for(N, BS, CPU), backend=device, layout=layout)
+    executor.execute(store_plan(1, [3, 9, 4], [0, 1, 2], 1))  # scattered: needs an index
+    executor.execute(load_plan(2, [3], [7], 1))
+    assert seen == [("enter", "stream1"), ("enter", "stream2")]
+
+
 def test_stream_device_moves_bytes_like_the_cpu_backend(fake_cuda: _FakeCuda) -> None:
     results = {}
     for backend in ("cpu", "cuda"):

@@ -163,7 +163,7 @@ class TransferExecutor:
         return jobs
 
     def _work(self, job: _Job, pairs: np.ndarray) -> Callable[[], None]:
-        """Compile the job once; the returned work copies every canonical tensor."""
+        """The job's copy work: one program per job, then a few copies per canonical tensor."""
         store = job.kind == "store"
         gpu_ids, cpu_ids = (pairs[:, 0], pairs[:, 1]) if store else (pairs[:, 1], pairs[:, 0])
         gpu_views, cpu_views = self._gpu_views, self._cpu_views
@@ -178,11 +178,14 @@ class TransferExecutor:
                     host.copy(dst_view, src_view)
 
             return host_work
-        program = build_device_transfer_program(cpu_ids, gpu_ids, self._layout.device)
-        job.keepalive = program  # the device index lives until the job is retired
-        copy = program.store if store else program.load
+        device = self._layout.device
 
         def device_work() -> None:
+            # Built here, in stream order: the index moves to the device on the transfer
+            # stream (once per job) and is allocated from that stream's pool.
+            program = build_device_transfer_program(cpu_ids, gpu_ids, device)
+            job.keepalive = program  # the device index lives until the job is retired
+            copy = program.store if store else program.load
             for cpu_view, gpu_view in zip(cpu_views, gpu_views, strict=True):
                 copy(cpu_view, gpu_view)
 

@@ -81,7 +81,9 @@ def _kill_during_appends(server: ForkServer, path: Path, sync: str, seed: int) -
     pid = -1
     wanted = rng.randint(1, 16)
     for line in lines:
-        kind, value = line.split()
+        fields = line.split()
+        assert len(fields) == 2, f"unexpected output from the fork server or a child: {line!r}"
+        kind, value = fields
         if kind == "pid":
             pid = int(value)
         else:

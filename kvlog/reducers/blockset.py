@@ -8,8 +8,9 @@ cache. Each bitmap is a numpy array (``words``, ``nonempty``, ``notfull``) shari
 with an ``array.array`` (``word_buffer``, ``nonempty_buffer``, ``notfull_buffer``, see
 ``buffers.py``): per-id loops read and write Python ints through the buffers, vectorized
 updates go through numpy. Updates touch the changed ids only, O(len(ids)): a Python-int loop
-up to ``SCALAR_LIMIT`` ids, vectorized numpy (``ufunc.at``) beyond; whole-word updates
-(``set_word_bits`` / ``clear_word_bits``) serve callers that have grouped their ids already.
+up to ``SCALAR_LIMIT`` ids (one word write per run of ids in the same word), vectorized
+numpy (``ufunc.at``) beyond; whole-word updates (``set_word_bits`` / ``clear_word_bits``)
+serve callers that have grouped their ids already.
 
 Bits at or above ``size`` in the last word are always clear: a scan for clear bits can yield
 such ids, and callers bound their scans (defrag never pairs a destination above its source).
@@ -176,32 +177,29 @@ class BlockSet:
         self.count -= int(ids.size)
 
     def add_ids(self, ids: list[int]) -> None:
-        """Add distinct non-members given as Python ints, one by one."""
-        words, nonempty, notfull = self.word_buffer, self.nonempty_buffer, self.notfull_buffer
+        """Add distinct non-members given as Python ints; a run of ids in one word is one
+        word write (a request's blocks often share words)."""
+        w, mask = -1, 0
         for block_id in ids:
-            w = block_id >> 6
-            old = words[w]
-            new = old | (1 << (block_id & 63))
-            words[w] = new
-            if not old:
-                nonempty[w >> 6] |= 1 << (w & 63)
-            if new == _MASK64:
-                notfull[w >> 6] ^= 1 << (w & 63)
-        self.count += len(ids)
+            if block_id >> 6 != w:
+                if mask:
+                    self.set_word_bits(w, mask)
+                w, mask = block_id >> 6, 0
+            mask |= 1 << (block_id & 63)
+        if mask:
+            self.set_word_bits(w, mask)
 
     def remove_ids(self, ids: list[int]) -> None:
-        """Remove distinct members given as Python ints, one by one."""
-        words, nonempty, notfull = self.word_buffer, self.nonempty_buffer, self.notfull_buffer
+        """Remove distinct members given as Python ints, a run in one word at a time."""
+        w, mask = -1, 0
         for block_id in ids:
-            w = block_id >> 6
-            old = words[w]
-            new = old ^ (1 << (block_id & 63))
-            words[w] = new
-            if not new:
-                nonempty[w >> 6] ^= 1 << (w & 63)
-            if old == _MASK64:
-                notfull[w >> 6] |= 1 << (w & 63)
-        self.count -= len(ids)
+            if block_id >> 6 != w:
+                if mask:
+                    self.clear_word_bits(w, mask)
+                w, mask = block_id >> 6, 0
+            mask |= 1 << (block_id & 63)
+        if mask:
+            self.clear_word_bits(w, mask)
 
     def set_word_bits(self, w: int, mask: int) -> None:
         """Add the members ``64 * w + i`` for the bits ``i`` of ``mask`` (all non-members)."""

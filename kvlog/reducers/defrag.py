@@ -55,10 +55,9 @@ from kvlog.events import (
     StepEnded,
     SwapPlan,
 )
+from kvlog.reducers import pairing
 from kvlog.reducers.blockset import SCALAR_LIMIT, IdArray
 from kvlog.reducers.state import State
-
-_MASK64 = (1 << 64) - 1
 
 __all__ = [
     "allocate",
@@ -123,15 +122,42 @@ def check_allocate(state: State, event: BlocksAllocated) -> IdArray | list[int]:
 
 def allocate(state: State, event: BlocksAllocated) -> list[Plan]:
     """Append blocks to a request's table and reference their physical blocks."""
-    physical = check_allocate(state, event)
-    if len(physical):
-        table = state.tables.get(event.req_id)
-        if table is None:
-            state.tables[event.req_id] = list(event.block_ids)
-        else:
-            table.extend(event.block_ids)
+    config = state.config
+    assert config is not None, "reduce() dispatches only configured states here"
+    block_ids = event.block_ids
+    if not block_ids:
+        return []
+    free = None if config.prefix_caching else _free_physical(state, block_ids)
+    physical = check_allocate(state, event) if free is None else free
+    table = state.tables.get(event.req_id)
+    if table is None:
+        state.tables[event.req_id] = list(block_ids)
+    else:
+        table.extend(block_ids)
+    if free is None:
         state.add_refs(physical)
+    else:
+        state.take_free(free)
     return []
+
+
+def _free_physical(state: State, block_ids: list[int]) -> list[int] | None:
+    """The fast path of ``check_allocate`` without prefix caching: the physical ids of a
+    small allocation whose blocks are all in range, unreferenced and not read by a store;
+    None otherwise (``check_allocate`` then decides, and raises)."""
+    if len(block_ids) > SCALAR_LIMIT:
+        return None
+    fwd, refs, pins = state.fwd_buffer, state.refs_buffer, state.store_pins_buffer
+    size = len(fwd)
+    physical = []
+    for b in block_ids:
+        if b >= size:
+            return None
+        p = fwd[b]
+        if refs[p] or pins[p]:
+            return None
+        physical.append(p)
+    return physical
 
 
 def _check_exclusive(
@@ -180,11 +206,10 @@ def end_step(state: State, event: StepEnded) -> list[Plan]:
     state.step = event.step
     if not config.defrag:
         return []
-    walk = _walk(state)
-    sources, destinations = walk[0], walk[1]
+    sources, destinations, vacated, filled = pairing.walk(state)
     if not sources:
         return []
-    state.move_blocks(*walk)
+    state.move_blocks(sources, destinations, vacated, filled)
     pairs = list(zip(sources, destinations, strict=True))
     mode: Literal["swap", "move"] = "swap" if config.prefix_caching else "move"
     padded_to = pad_bucket(len(pairs), config.pad_sizes)
@@ -193,7 +218,10 @@ def end_step(state: State, event: StepEnded) -> list[Plan]:
 
 def pad_bucket(num_pairs: int, pad_sizes: tuple[int, ...]) -> int:
     """Smallest pad size >= num_pairs, else the largest (the seed's ``to_swap_pad``)."""
-    return next((p for p in pad_sizes if p >= num_pairs), pad_sizes[-1])
+    for size in pad_sizes:
+        if size >= num_pairs:
+            return size
+    return pad_sizes[-1]
 
 
 def choose_pairs(state: State) -> list[tuple[int, int]]:
@@ -203,68 +231,5 @@ def choose_pairs(state: State) -> list[tuple[int, int]]:
 
 def pair_up(state: State) -> tuple[list[int], list[int]]:
     """Sources and destinations of this step's defrag (equal lengths; empty: no plan)."""
-    sources, destinations, _, _ = _walk(state)
+    sources, destinations, _, _ = pairing.walk(state)
     return sources, destinations
-
-
-Walk = tuple[list[int], list[int], list[tuple[int, int]], list[tuple[int, int]]]
-"""Sources, destinations, and both grouped by bitmap word as ``(word index, bit mask)``."""
-
-
-def _walk(state: State) -> Walk:
-    """Pair sources with destinations in one loop over Python-int words, per the rule in
-    the module docstring: sources from ``max_used`` down, destinations from block 1 up,
-    both skipping pinned blocks, a word read when its cursor reaches it. The words are
-    read before anything moves; the bits taken per word are kept for ``move_blocks``."""
-    config = state.config
-    assert config is not None, "pair_up needs a configured state"
-    max_used = state.max_used
-    if max_used < 0 or max_used - config.threshold <= state.num_used:
-        return [], [], [], []
-    used, pinned = state.used, state.pinned_buffer
-    words = used.word_buffer
-    sources: list[int] = []
-    destinations: list[int] = []
-    vacated: list[tuple[int, int]] = []
-    filled: list[tuple[int, int]] = []
-    sw, dw, limit = max_used >> 6, 0, config.max_swaps
-    source_bits = words[sw] & ~pinned[sw]  # nothing is used above max_used
-    free_bits = ~(words[0] | pinned[0]) & _MASK64 & ~1  # block 0 is never a destination
-    taken_sources = taken_free = 0
-    while limit:
-        if not source_bits:
-            if taken_sources:
-                vacated.append((sw, taken_sources))
-                taken_sources = 0
-            sw = used.prev_nonempty(sw - 1)
-            if sw < dw:  # every source left is below every destination left (or none)
-                break
-            source_bits = words[sw] & ~pinned[sw]
-            continue
-        if not free_bits:
-            if taken_free:
-                filled.append((dw, taken_free))
-                taken_free = 0
-            dw = used.next_notfull(dw + 1)
-            if dw < 0 or dw > sw:
-                break
-            free_bits = ~(words[dw] | pinned[dw]) & _MASK64
-            continue
-        bit = source_bits.bit_length() - 1
-        top, low = 1 << bit, free_bits & -free_bits
-        source = (sw << 6) | bit
-        destination = (dw << 6) | (low.bit_length() - 1)
-        if destination > source:
-            break
-        sources.append(source)
-        destinations.append(destination)
-        source_bits ^= top
-        taken_sources |= top
-        free_bits ^= low
-        taken_free |= low
-        limit -= 1
-    if taken_sources:
-        vacated.append((sw, taken_sources))
-    if taken_free:
-        filled.append((dw, taken_free))
-    return sources, destinations, vacated, filled

@@ -145,6 +145,16 @@ class State:
         return bool(self.store_pins_buffer[physical] or self.load_pins_buffer[physical])
 
     # -- primitives (keep arrays, bitmaps and max_used consistent) ------------------------
+    def take_free(self, physical: list[int]) -> None:
+        """``add_refs`` for distinct blocks the caller has checked are unreferenced."""
+        refs = self.refs_buffer
+        for p in physical:
+            refs[p] = 1
+        self.used.add_ids(physical)
+        top = max(physical)
+        if top > self._max_used:
+            self._max_used = top
+
     def add_refs(self, physical: IdArray | list[int]) -> None:
         """One more reference to each of ``physical`` (distinct ids)."""
         if isinstance(physical, list) or physical.size <= SCALAR_LIMIT:
@@ -167,12 +177,19 @@ class State:
     def drop_refs(self, physical: IdArray | list[int]) -> None:
         """One reference fewer to each of ``physical`` (repeats drop one each)."""
         if isinstance(physical, list) or physical.size <= SCALAR_LIMIT:
-            refs, freed = self.refs_buffer, []
-            for p in physical if isinstance(physical, list) else physical.tolist():
-                count = refs[p] - 1
-                refs[p] = count
-                if not count:
-                    freed.append(p)
+            ids = physical if isinstance(physical, list) else physical.tolist()
+            refs = self.refs_buffer
+            if self.config is not None and not self.config.prefix_caching:
+                for p in ids:  # no sharing: every count is 1 and no table repeats a block
+                    refs[p] = 0
+                freed = ids
+            else:
+                freed = []
+                for p in ids:
+                    count = refs[p] - 1
+                    refs[p] = count
+                    if not count:
+                        freed.append(p)
             if freed:
                 self.used.remove_ids(freed)
                 self._refresh_max_used()

@@ -1,0 +1,126 @@
+"""The defrag pairing walk: which used blocks move into which free ones, found word by word.
+
+Rule (``defrag.py`` docstring): sources are the used blocks from ``max_used`` down,
+destinations the free blocks from 1 up, both skipping pinned blocks; source ``i`` pairs
+with destination ``i`` while the destination is below the source, for at most
+``max_swaps`` pairs. Because the sources descend and the destinations ascend, every
+destination in a word below the current source word is below every source in it, so the
+walk needs no per-block comparison there: it takes ``min(sources left in the word, free
+blocks left in the word, pairs left)`` at once, and compares bit by bit only where both
+cursors reach the same word (after which nothing more can pair). Besides the block ids it
+returns the taken bits per bitmap word, ``(word index, mask)`` in walk order, which
+``move_blocks`` applies one word at a time.
+
+Cost: O(words the cursors pass + pairs); summary bitmaps skip empty or full 4096-block runs.
+"""
+
+from __future__ import annotations
+
+from kvlog.reducers.state import State
+
+__all__ = ["Walk", "WordMasks", "walk"]
+
+WordMasks = list[tuple[int, int]]
+"""``(word index, bit mask)`` entries: bit ``i`` of the mask is block ``64 * word + i``."""
+
+_MASK64 = (1 << 64) - 1
+
+
+Walk = tuple[list[int], list[int], WordMasks, WordMasks]
+"""Sources (descending), destinations (ascending), and the same bits as ``WordMasks``."""
+
+
+def walk(state: State) -> Walk:
+    """This step's defrag: (sources, destinations, vacated, filled), ``vacated`` /
+    ``filled`` the sources' / destinations' bits per word in walk order; all empty when the
+    trigger does not fire or no pair exists. Reads the bitmaps before anything moves."""
+    config = state.config
+    assert config is not None, "the pairing walk needs a configured state"
+    max_used = state.max_used
+    moved: Walk = ([], [], [], [])
+    if max_used < 0 or max_used - config.threshold <= state.num_used:
+        return moved
+    sources, destinations, vacated, filled = moved
+    used, pinned = state.used, state.pinned_buffer
+    words = used.word_buffer
+    sw, dw, limit = max_used >> 6, 0, config.max_swaps
+    source_bits = words[sw] & ~pinned[sw]  # nothing is used above max_used
+    free_bits = ~(words[0] | pinned[0]) & _MASK64 & ~1  # block 0 is never a destination
+    while limit:
+        if not source_bits:
+            sw = used.prev_nonempty(sw - 1)
+            if sw < dw:  # every source left is below every destination left (or none)
+                break
+            source_bits = words[sw] & ~pinned[sw]
+        elif not free_bits:
+            dw = used.next_notfull(dw + 1)
+            if dw < 0 or dw > sw:
+                break
+            free_bits = ~(words[dw] | pinned[dw]) & _MASK64
+        elif sw == dw:
+            _pair_within(sw, source_bits, free_bits, limit, moved)
+            break
+        else:
+            count = min(source_bits.bit_count(), free_bits.bit_count(), limit)
+            rest = _take_highest(source_bits, count, sw << 6, sources)
+            _append(vacated, sw, source_bits ^ rest)
+            source_bits = rest
+            rest = _take_lowest(free_bits, count, dw << 6, destinations)
+            _append(filled, dw, free_bits ^ rest)
+            free_bits = rest
+            limit -= count
+    return moved
+
+
+def _append(masks: WordMasks, w: int, mask: int) -> None:
+    """Add ``mask`` to the entries, merged into the last one when it is the same word."""
+    if not mask:
+        return
+    if masks and masks[-1][0] == w:
+        masks[-1] = (w, masks[-1][1] | mask)
+    else:
+        masks.append((w, mask))
+
+
+def _take_highest(bits: int, count: int, base: int, out: list[int]) -> int:
+    """Append ``base | i`` for the ``count`` highest set bits ``i``, highest first; the
+    bits left."""
+    append = out.append
+    for _ in range(count):
+        bit = bits.bit_length() - 1
+        append(base | bit)
+        bits ^= 1 << bit
+    return bits
+
+
+def _take_lowest(bits: int, count: int, base: int, out: list[int]) -> int:
+    """Append ``base | i`` for the ``count`` lowest set bits ``i``, lowest first; the bits
+    left."""
+    append = out.append
+    for _ in range(count):
+        low = bits & -bits
+        append(base | (low.bit_length() - 1))
+        bits ^= low
+    return bits
+
+
+def _pair_within(w: int, source_bits: int, free_bits: int, limit: int, moved: Walk) -> None:
+    """Both cursors in word ``w``: pair the highest source bits with the lowest free bits
+    while the free bit is below the source bit, appending to ``moved``."""
+    sources, destinations, vacated, filled = moved
+    base = w << 6
+    taken_sources = taken_free = 0
+    while limit and source_bits and free_bits:
+        top = 1 << (source_bits.bit_length() - 1)
+        low = free_bits & -free_bits
+        if low > top:
+            break
+        sources.append(base | (top.bit_length() - 1))
+        destinations.append(base | (low.bit_length() - 1))
+        source_bits ^= top
+        taken_sources |= top
+        free_bits ^= low
+        taken_free |= low
+        limit -= 1
+    _append(vacated, w, taken_sources)
+    _append(filled, w, taken_free)

@@ -46,7 +46,7 @@ BIT: WordArray = np.left_shift(np.uint64(1), np.arange(64, dtype=np.uint64))
 """``BIT[i] == 1 << i`` as uint64, to build masks by fancy indexing."""
 _CHUNK = 256
 """Summary words looked at per numpy call when a scan has to skip far."""
-_NEAR = 8
+_NEAR = 32
 """Summary words a scan reads one by one (Python ints) before it switches to numpy."""
 _MASK64 = (1 << 64) - 1
 SCALAR_LIMIT = 96

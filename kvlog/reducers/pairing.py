@@ -83,24 +83,33 @@ def _append(masks: WordMasks, w: int, mask: int) -> None:
 
 
 def _take_highest(bits: int, count: int, base: int, out: list[int]) -> int:
-    """Append ``base | i`` for the ``count`` highest set bits ``i``, highest first; the
-    bits left."""
-    append = out.append
-    for _ in range(count):
-        bit = bits.bit_length() - 1
-        append(base | bit)
-        bits ^= 1 << bit
+    """Append ``base | i`` for the ``count`` highest set bits ``i`` (``count`` at most
+    ``bits.bit_count()``), highest first, a run of consecutive bits at a time (free and
+    used blocks come in runs); the bits left."""
+    while count:
+        end = bits.bit_length()  # one above the top run
+        start = (~bits & ((1 << end) - 1)).bit_length()  # its lowest bit
+        if end - start > count:
+            start = end - count
+        out.extend(range(base + end - 1, base + start - 1, -1))
+        count -= end - start
+        bits &= (1 << start) - 1
     return bits
 
 
 def _take_lowest(bits: int, count: int, base: int, out: list[int]) -> int:
-    """Append ``base | i`` for the ``count`` lowest set bits ``i``, lowest first; the bits
-    left."""
-    append = out.append
-    for _ in range(count):
+    """Append ``base | i`` for the ``count`` lowest set bits ``i`` (``count`` at most
+    ``bits.bit_count()``), lowest first, a run at a time; the bits left."""
+    while count:
         low = bits & -bits
-        append(base | (low.bit_length() - 1))
-        bits ^= low
+        start = low.bit_length() - 1  # the bottom run's lowest bit
+        above = bits + low  # carries through the run: its lowest set bit ends the run
+        end = (above & -above).bit_length() - 1
+        if end - start > count:
+            end = start + count
+        out.extend(range(base + start, base + end))
+        count -= end - start
+        bits &= -(1 << end)
     return bits
 
 

@@ -210,7 +210,8 @@ class State:
         """Defrag: each source's refs go to its (free) destination; mappings follow."""
         self.used.remove(sources)
         self.used.add(destinations)
-        self._move_arrays(sources, destinations)
+        moved = np.concatenate((sources, destinations))
+        self._swap_arrays(moved, np.concatenate((destinations, sources)))
         self._refresh_max_used()
 
     def move_blocks(
@@ -229,8 +230,9 @@ class State:
         for w, mask in filled:
             used.set_word_bits(w, mask)
         if len(sources) > _MOVE_LOOP_LIMIT:
-            src = np.array(sources, dtype=np.int64)
-            self._move_arrays(src, np.array(destinations, dtype=np.int64))
+            count = len(sources)
+            moved = np.array(sources + destinations, dtype=np.int64)
+            self._swap_arrays(moved, np.concatenate((moved[count:], moved[:count])))
         else:
             refs, fwd, bwd = self.refs_buffer, self.fwd_buffer, self.bwd_buffer
             for s, d in zip(sources, destinations, strict=True):
@@ -243,15 +245,13 @@ class State:
                 bwd[s] = logical_destination
         self._refresh_max_used()
 
-    def _move_arrays(self, sources: IdArray, destinations: IdArray) -> None:
-        self.refs[destinations] = self.refs[sources]
-        self.refs[sources] = 0
-        logical_sources = self.bwd[sources]
-        logical_destinations = self.bwd[destinations]
-        self.fwd[logical_sources] = destinations
-        self.fwd[logical_destinations] = sources
-        self.bwd[destinations] = logical_sources
-        self.bwd[sources] = logical_destinations
+    def _swap_arrays(self, moved: IdArray, partners: IdArray) -> None:
+        """Block ``moved[i]`` trades places with ``partners[i]`` (a permutation of
+        ``moved``): ref counts and both mappings."""
+        self.refs[partners] = self.refs[moved]
+        logical = self.bwd[moved]
+        self.fwd[logical] = partners
+        self.bwd[partners] = logical
 
     def _refresh_max_used(self) -> None:
         if self._max_used >= 0 and not self.used.contains(self._max_used):

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvlog.executors import copies
 from kvlog.executors.copies import (
     build_device_transfer_program,
     build_host_program,
@@ -120,7 +122,10 @@ def test_device_transfer_programs_match_numpy(pairs: tuple[np.ndarray, np.ndarra
     assert np.array_equal(device.numpy(), expected_device)
 
 
-def test_long_runs_take_the_threaded_torch_copy_and_land_exactly() -> None:
+def test_long_runs_take_the_threaded_torch_copy_and_land_exactly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(copies, "TORCH_COPY_BYTES", 4 << 20)
     page = 1 << 20  # 6 rows of 1 MiB: above TORCH_COPY_BYTES, so torch copy_ runs it
     generator = torch.Generator().manual_seed(9)
     source = torch.randint(-128, 128, (10, page), generator=generator, dtype=torch.int8)

@@ -29,8 +29,12 @@ __all__ = [
     "find_runs",
 ]
 
-TORCH_COPY_BYTES = 4 << 20
-"""Forward runs of at least this many bytes use torch's (multi-threaded) ``copy_``."""
+TORCH_COPY_BYTES = 32 << 20
+"""Forward runs of at least this many bytes use torch's (multi-threaded) ``copy_``.
+
+Measured on a shared 2-core machine (bench/bench_transfer.py), numpy's single-threaded
+``memcpy`` beat torch's threaded ``copy_`` on 4 MiB runs (about 0.9x against 0.4x of a
+plain ``copy_``), so only very long runs go to torch."""
 
 Segment = tuple[int, int, int, int, int]
 """``(dst_start, dst_stop, src_start, src_stop, step)``: ``dst[dst_start:dst_stop]`` gets

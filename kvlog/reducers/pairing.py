@@ -44,42 +44,38 @@ def walk(state: State) -> Walk:
     used, pinned = state.used, state.pinned_buffer
     words = used.word_buffer
     sw, dw, limit = max_used >> 6, 0, config.max_swaps
-    source_bits = words[sw] & ~pinned[sw]  # nothing is used above max_used
-    free_bits = ~(words[0] | pinned[0]) & _MASK64 & ~1  # block 0 is never a destination
+    # *_bits: what the cursor's word offers now; *_start: what it offered on arrival
+    source_start = source_bits = words[sw] & ~pinned[sw]  # nothing is used above max_used
+    free_start = free_bits = ~(words[0] | pinned[0]) & _MASK64 & ~1  # never block 0
     while limit:
         if not source_bits:
+            if source_start:
+                vacated.append((sw, source_start))
             sw = used.prev_nonempty(sw - 1)
+            source_start = source_bits = words[sw] & ~pinned[sw] if sw >= dw else 0
             if sw < dw:  # every source left is below every destination left (or none)
                 break
-            source_bits = words[sw] & ~pinned[sw]
         elif not free_bits:
+            if free_start:
+                filled.append((dw, free_start))
             dw = used.next_notfull(dw + 1)
             if dw < 0 or dw > sw:
+                free_start = free_bits = 0
                 break
-            free_bits = ~(words[dw] | pinned[dw]) & _MASK64
+            free_start = free_bits = ~(words[dw] | pinned[dw]) & _MASK64
         elif sw == dw:
-            _pair_within(sw, source_bits, free_bits, limit, moved)
+            source_bits, free_bits = _pair_within(sw, source_bits, free_bits, limit, moved)
             break
         else:
             count = min(source_bits.bit_count(), free_bits.bit_count(), limit)
-            rest = _take_highest(source_bits, count, sw << 6, sources)
-            _append(vacated, sw, source_bits ^ rest)
-            source_bits = rest
-            rest = _take_lowest(free_bits, count, dw << 6, destinations)
-            _append(filled, dw, free_bits ^ rest)
-            free_bits = rest
+            source_bits = _take_highest(source_bits, count, sw << 6, sources)
+            free_bits = _take_lowest(free_bits, count, dw << 6, destinations)
             limit -= count
+    if source_start != source_bits:
+        vacated.append((sw, source_start ^ source_bits))
+    if free_start != free_bits:
+        filled.append((dw, free_start ^ free_bits))
     return moved
-
-
-def _append(masks: WordMasks, w: int, mask: int) -> None:
-    """Add ``mask`` to the entries, merged into the last one when it is the same word."""
-    if not mask:
-        return
-    if masks and masks[-1][0] == w:
-        masks[-1] = (w, masks[-1][1] | mask)
-    else:
-        masks.append((w, mask))
 
 
 def _take_highest(bits: int, count: int, base: int, out: list[int]) -> int:
@@ -113,23 +109,22 @@ def _take_lowest(bits: int, count: int, base: int, out: list[int]) -> int:
     return bits
 
 
-def _pair_within(w: int, source_bits: int, free_bits: int, limit: int, moved: Walk) -> None:
+def _pair_within(
+    w: int, source_bits: int, free_bits: int, limit: int, moved: Walk
+) -> tuple[int, int]:
     """Both cursors in word ``w``: pair the highest source bits with the lowest free bits
-    while the free bit is below the source bit, appending to ``moved``."""
-    sources, destinations, vacated, filled = moved
+    while the free bit is below the source bit, appending the ids to ``moved``; the source
+    and free bits left."""
+    sources, destinations, _, _ = moved
     base = w << 6
-    taken_sources = taken_free = 0
     while limit and source_bits and free_bits:
-        top = 1 << (source_bits.bit_length() - 1)
+        top = source_bits.bit_length() - 1
         low = free_bits & -free_bits
-        if low > top:
+        if low >> top:  # the free bit is above the source bit
             break
-        sources.append(base | (top.bit_length() - 1))
+        sources.append(base | top)
         destinations.append(base | (low.bit_length() - 1))
-        source_bits ^= top
-        taken_sources |= top
+        source_bits ^= 1 << top
         free_bits ^= low
-        taken_free |= low
         limit -= 1
-    _append(vacated, w, taken_sources)
-    _append(filled, w, taken_free)
+    return source_bits, free_bits

@@ -70,7 +70,10 @@ def reduce(state: State, event: Event) -> tuple[State, list[Plan]]:
     """Apply one event: raise an ``InvalidEvent`` subclass (state untouched) or return the
     same state object, changed, with the event's plans."""
     validate_event(event)
-    if isinstance(event, CacheConfigured):
+    reducer = _REDUCERS.get(type(event))
+    if reducer is not None and state.config is not None:
+        plans = reducer(state, event)
+    elif isinstance(event, CacheConfigured):
         plans = defrag.configure(state, event)
     elif state.config is None:
         raise NotConfigured("the first event must be CacheConfigured", event)

@@ -148,10 +148,15 @@ class State:
     def take_free(self, physical: list[int]) -> None:
         """``add_refs`` for distinct blocks the caller has checked are unreferenced."""
         refs = self.refs_buffer
-        for p in physical:
-            refs[p] = 1
-        self.used.add_ids(physical)
-        top = max(physical)
+        if len(physical) == 1:  # the decode step's usual allocation
+            top = physical[0]
+            refs[top] = 1
+            self.used.set_word_bits(top >> 6, 1 << (top & 63))
+        else:
+            for p in physical:
+                refs[p] = 1
+            self.used.add_ids(physical)
+            top = max(physical)
         if top > self._max_used:
             self._max_used = top
 

@@ -49,7 +49,7 @@ _CHUNK = 256
 _NEAR = 32
 """Summary words a scan reads one by one (Python ints) before it switches to numpy."""
 _MASK64 = (1 << 64) - 1
-SCALAR_LIMIT = 96
+SCALAR_LIMIT = 128
 """Up to this many ids, updates loop over Python ints: cheaper than a dozen numpy calls."""
 
 

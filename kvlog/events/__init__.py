@@ -3,11 +3,13 @@
 from kvlog.events.codec import decode, decode_plan, encode, to_dict, to_json
 from kvlog.events.types import (
     DEFAULT_PAD_SIZES,
+    DEFRAG_POLICIES,
     SCHEMA_VERSION,
     BlocksAllocated,
     CacheConfigured,
     Checkpoint,
     Event,
+    FencePlan,
     LoadRequested,
     Plan,
     Record,
@@ -18,16 +20,19 @@ from kvlog.events.types import (
     SwapPlan,
     TransferFinished,
     TransferPlan,
+    TransferSubmitted,
 )
 from kvlog.events.validate import validate_event
 
 __all__ = [
     "DEFAULT_PAD_SIZES",
+    "DEFRAG_POLICIES",
     "SCHEMA_VERSION",
     "BlocksAllocated",
     "CacheConfigured",
     "Checkpoint",
     "Event",
+    "FencePlan",
     "LoadRequested",
     "Plan",
     "Record",
@@ -38,6 +43,7 @@ __all__ = [
     "SwapPlan",
     "TransferFinished",
     "TransferPlan",
+    "TransferSubmitted",
     "decode",
     "decode_plan",
     "encode",

@@ -13,6 +13,7 @@ import msgspec
 
 __all__ = [
     "DEFAULT_PAD_SIZES",
+    "DEFRAG_POLICIES",
     "SCHEMA_VERSION",
     "BlocksAllocated",
     "CacheConfigured",
@@ -26,12 +27,16 @@ __all__ = [
     "StepEnded",
     "StoreRequested",
     "SwapPlan",
+    "FencePlan",
     "TransferFinished",
     "TransferPlan",
+    "TransferSubmitted",
 ]
 
 SCHEMA_VERSION = 1
 DEFAULT_PAD_SIZES: tuple[int, ...] = (8, 16, 32, 64, 128, 256, 512)
+DEFRAG_POLICIES: tuple[str, ...] = ("seed", "tail")
+"""The defrag policies ``CacheConfigured.policy`` may name (see ``reducers/policies.py``)."""
 
 
 class _Tagged(msgspec.Struct, frozen=True, tag_field="type", tag=True):
@@ -51,6 +56,20 @@ class CacheConfigured(_Tagged, frozen=True):
     max_swaps: int = 512
     pad_sizes: tuple[int, ...] = DEFAULT_PAD_SIZES
     page_size_bytes: int = 0
+    # -- grown after schema 1 (each omitted from the state digest while at its default) --
+    quarantine_released: bool = False
+    """Blocks released since the last ``StepEnded`` are no defrag destination at the next
+    one: a transfer the scheduler decided this step may still read them, and the worker
+    learns of it only after the runner's defrag call (set by the vLLM connector)."""
+    policy: str = "seed"
+    """Defrag policy (``DEFRAG_POLICIES``): ``"seed"``, the seed's rule above, or ``"tail"``,
+    vllm-gaudi PR #376's tail compaction (``kvlog/reducers/policies.py``)."""
+    policy_ratio_pct: int = 150
+    """``"tail"`` fires when ``max_used * 100 > policy_ratio_pct * num_used``."""
+    policy_min_swaps: int = 4
+    """``"tail"`` makes no plan of fewer than ``min(policy_min_swaps, cap)`` pairs."""
+    max_bytes_per_step: int = 0
+    """Any policy: one step's defrag moves at most this many bytes (0: no cap)."""
 
 
 class BlocksAllocated(_Tagged, frozen=True):
@@ -79,19 +98,33 @@ class StepEnded(_Tagged, frozen=True):
 
 
 class StoreRequested(_Tagged, frozen=True):
-    """Offload (logical) GPU blocks to CPU blocks."""
+    """Offload (logical) GPU blocks to CPU blocks.
+
+    ``group_sizes`` / ``block_indices`` (vLLM 0.33's ``GPULoadStoreSpec``): the GPU blocks
+    per KV-cache group, and each group's first block index within its request; given, the
+    CPU sub-blocks follow vLLM's chunk rule (see ``reducers/transfers.py``); empty, the
+    seed's count rule. ``deferred``: the scheduler decided the store now, but it reads KV
+    still being computed; its blocks are pinned at once and its plan comes with
+    ``TransferSubmitted`` (or earlier, when the scheduler reuses a block it reads).
+    """
 
     job_id: int
     gpu_block_ids: list[int]
     cpu_block_ids: list[int]
+    group_sizes: tuple[int, ...] = ()
+    block_indices: tuple[int, ...] = ()
+    deferred: bool = False
 
 
 class LoadRequested(_Tagged, frozen=True):
-    """Load CPU blocks into (logical) GPU blocks."""
+    """Load CPU blocks into (logical) GPU blocks (``group_sizes`` and ``block_indices`` as
+    for ``StoreRequested``)."""
 
     job_id: int
     cpu_block_ids: list[int]
     gpu_block_ids: list[int]
+    group_sizes: tuple[int, ...] = ()
+    block_indices: tuple[int, ...] = ()
 
 
 class TransferFinished(_Tagged, frozen=True):
@@ -99,6 +132,13 @@ class TransferFinished(_Tagged, frozen=True):
 
     job_id: int
     success: bool
+
+
+class TransferSubmitted(_Tagged, frozen=True):
+    """The worker submits a deferred store: its ``TransferPlan`` runs now (a job whose plan
+    already ran, because the scheduler reused one of its blocks, is a no-op)."""
+
+    job_id: int
 
 
 class Checkpoint(_Tagged, frozen=True):
@@ -143,6 +183,17 @@ class TransferPlan(_Tagged, frozen=True):
     after_job_id: int = -1
 
 
+class FencePlan(_Tagged, frozen=True):
+    """Later compute must not touch these jobs' blocks before the jobs finish.
+
+    Emitted when the scheduler hands a block that an unfinished store still reads to a new
+    request (vLLM fences its own reuse with ``jobs_to_flush``; the Gaudi runner does not).
+    Executors wait for the jobs (or make the compute stream wait on them).
+    """
+
+    job_ids: list[int]
+
+
 Event = (
     CacheConfigured
     | BlocksAllocated
@@ -152,6 +203,7 @@ Event = (
     | StoreRequested
     | LoadRequested
     | TransferFinished
+    | TransferSubmitted
 )
 Record = Event | Checkpoint
-Plan = SwapPlan | TransferPlan
+Plan = SwapPlan | TransferPlan | FencePlan

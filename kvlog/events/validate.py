@@ -11,6 +11,7 @@ import itertools
 
 from kvlog.errors import BlockOutOfRange, DuplicateBlock, InvalidEvent
 from kvlog.events.types import (
+    DEFRAG_POLICIES,
     BlocksAllocated,
     CacheConfigured,
     Event,
@@ -20,6 +21,7 @@ from kvlog.events.types import (
     StepEnded,
     StoreRequested,
     TransferFinished,
+    TransferSubmitted,
 )
 
 __all__ = ["MAX_BLOCKS", "MAX_ID", "validate_block_ids", "validate_event"]
@@ -65,7 +67,7 @@ def _validate_config(e: CacheConfigured) -> None:
     _int(e, "block_size_factor", e.block_size_factor, 1, 1 << 16)
     _int(e, "threshold", e.threshold, 0, MAX_BLOCKS)
     _int(e, "page_size_bytes", e.page_size_bytes, 0, 1 << 40)
-    for name in ("prefix_caching", "defrag"):
+    for name in ("prefix_caching", "defrag", "quarantine_released"):
         if type(getattr(e, name)) is not bool:
             raise InvalidEvent(f"{name} must be a bool", e)
     pads = e.pad_sizes
@@ -78,6 +80,16 @@ def _validate_config(e: CacheConfigured) -> None:
     _int(e, "max_swaps", e.max_swaps, 1, pads[-1])
     if e.num_cpu_blocks * e.block_size_factor > MAX_BLOCKS:
         raise InvalidEvent("num_cpu_blocks * block_size_factor exceeds the id space", e)
+    _validate_policy(e)
+
+
+def _validate_policy(e: CacheConfigured) -> None:
+    """The named defrag policy and its parameters (``reducers/policies.py``)."""
+    if e.policy not in DEFRAG_POLICIES:
+        raise InvalidEvent(f"policy must be one of {list(DEFRAG_POLICIES)}, got {e.policy!r}", e)
+    _int(e, "policy_ratio_pct", e.policy_ratio_pct, 100, 1 << 20)
+    _int(e, "policy_min_swaps", e.policy_min_swaps, 1, 1 << 20)
+    _int(e, "max_bytes_per_step", e.max_bytes_per_step, 0, 1 << 50)
 
 
 def _validate_transfer(e: StoreRequested | LoadRequested) -> None:
@@ -86,6 +98,32 @@ def _validate_transfer(e: StoreRequested | LoadRequested) -> None:
     validate_block_ids(e, "cpu_block_ids", e.cpu_block_ids)
     if not e.gpu_block_ids or not e.cpu_block_ids:
         raise InvalidEvent("a transfer needs at least one GPU and one CPU block", e)
+    _validate_groups(e)
+    if isinstance(e, StoreRequested) and type(e.deferred) is not bool:
+        raise InvalidEvent("deferred must be a bool", e)
+
+
+def _validate_groups(e: StoreRequested | LoadRequested) -> None:
+    """vLLM's spec shape: one size and one first-block index per KV-cache group, sizes
+    summing to the GPU blocks; both empty for the seed's rule."""
+    sizes, indices = e.group_sizes, e.block_indices
+    if not isinstance(sizes, (list, tuple)) or not isinstance(indices, (list, tuple)):
+        raise InvalidEvent("group_sizes and block_indices must be sequences of ints", e)
+    if len(sizes) != len(indices):
+        raise InvalidEvent(
+            f"{len(sizes)} group_sizes but {len(indices)} block_indices: one of each per "
+            "KV-cache group",
+            e,
+        )
+    for size in sizes:
+        _int(e, "group_sizes entry", size, 0, MAX_BLOCKS)
+    for index in indices:
+        _int(e, "block_indices entry", index, 0, MAX_BLOCKS)
+    if sizes and sum(sizes) != len(e.gpu_block_ids):
+        raise InvalidEvent(
+            f"group_sizes sum to {sum(sizes)} but there are {len(e.gpu_block_ids)} GPU blocks",
+            e,
+        )
 
 
 def validate_event(event: object) -> None:
@@ -101,6 +139,8 @@ def validate_event(event: object) -> None:
         _int(event, "step", event.step, 0)
     elif isinstance(event, (StoreRequested, LoadRequested)):
         _validate_transfer(event)
+    elif isinstance(event, TransferSubmitted):
+        _int(event, "job_id", event.job_id, 0)
     elif isinstance(event, TransferFinished):
         _int(event, "job_id", event.job_id, 0)
         if type(event.success) is not bool:

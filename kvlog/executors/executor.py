@@ -15,7 +15,7 @@ from types import TracebackType
 import torch
 
 from kvlog.errors import ExecutorError, LayoutError
-from kvlog.events import CacheConfigured, Plan, SwapPlan, TransferPlan
+from kvlog.events import CacheConfigured, FencePlan, Plan, SwapPlan, TransferPlan
 from kvlog.executors.devices import BACKENDS, CpuDevice, Device, StreamDevice
 from kvlog.executors.fake import FakeDevice
 from kvlog.executors.layouts import CacheLayout, KVCaches, register_layout
@@ -112,13 +112,16 @@ class Executor:
         return self._transfers.jobs_in_flight
 
     def execute(self, plan: Plan) -> None:
-        """Run a ``SwapPlan`` now (compute stream); queue a ``TransferPlan`` on a stream."""
+        """Run a ``SwapPlan`` now (compute stream); queue a ``TransferPlan`` on a stream;
+        for a ``FencePlan`` wait until its jobs finish (their results stay for ``poll``)."""
         if self._shut_down:
             raise ExecutorError("execute() after shutdown()")
         if isinstance(plan, SwapPlan):
             self._swaps.apply(plan)
         elif isinstance(plan, TransferPlan):
             self._transfers.submit(plan)
+        elif isinstance(plan, FencePlan):
+            self._finished.extend(self._transfers.wait(plan.job_ids))
         else:
             raise ExecutorError(f"unknown plan type {type(plan).__name__}")
 

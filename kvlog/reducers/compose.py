@@ -25,6 +25,7 @@ from kvlog.events import (
     StoreRequested,
     SwapPlan,
     TransferFinished,
+    TransferSubmitted,
     validate_event,
 )
 from kvlog.reducers import defrag, transfers
@@ -40,6 +41,7 @@ _REDUCERS: dict[type, Callable[[State, Any], list[Plan]]] = {
     StoreRequested: transfers.submit,
     LoadRequested: transfers.submit,
     TransferFinished: transfers.finish,
+    TransferSubmitted: transfers.submitted,
 }
 
 
@@ -51,6 +53,7 @@ _CHECKS: dict[type, Callable[[State, Any], object]] = {
     StoreRequested: transfers.check_submit,
     LoadRequested: transfers.check_submit,
     TransferFinished: transfers.check_finish,
+    TransferSubmitted: transfers.check_submitted,
 }
 
 

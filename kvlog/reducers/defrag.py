@@ -12,6 +12,9 @@ Bookkeeping (kept whether or not ``defrag`` is on):
 The defrag decision at ``StepEnded`` (only when ``defrag``; else no plan ever, and ``resolve``
 stays the identity):
 
+That is the default ``policy="seed"``; other named policies (``policies.py``) change the
+trigger, the first destination and the cap, never the rest.
+
 1. Trigger, exactly as the seed, over ALL blocks with refs > 0, pinned or not: fire when
    ``max_used - threshold > num_used``.
 2. Sources: blocks with refs > 0, from the highest down, skipping pinned ones.
@@ -44,19 +47,19 @@ from typing import Literal
 
 import numpy as np
 
-from kvlog.errors import AlreadyConfigured, BlockInUse, BlockOutOfRange
+from kvlog.errors import AlreadyConfigured, BlockInUse
 from kvlog.events import (
     BlocksAllocated,
     CacheConfigured,
-    Event,
     Plan,
     RequestFinished,
     RequestPreempted,
     StepEnded,
     SwapPlan,
 )
-from kvlog.reducers import pairing
+from kvlog.reducers import policies, transfers
 from kvlog.reducers.blockset import SCALAR_LIMIT, IdArray
+from kvlog.reducers.ranges import check_block_range
 from kvlog.reducers.state import State
 
 __all__ = [
@@ -73,15 +76,6 @@ __all__ = [
 ]
 
 
-def check_block_range(event: Event, name: str, block_ids: list[int], size: int) -> IdArray:
-    """The ids as int64, or ``BlockOutOfRange`` naming the first id not below ``size``."""
-    ids = np.asarray(block_ids, dtype=np.int64)
-    if ids.size and (max(block_ids) >= size or min(block_ids) < 0):
-        bad = next(b for b in block_ids if not 0 <= b < size)
-        raise BlockOutOfRange(f"{name} holds block id {bad}, outside [0, {size})", event)
-    return ids
-
-
 def check_configure(state: State, event: CacheConfigured) -> None:
     """A second CacheConfigured is refused."""
     if state.config is not None:
@@ -96,7 +90,11 @@ def configure(state: State, event: CacheConfigured) -> list[Plan]:
 
 
 def check_allocate(state: State, event: BlocksAllocated) -> IdArray | list[int]:
-    """Refuse a bad allocation; return the physical ids it references (a list when small)."""
+    """Refuse a bad allocation; return the physical ids it references (a list when small).
+
+    Refused: a block an unfinished load writes (always), a block a live request holds
+    (without prefix caching). A block an unfinished store reads is accepted: ``allocate``
+    flushes the store first (see ``transfers.flush``)."""
     config = state.config
     assert config is not None, "reduce() dispatches only configured states here"
     block_ids = event.block_ids
@@ -105,23 +103,21 @@ def check_allocate(state: State, event: BlocksAllocated) -> IdArray | list[int]:
             check_block_range(event, "block_ids", block_ids, config.num_gpu_blocks)
         fwd = state.fwd_buffer
         physical = [fwd[b] for b in block_ids]
-        if config.prefix_caching:
-            return physical
-        refs, pins = state.refs_buffer, state.store_pins_buffer
-        for p in physical:
-            if refs[p] or pins[p]:
-                break
-        else:
+        refs, loads = state.refs_buffer, state.load_pins_buffer
+        exclusive = not config.prefix_caching
+        if not any(loads[p] or (exclusive and refs[p]) for p in physical):
             return physical
     logical = check_block_range(event, "block_ids", block_ids, config.num_gpu_blocks)
     array = state.fwd[logical].astype(np.int64)
-    if not config.prefix_caching and array.size:
+    if array.size:
         _check_exclusive(state, event, logical, array)
     return array
 
 
 def allocate(state: State, event: BlocksAllocated) -> list[Plan]:
-    """Append blocks to a request's table and reference their physical blocks."""
+    """Append blocks to a request's table and reference their physical blocks. A free
+    block that an unfinished store still reads is being reused, and will be written:
+    flush those stores first (a shared, live block is only read)."""
     config = state.config
     assert config is not None, "reduce() dispatches only configured states here"
     block_ids = event.block_ids
@@ -134,27 +130,30 @@ def allocate(state: State, event: BlocksAllocated) -> list[Plan]:
         state.tables[event.req_id] = list(block_ids)
     else:
         table.extend(block_ids)
-    if free is None:
-        state.add_refs(physical)
-    else:
+    if free is not None:
         state.take_free(free)
-    return []
+        return []
+    refs, stores = state.refs_buffer, state.store_pins_buffer
+    reused = [p for p in np.asarray(physical).tolist() if stores[p] and not refs[p]]
+    state.add_refs(physical)
+    return transfers.flush(state, reused) if reused else []
 
 
 def _free_physical(state: State, block_ids: list[int]) -> list[int] | None:
     """The fast path of ``check_allocate`` without prefix caching: the physical ids of a
-    small allocation whose blocks are all in range, unreferenced and not read by a store;
-    None otherwise (``check_allocate`` then decides, and raises)."""
+    small allocation whose blocks are all in range, unreferenced and unpinned by transfers;
+    None otherwise (``check_allocate`` then decides, and raises or flushes)."""
     if len(block_ids) > SCALAR_LIMIT:
         return None
-    fwd, refs, pins = state.fwd_buffer, state.refs_buffer, state.store_pins_buffer
+    fwd, refs = state.fwd_buffer, state.refs_buffer
+    stores, loads = state.store_pins_buffer, state.load_pins_buffer
     size = len(fwd)
     physical = []
     for b in block_ids:
         if b >= size:
             return None
         p = fwd[b]
-        if refs[p] or pins[p]:
+        if refs[p] or stores[p] or loads[p]:
             return None
         physical.append(p)
     return physical
@@ -163,8 +162,17 @@ def _free_physical(state: State, block_ids: list[int]) -> list[int] | None:
 def _check_exclusive(
     state: State, event: BlocksAllocated, logical: IdArray, physical: IdArray
 ) -> None:
-    """Without prefix caching a block must be free and not read by an unfinished store."""
-    if not state.refs[physical].any() and not state.store_pins[physical].any():
+    """No block an unfinished load writes; without prefix caching, no block in use."""
+    written = np.flatnonzero(state.load_pins[physical] > 0)
+    if written.size:
+        p = int(physical[written[0]])
+        job = next((j for j, s in state.load_jobs.items() if p in s.gpu_block_ids), -1)
+        raise BlockInUse(
+            f"block {int(logical[written[0]])} (physical {p}) is still being written by "
+            f"unfinished load job {job}",
+            event,
+        )
+    if state.config is not None and state.config.prefix_caching:
         return
     taken = np.flatnonzero(state.refs[physical] > 0)
     if taken.size:
@@ -175,27 +183,24 @@ def _check_exclusive(
             f"{owner!r} and prefix caching is off",
             event,
         )
-    read = np.flatnonzero(state.store_pins[physical] > 0)
-    if read.size:
-        p = int(physical[read[0]])
-        job = next((j for j, s in state.store_jobs.items() if p in s.gpu_block_ids), -1)
-        raise BlockInUse(
-            f"block {int(logical[read[0]])} (physical {p}) is still being read by unfinished "
-            f"store job {job} and prefix caching is off",
-            event,
-        )
 
 
 def release(state: State, event: RequestFinished | RequestPreempted) -> list[Plan]:
-    """Drop a request's table; its blocks lose one reference each."""
+    """Drop a request's table; its blocks lose one reference each (and, with
+    ``quarantine_released``, those it freed are no destination at the next StepEnded)."""
     table = state.tables.pop(event.req_id, None)
     if table is None:
         return []
     if len(table) <= SCALAR_LIMIT:
         fwd = state.fwd_buffer
-        state.drop_refs([fwd[b] for b in table])
+        physical: IdArray | list[int] = [fwd[b] for b in table]
     else:
-        state.drop_refs(state.fwd[np.asarray(table, dtype=np.int64)].astype(np.int64))
+        physical = state.fwd[np.asarray(table, dtype=np.int64)].astype(np.int64)
+    state.drop_refs(physical)
+    assert state.config is not None, "reduce() dispatches only configured states here"
+    if state.config.quarantine_released:
+        refs = state.refs_buffer
+        state.quarantine([p for p in np.asarray(physical).tolist() if not refs[p]])
     return []
 
 
@@ -205,8 +210,10 @@ def end_step(state: State, event: StepEnded) -> list[Plan]:
     assert config is not None, "reduce() dispatches only configured states here"
     state.step = event.step
     if not config.defrag:
+        state.lift_quarantine()
         return []
-    sources, destinations, vacated, filled = pairing.walk(state)
+    sources, destinations, vacated, filled = policies.walk(state)
+    state.lift_quarantine()
     if not sources:
         return []
     state.move_blocks(sources, destinations, vacated, filled)
@@ -231,5 +238,5 @@ def choose_pairs(state: State) -> list[tuple[int, int]]:
 
 def pair_up(state: State) -> tuple[list[int], list[int]]:
     """Sources and destinations of this step's defrag (equal lengths; empty: no plan)."""
-    sources, destinations, _, _ = pairing.walk(state)
+    sources, destinations, _, _ = policies.walk(state)
     return sources, destinations

@@ -95,7 +95,11 @@ def _check_jobs(state: State) -> None:
     assert all(j <= state.last_job_id for j in in_flight), "a job id above last_job_id"
     assert not set(state.store_jobs) & set(state.load_jobs), "a job is both store and load"
     pinned = (state.store_pins | state.load_pins) > 0
-    assert np.array_equal(state.pinned, pack_words(pinned)), "pinned bitmap differs from pins"
+    if state.quarantined:
+        pinned[np.fromiter(state.quarantined, np.int64, len(state.quarantined))] = True
+    assert np.array_equal(state.pinned, pack_words(pinned)), (
+        "pinned bitmap differs from pins and quarantine"
+    )
 
 
 def _check_last_swap(state: State) -> None:

@@ -37,15 +37,27 @@ _MOVE_LOOP_LIMIT = 12
 
 
 class Job:
-    """One unfinished transfer: the physical GPU blocks it pins and the CPU blocks it uses."""
+    """One unfinished transfer: the physical GPU blocks it pins, the CPU blocks it uses,
+    its ``(src, dst)`` sub-block pairs, and whether its plan has run (a deferred store's
+    has not until ``TransferSubmitted`` or a flush)."""
 
-    __slots__ = ("cpu_block_ids", "gpu_block_ids", "job_id", "kind")
+    __slots__ = ("cpu_block_ids", "gpu_block_ids", "job_id", "kind", "pairs", "submitted")
 
-    def __init__(self, job_id: int, kind: str, gpu_block_ids: IdArray, cpu_block_ids: IdArray):
+    def __init__(
+        self,
+        job_id: int,
+        kind: str,
+        gpu_block_ids: IdArray,
+        cpu_block_ids: IdArray,
+        pairs: tuple[IdArray, IdArray] | None = None,
+        submitted: bool = True,
+    ):
         self.job_id = job_id
         self.kind = kind
         self.gpu_block_ids = gpu_block_ids
         self.cpu_block_ids = cpu_block_ids
+        self.pairs = pairs
+        self.submitted = submitted
 
 
 class State:
@@ -62,6 +74,9 @@ class State:
         self.tables: dict[str, list[int]] = {}
         self.store_jobs: dict[int, Job] = {}
         self.load_jobs: dict[int, Job] = {}
+        self.quarantined: set[int] = set()
+        """Physical blocks released since the last StepEnded, pinned until it (only with
+        ``config.quarantine_released``)."""
         self.last_swap: SwapPlan | None = None
         """The SwapPlan of the last accepted event if that was a StepEnded that moved
         blocks, else None (for ``check_invariants``; not part of the digest)."""
@@ -273,8 +288,28 @@ class State:
         pins = self.store_pins if kind == "store" else self.load_pins
         pins[physical] -= 1
         released = physical[(self.store_pins[physical] | self.load_pins[physical]) == 0]
+        if released.size and self.quarantined:
+            keep = np.fromiter(self.quarantined, np.int64, len(self.quarantined))
+            released = released[~np.isin(released, keep)]
         if released.size:
             clear_bits(self.pinned, released)
+
+    def quarantine(self, physical: list[int]) -> None:
+        """Pin freshly released blocks until the next StepEnded (``lift_quarantine``)."""
+        fresh = [p for p in physical if p not in self.quarantined]
+        if fresh:
+            self.quarantined.update(fresh)
+            set_bits(self.pinned, np.asarray(fresh, dtype=np.int64))
+
+    def lift_quarantine(self) -> None:
+        """Unpin the quarantined blocks that no transfer pins."""
+        if not self.quarantined:
+            return
+        ids = np.fromiter(self.quarantined, np.int64, len(self.quarantined))
+        self.quarantined.clear()
+        free = ids[(self.store_pins[ids] | self.load_pins[ids]) == 0]
+        if free.size:
+            clear_bits(self.pinned, free)
 
 
 def initial_state() -> State:

@@ -8,22 +8,27 @@ in-flight bound (``TooManyJobs``).
 - Job ids must be strictly increasing across stores and loads (vLLM uses one counter): this
   rejects a reused or in-flight id with bounded memory. At most ``MAX_JOBS_IN_FLIGHT`` jobs
   are unfinished at once.
-- GPU ids are logical and are resolved through the defrag mapping now, at submit time; the
-  plan and the pins use the physical ids, which defrag then never moves.
-- Expansion (the seed's ``transfer_async`` + ``expand_block_ids``): a GPU block is one
-  sub-block, a CPU block ``f = block_size_factor`` sub-blocks ``cpu_block_id * f + k``. A
-  store has src factor 1 and dst factor f, a load src factor f and dst factor 1; the first
-  ``skip = (-len(dst_blocks)) % src_factor`` sub-blocks of the FIRST src block are skipped,
-  and ``dst_sub_count == src_sub_count - skip`` must hold. ``num_bytes = dst_sub_count *
-  page_size_bytes``. ``after_job_id`` is the most recent unfinished job of the same
-  direction (-1 if none).
+- GPU ids are logical and are resolved through the defrag mapping now; the plan and the
+  pins use the physical ids, which defrag then never moves.
+- Expansion: a GPU block is one sub-block, a CPU block ``f = block_size_factor`` sub-blocks
+  ``cpu_block_id * f + k``; GPU block ``i`` of the event pairs with CPU sub-block ``subs[i]``.
+  With ``group_sizes`` / ``block_indices`` (vLLM 0.33's ``GPULoadStoreSpec``), group ``g``
+  of ``n`` GPU blocks starts ``skip = block_indices[g] % f`` sub-blocks into its first CPU
+  block and takes the next ``ceil((n + skip) / f)`` CPU blocks (the last may be partial).
+  Without them, the seed's rule: a store fills whole CPU blocks (``num_cpu * f ==
+  num_gpu``); a load skips the first ``(-num_gpu) % f`` sub-blocks of its first CPU block.
+  ``num_bytes = num_gpu * page_size_bytes``. ``after_job_id`` is the most recent submitted,
+  unfinished job of the same direction (-1 if none).
 - Conflicts refused with ``BlockInUse``: a load whose destination GPU block is pinned by an
-  unfinished job (store or load); a store reading a GPU block an unfinished load is
-  writing. (Allocating a block an unfinished store still reads is refused in
-  ``defrag.allocate`` when prefix caching is off.) Several stores may read one block: pins
-  are counts.
+  unfinished job (store or load); a store reading a GPU block an unfinished load writes; a
+  store writing a CPU sub-block an unfinished load reads; a load reading a CPU sub-block an
+  unfinished store writes. (Allocating a block an unfinished load writes is refused in
+  ``defrag.allocate``.) Several stores may read one block: pins are counts.
+- A deferred store (``deferred=True``: the scheduler decided it, the KV it reads is still
+  being computed) pins at once and plans at ``TransferSubmitted``, or at ``flush`` when the
+  scheduler hands one of its blocks to a new request first.
 - ``TransferFinished`` ends the job, success or not, and releases its pins; a job not in
-  flight is ``UnknownJob``.
+  flight is ``UnknownJob``. A deferred store cannot finish before it is submitted.
 """
 
 from __future__ import annotations
@@ -32,13 +37,39 @@ from typing import Literal
 
 import numpy as np
 
-from kvlog.errors import BlockInUse, DuplicateJob, TooManyJobs, TransferSizeMismatch, UnknownJob
-from kvlog.events import LoadRequested, Plan, StoreRequested, TransferFinished, TransferPlan
+from kvlog.errors import (
+    BlockInUse,
+    DuplicateJob,
+    TooManyJobs,
+    TransferSizeMismatch,
+    UnknownJob,
+)
+from kvlog.events import (
+    FencePlan,
+    LoadRequested,
+    Plan,
+    StoreRequested,
+    TransferFinished,
+    TransferPlan,
+    TransferSubmitted,
+)
 from kvlog.reducers.blockset import IdArray
-from kvlog.reducers.defrag import check_block_range
+from kvlog.reducers.ranges import check_block_range
 from kvlog.reducers.state import MAX_JOBS_IN_FLIGHT, Job, State
 
-__all__ = ["check_finish", "check_submit", "expand_sub_blocks", "finish", "submit"]
+__all__ = [
+    "check_finish",
+    "check_submit",
+    "check_submitted",
+    "cpu_sub_blocks",
+    "expand_sub_blocks",
+    "finish",
+    "flush",
+    "submit",
+    "submitted",
+]
+
+Transfer = StoreRequested | LoadRequested
 
 
 def expand_sub_blocks(block_ids: IdArray, factor: int, skip: int = 0) -> IdArray:
@@ -49,7 +80,62 @@ def expand_sub_blocks(block_ids: IdArray, factor: int, skip: int = 0) -> IdArray
     return subs[skip:]
 
 
-def _check_job_id(state: State, event: StoreRequested | LoadRequested) -> None:
+def _mismatch(event: Transfer, factor: int, detail: str) -> TransferSizeMismatch:
+    kind = "store" if isinstance(event, StoreRequested) else "load"
+    what = (
+        f"{kind} of {len(event.gpu_block_ids)} GPU blocks and {len(event.cpu_block_ids)} CPU "
+        f"blocks with block_size_factor {factor}"
+    )
+    return TransferSizeMismatch(f"{what}: {detail}", event)
+
+
+def _seed_subs(event: Transfer, cpu: IdArray, factor: int) -> IdArray:
+    num_gpu, num_cpu = len(event.gpu_block_ids), len(event.cpu_block_ids)
+    if isinstance(event, StoreRequested):
+        src_count, dst_count, skip = num_gpu, num_cpu * factor, 0
+    else:
+        src_count, dst_count, skip = num_cpu * factor, num_gpu, (-num_gpu) % factor
+    if dst_count != src_count - skip:
+        raise _mismatch(
+            event,
+            factor,
+            f"{dst_count} destination sub-blocks, but {src_count} source sub-blocks minus "
+            f"{skip} skipped = {src_count - skip}",
+        )
+    return expand_sub_blocks(cpu, factor, skip)
+
+
+def _group_subs(event: Transfer, cpu: IdArray, factor: int) -> IdArray:
+    """vLLM 0.33's rule (``SingleDirectionOffloadingHandler.transfer_async``)."""
+    groups = [
+        (size, index % factor, -(-(size + index % factor) // factor))
+        for size, index in zip(event.group_sizes, event.block_indices, strict=True)
+        if size
+    ]
+    needed = sum(count for _, _, count in groups)
+    if needed != cpu.size:
+        raise _mismatch(
+            event,
+            factor,
+            f"the groups {list(event.group_sizes)} starting at block indices "
+            f"{list(event.block_indices)} need {needed} CPU blocks",
+        )
+    parts: list[IdArray] = []
+    offset = 0
+    for size, skip, count in groups:
+        parts.append(expand_sub_blocks(cpu[offset : offset + count], factor, skip)[:size])
+        offset += count
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def cpu_sub_blocks(event: Transfer, cpu: IdArray, factor: int) -> IdArray:
+    """The CPU sub-block of each GPU block of the event, in order (see the module rule)."""
+    if event.group_sizes:
+        return _group_subs(event, cpu, factor)
+    return _seed_subs(event, cpu, factor)
+
+
+def _check_job_id(state: State, event: Transfer) -> None:
     job_id = event.job_id
     if job_id <= state.last_job_id:
         where = "is in flight" if state.job(job_id) is not None else "was used before"
@@ -60,29 +146,8 @@ def _check_job_id(state: State, event: StoreRequested | LoadRequested) -> None:
         )
 
 
-def _sizes(event: StoreRequested | LoadRequested, factor: int) -> tuple[int, int]:
-    """(skip, dst_sub_count), or ``TransferSizeMismatch`` with the counts."""
-    num_gpu, num_cpu = len(event.gpu_block_ids), len(event.cpu_block_ids)
+def _busy_gpu(state: State, event: Transfer, physical: IdArray) -> None:
     if isinstance(event, StoreRequested):
-        src_count, dst_count, skip = num_gpu, num_cpu * factor, 0
-        what = f"store of {num_gpu} GPU blocks into {num_cpu} CPU blocks"
-    else:
-        src_count, dst_count, skip = num_cpu * factor, num_gpu, (-num_gpu) % factor
-        what = f"load of {num_cpu} CPU blocks into {num_gpu} GPU blocks"
-    if dst_count != src_count - skip:
-        raise TransferSizeMismatch(
-            f"{what} with block_size_factor {factor}: {dst_count} destination sub-blocks, "
-            f"but {src_count} source sub-blocks minus {skip} skipped = {src_count - skip}",
-            event,
-        )
-    return skip, dst_count
-
-
-def _check_conflicts(
-    state: State, event: StoreRequested | LoadRequested, physical: IdArray
-) -> None:
-    kind = "store" if isinstance(event, StoreRequested) else "load"
-    if kind == "store":
         busy = state.load_pins[physical] > 0
         why = "an unfinished load is writing it"
     else:
@@ -94,6 +159,7 @@ def _check_conflicts(
         p = int(physical[i])
         jobs = (*state.store_jobs.values(), *state.load_jobs.values())
         owners = sorted(j.job_id for j in jobs if p in j.gpu_block_ids)
+        kind = "store" if isinstance(event, StoreRequested) else "load"
         raise BlockInUse(
             f"{kind} job {event.job_id} uses GPU block {event.gpu_block_ids[i]} (physical {p}) "
             f"but {why} (jobs {owners})",
@@ -101,48 +167,113 @@ def _check_conflicts(
         )
 
 
-def check_submit(state: State, event: StoreRequested | LoadRequested) -> tuple[IdArray, IdArray]:
-    """Refuse a bad store or load; return (physical GPU ids, CPU sub-block ids)."""
+def _busy_cpu(state: State, event: Transfer, subs: IdArray) -> None:
+    """A store may not write, and a load may not read, CPU sub-blocks that an unfinished
+    job of the other direction reads or writes."""
+    store = isinstance(event, StoreRequested)
+    others = state.load_jobs if store else state.store_jobs
+    for job in others.values():
+        assert job.pairs is not None, "every job keeps its pairs"
+        theirs = job.pairs[0] if store else job.pairs[1]
+        clash = np.isin(subs, theirs)
+        if clash.any():
+            sub = int(subs[int(np.argmax(clash))])
+            verb = "reads" if store else "writes"
+            raise BlockInUse(
+                f"{'store' if store else 'load'} job {event.job_id} uses CPU sub-block {sub} "
+                f"that unfinished {job.kind} job {job.job_id} {verb}",
+                event,
+            )
+
+
+def check_submit(state: State, event: Transfer) -> tuple[IdArray, IdArray]:
+    """Refuse a bad store or load; return (physical GPU ids, their CPU sub-blocks)."""
     config = state.config
     assert config is not None, "reduce() dispatches only configured states here"
     _check_job_id(state, event)
     gpu = check_block_range(event, "gpu_block_ids", event.gpu_block_ids, config.num_gpu_blocks)
     cpu = check_block_range(event, "cpu_block_ids", event.cpu_block_ids, config.num_cpu_blocks)
-    factor = config.block_size_factor
-    skip, _ = _sizes(event, factor)
+    subs = cpu_sub_blocks(event, cpu, config.block_size_factor)
     physical = state.fwd[gpu].astype(np.int64)
-    _check_conflicts(state, event, physical)
+    _busy_gpu(state, event, physical)
+    _busy_cpu(state, event, subs)
     if len(state.store_jobs) + len(state.load_jobs) >= MAX_JOBS_IN_FLIGHT:
         raise TooManyJobs(
             f"{MAX_JOBS_IN_FLIGHT} jobs are already in flight; finish some first", event
         )
-    return physical, expand_sub_blocks(cpu, factor, skip)
+    return physical, subs
 
 
-def submit(state: State, event: StoreRequested | LoadRequested) -> list[Plan]:
-    """Validate a store or load, pin its GPU blocks and return its TransferPlan."""
+def _plan(state: State, job: Job) -> TransferPlan:
+    """Mark ``job`` submitted and return its plan, after the last submitted job of its kind."""
     config = state.config
-    assert config is not None, "reduce() dispatches only configured states here"
-    physical, cpu_subs = check_submit(state, event)
-    kind: Literal["store", "load"] = "store" if isinstance(event, StoreRequested) else "load"
-    jobs = state.store_jobs if kind == "store" else state.load_jobs
-    after_job_id = next(reversed(jobs), -1)
-    src, dst = (physical, cpu_subs) if kind == "store" else (cpu_subs, physical)
-    state.pin(kind, physical)
-    cpu = np.asarray(event.cpu_block_ids, dtype=np.int64)
-    jobs[event.job_id] = Job(event.job_id, kind, physical, cpu)
-    state.last_job_id = event.job_id
+    assert config is not None and job.pairs is not None, "a configured state's job"
+    jobs = state.store_jobs if job.kind == "store" else state.load_jobs
+    after_job_id = next((j.job_id for j in reversed(jobs.values()) if j.submitted), -1)
+    job.submitted = True
+    src, dst = job.pairs
     pairs = list(zip(src.tolist(), dst.tolist(), strict=True))
-    num_bytes = len(pairs) * config.page_size_bytes  # len(pairs) is dst_sub_count
-    return [TransferPlan(event.job_id, kind, pairs, num_bytes, after_job_id)]
+    kind: Literal["store", "load"] = "store" if job.kind == "store" else "load"
+    num_bytes = len(pairs) * config.page_size_bytes
+    return TransferPlan(job.job_id, kind, pairs, num_bytes, after_job_id)
 
 
-def check_finish(state: State, event: TransferFinished) -> Job:
-    """The job to finish, or ``UnknownJob``."""
+def submit(state: State, event: Transfer) -> list[Plan]:
+    """Validate a store or load, pin its GPU blocks and return its TransferPlan (none yet
+    for a deferred store)."""
+    physical, subs = check_submit(state, event)
+    store = isinstance(event, StoreRequested)
+    kind = "store" if store else "load"
+    pairs = (physical, subs) if store else (subs, physical)
+    cpu = np.asarray(event.cpu_block_ids, dtype=np.int64)
+    deferred = store and event.deferred  # type: ignore[union-attr]
+    job = Job(event.job_id, kind, physical, cpu, pairs, submitted=False)
+    if store:
+        state.store_jobs[event.job_id] = job
+    else:
+        state.load_jobs[event.job_id] = job
+    state.pin(kind, physical)
+    state.last_job_id = event.job_id
+    return [] if deferred else [_plan(state, job)]
+
+
+def check_submitted(state: State, event: TransferSubmitted) -> Job | None:
+    """The deferred store to submit, None for one already submitted (a flushed store), or
+    ``UnknownJob``."""
     job = state.job(event.job_id)
     if job is None:
         why = "finished already" if event.job_id <= state.last_job_id else "was never submitted"
         raise UnknownJob(f"job {event.job_id} is not in flight (it {why})", event)
+    return None if job.submitted else job
+
+
+def submitted(state: State, event: TransferSubmitted) -> list[Plan]:
+    """Run a deferred store's plan now."""
+    job = check_submitted(state, event)
+    return [] if job is None else [_plan(state, job)]
+
+
+def flush(state: State, physical: IdArray | list[int]) -> list[Plan]:
+    """Plans that make it safe to hand ``physical`` (store-pinned) blocks to a new request:
+    submit the deferred stores that read them, then fence every store that reads them."""
+    wanted = np.asarray(physical, dtype=np.int64)
+    readers = [j for j in state.store_jobs.values() if np.isin(j.gpu_block_ids, wanted).any()]
+    plans: list[Plan] = [_plan(state, j) for j in readers if not j.submitted]
+    plans.append(FencePlan(job_ids=[j.job_id for j in readers]))
+    return plans
+
+
+def check_finish(state: State, event: TransferFinished) -> Job:
+    """The job to finish, or ``UnknownJob`` (also for a deferred store not yet submitted)."""
+    job = state.job(event.job_id)
+    if job is None:
+        why = "finished already" if event.job_id <= state.last_job_id else "was never submitted"
+        raise UnknownJob(f"job {event.job_id} is not in flight (it {why})", event)
+    if not job.submitted:
+        raise UnknownJob(
+            f"store job {event.job_id} is deferred: it cannot finish before it is submitted",
+            event,
+        )
     return job
 
 

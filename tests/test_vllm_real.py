@@ -1,0 +1,124 @@
+"""kvlog under vLLM 0.33's real scheduler and offloading connector (see ``vllm_harness.py``).
+
+Runs only where vLLM is installed (the vLLM stage of ``.ci/run``, in its own virtualenv); the
+main test run skips this module. Each configuration drives at least 150 requests through
+vLLM's ``Scheduler`` with chunked prefill, preemptions and CPU offload, calls kvlog the way
+vllm-gaudi's runner does, and checks canary bytes, tables, completions and the log's replay.
+The table of all runs is printed at the end of the module (``-s`` not needed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+pytest.importorskip(
+    "vllm",
+    minversion="0.33",
+    reason="vLLM 0.33 is not installed here: the vLLM stage runs this module in its own venv",
+)
+
+import vllm_harness as harness
+
+RESULTS: list[harness.RunResult] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _matrix_table(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None and RESULTS:
+        reporter.write_line("")
+        for line in harness.format_table(RESULTS).splitlines():
+            reporter.write_line(line)
+
+
+@pytest.mark.parametrize("cfg", harness.CI_MATRIX, ids=lambda c: c.name)
+def test_kvlog_in_real_vllm(cfg: harness.RunConfig, tmp_path: pytest.TempPathFactory) -> None:
+    res = harness.run_config(cfg, str(tmp_path))
+    RESULTS.append(res)
+    assert res.ok, res.summary()
+    # the run exercised what it is meant to
+    assert res.requests >= 150
+    assert res.preemptions >= 30, f"only {res.preemptions} preemptions"
+    assert res.stores_done > 0 and res.loads_done > 0
+    assert (res.loads_sync > 0) == cfg.sync_loads
+    assert res.replay_ok is True
+    if cfg.defrag:
+        assert res.swap_steps >= res.steps // 4, f"defrag fired on {res.swap_steps} steps"
+        assert res.table_checks > 0
+
+
+def test_harness_is_clean_with_vllm_semantics_and_no_defrag(
+    tmp_path: pytest.TempPathFactory,
+) -> None:
+    """A plain worker with vLLM's own transfer semantics and no defrag: nothing to find."""
+    res = harness.run_config(harness.REFERENCE_CLEAN, str(tmp_path))
+    assert res.ok, res.summary()
+    assert res.loads_done > 0 and res.preemptions >= 30
+
+
+def test_harness_catches_a_worker_that_ignores_defrag(tmp_path: pytest.TempPathFactory) -> None:
+    """The same worker with kvlog's defrag moving blocks under it must be caught."""
+    res = harness.run_config(harness.REFERENCE_UNAWARE, str(tmp_path))
+    assert not res.errors, res.summary()
+    assert res.live_bad_slots > 0 and res.store_bad_blocks > 0 and res.load_bad_blocks > 0
+
+
+def test_vllm_chunk_mapping_follows_block_indices_and_partial_chunks() -> None:
+    """The harness's restatement of vLLM 0.33's ``transfer_async`` mapping on hand examples."""
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    # one group, 5 blocks starting at block index 3 of the request, 4 blocks per chunk:
+    # the last sub-block of the first chunk, then the whole second chunk
+    spec = GPULoadStoreSpec([10, 11, 12, 13, 14], group_sizes=[5], block_indices=[3])
+    got = harness.vllm_chunk_mapping(spec, [7, 8], 4)
+    assert got == [(10, 7, 3, 3), (11, 8, 0, 4), (12, 8, 1, 5), (13, 8, 2, 6), (14, 8, 3, 7)]
+    # a partial last chunk
+    spec = GPULoadStoreSpec([1, 2, 3], group_sizes=[3], block_indices=[0])
+    assert harness.vllm_chunk_mapping(spec, [5, 6], 2) == [
+        (1, 5, 0, 0),
+        (2, 5, 1, 1),
+        (3, 6, 0, 2),
+    ]
+    # two groups, each with its own skip
+    spec = GPULoadStoreSpec([1, 2, 3, 4], group_sizes=[1, 3], block_indices=[1, 2])
+    assert harness.vllm_chunk_mapping(spec, [0, 1, 2], 2) == [
+        (1, 0, 1, 1),
+        (2, 1, 0, 2),
+        (3, 1, 1, 3),
+        (4, 2, 0, 4),
+    ]
+    with pytest.raises(AssertionError):
+        harness.vllm_chunk_mapping(spec, [0, 1], 2)
+
+
+def test_vllm_chunk_mapping_agrees_with_vllms_sub_block_pointers() -> None:
+    """Per group, vLLM's own ``compute_sub_block_ptrs`` (the CPU side of ``transfer_async``)
+    lands each GPU block where the harness's mapping says."""
+    import random
+
+    import numpy as np
+    import torch
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+    from vllm.v1.kv_offload.cpu.gpu_worker import compute_sub_block_ptrs
+
+    rng = random.Random(0)
+    page = 64
+    for _ in range(200):
+        bpc = rng.choice((1, 2, 3, 4))
+        first, size = rng.randrange(0, 12), rng.randrange(1, 12)
+        count = -(-(size + first % bpc) // bpc)
+        chunks = rng.sample(range(40), count)
+        cpu = torch.zeros((40, bpc * page), dtype=torch.int8)
+        ptrs = np.empty(size, dtype=np.uint64)
+        compute_sub_block_ptrs(np.array(chunks), bpc, ptrs, cpu, skip_count=first % bpc)
+        offsets = (ptrs - np.uint64(cpu.data_ptr())).astype(np.int64)
+        row = cpu.stride(0)
+        want = [(int(o // row), int(o % row // page)) for o in offsets]
+        spec = GPULoadStoreSpec(
+            list(range(100, 100 + size)), group_sizes=[size], block_indices=[first]
+        )
+        got = [(c, j) for _, c, j, _ in harness.vllm_chunk_mapping(spec, chunks, bpc)]
+        assert got == want, (bpc, first, size, chunks)

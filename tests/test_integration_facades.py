@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 from seed_reference import SeedDefragmenter, make_hpu_caches, read_tags, write_canary
 
-from kvlog.errors import BlockInUse, ConfigError, LayoutError, TransferSpecError
+from kvlog.errors import (
+    BlockInUse,
+    ConfigError,
+    InvalidEvent,
+    LayoutError,
+    TransferSizeMismatch,
+    TransferSpecError,
+)
 from kvlog.events import BlocksAllocated, RequestFinished, RequestPreempted, StepEnded
 from kvlog.integrations import (
     OffloadingHandlers,
@@ -122,19 +129,39 @@ def test_a_silent_preemption_is_released_when_its_blocks_are_handed_out(tmp_path
     ]
 
 
-def test_a_block_a_store_still_reads_is_refused(tmp_path: Path) -> None:
+def test_a_block_a_store_still_reads_is_fenced_when_reused() -> None:
+    """vLLM frees a finished request's blocks at once and may hand them out in the same
+    step; the store that still reads one runs to the end before the new owner writes."""
     defrag = make(backend="fake")
     worker = OffloadingWorker(defrag, num_cpu_blocks=4)
+    executor = defrag.engine.executor
+    assert executor is not None
     defrag.update_state({"a": [1, 2]}, [])
+    old = np.full(16, 0xA2, np.uint64).tobytes()
+    executor.write_gpu_block(2, old)
     assert worker.submit_store(1, [1, 2], [0, 1])
+    defrag.update_state({"b": [2]}, ["a"])  # allowed: the store was fenced
+    executor.write_gpu_block(2, np.full(16, 0xB2, np.uint64).tobytes())  # b's forward
+    worker.wait(None)
+    assert [r.job_id for r in worker.get_finished()] == [1]
+    assert executor.read_cpu_block(1) == old
+    assert defrag.req_blocks == {"b": [2]}
+
+
+def test_a_block_a_load_still_writes_is_refused_and_nothing_changes() -> None:
+    defrag = make(backend="fake")
+    worker = OffloadingWorker(defrag, num_cpu_blocks=4)
+    defrag.update_state({"a": [3]}, [])
+    assert worker.submit_load(1, [0], [3])
+    defrag.update_state({}, ["a"])
     before = defrag.engine.digest()
     with pytest.raises(BlockInUse):
-        defrag.update_state({"b": [2]}, ["a"])  # vLLM would have delayed freeing block 2
-    # a was released (logged); the refused allocation changed nothing
-    assert defrag.req_blocks == {} and defrag.engine.digest() != before
+        defrag.update_state({"b": [3], "c": [4]}, [])
+    assert defrag.engine.digest() == before and defrag.req_blocks == {}
     worker.wait(None)
-    defrag.update_state({"b": [2]}, [])
-    assert defrag.req_blocks == {"b": [2]}
+    worker.get_finished()
+    defrag.update_state({"b": [3]}, [])
+    assert defrag.req_blocks == {"b": [3]}
 
 
 def test_loaded_blocks_are_held_until_their_request_shows_up() -> None:
@@ -207,14 +234,27 @@ def test_bad_specs_raise_transfer_spec_error(spec: object) -> None:
         worker.submit_store(1, spec, [0])
 
 
-def test_two_kv_cache_groups_are_refused() -> None:
-    class TwoGroups:
-        block_ids = np.array([1, 2])
-        group_sizes = (1, 1)
+def test_two_kv_cache_groups_follow_vllms_chunk_rule() -> None:
+    """vLLM 0.33's GPULoadStoreSpec: per group, skip ``block_indices[g] % blocks_per_chunk``
+    sub-blocks of its first CPU block; a partial last CPU block is allowed."""
 
-    worker = OffloadingWorker(make(), num_cpu_blocks=4)
-    with pytest.raises(TransferSpecError):
-        worker.submit_store(1, TwoGroups(), [0, 1])
+    class Spec:
+        def __init__(self, ids: list[int], sizes: tuple[int, ...], indices: tuple[int, ...]):
+            self.block_ids = np.array(ids, dtype=np.int32)
+            self.group_sizes, self.block_indices = sizes, indices
+
+    defrag = make(backend="fake")
+    worker = OffloadingWorker(defrag, num_cpu_blocks=8, block_size_factor=2)
+    defrag.update_state({"a": [1, 2, 3, 4, 5]}, [])
+    # group 0: blocks 1, 2, 3 from index 1 -> CPU blocks 4 (sub 1), 5 (subs 0, 1)
+    # group 1: blocks 4, 5 from index 0 -> CPU block 6 (subs 0, 1)
+    assert worker.submit_store(1, Spec([1, 2, 3, 4, 5], (3, 2), (1, 0)), [4, 5, 6])
+    (job,) = defrag.engine.state.store_jobs.values()
+    assert job.pairs is not None and job.pairs[1].tolist() == [9, 10, 11, 12, 13]
+    with pytest.raises(InvalidEvent):  # a ValueError: one block index per group
+        worker.submit_store(2, Spec([1, 2], (1, 1), (0,)), [0, 1])
+    with pytest.raises(TransferSizeMismatch):  # group 1 needs a CPU block of its own
+        worker.submit_store(3, Spec([1, 2], (1, 1), (0, 0)), [0])
 
 
 def test_the_cpu_pool_is_fixed_once_the_engine_started() -> None:

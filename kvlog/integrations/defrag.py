@@ -21,23 +21,24 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
+import torch
 
 from kvlog.engine import Engine
-from kvlog.errors import BlockInUse, ConfigError
-from kvlog.events import (
-    DEFAULT_PAD_SIZES,
-    BlocksAllocated,
-    RequestFinished,
-    RequestPreempted,
-    StepEnded,
-    SwapPlan,
-)
+from kvlog.errors import ConfigError
+from kvlog.events import DEFAULT_PAD_SIZES, StepEnded, SwapPlan
 from kvlog.executors import Executor
 from kvlog.executors.layouts import KVCaches
+from kvlog.integrations.books import Claim, RequestBooks
 from kvlog.integrations.config import FacadeConfig, config_from_env
-from kvlog.integrations.session import Backend, KvCacheSession
+from kvlog.integrations.session import (
+    HOLD_PREFIX,
+    Backend,
+    KvCacheSession,
+    derive_num_gpu_blocks,
+    shared_session,
+)
 
-__all__ = ["CacheSwapHandle", "OnlineDefragmenter"]
+__all__ = ["CacheSwapHandle", "OnlineDefragmenter", "detect_prefix_caching"]
 
 
 def _ids(blocks: Iterable[Any]) -> list[int]:
@@ -45,11 +46,30 @@ def _ids(blocks: Iterable[Any]) -> list[int]:
     return [int(b) for b in blocks]
 
 
+def detect_prefix_caching() -> bool:
+    """Prefix caching as the Gaudi plugin (``get_config().prefix_caching``) or vLLM's
+    current config says; False where neither is importable or configured."""
+    try:
+        from vllm_gaudi.extension.runtime import get_config  # type: ignore[import-not-found]
+
+        return bool(get_config().prefix_caching)
+    except Exception:  # no plugin, or no config yet
+        pass
+    try:
+        from vllm.config import get_current_vllm_config
+
+        return bool(get_current_vllm_config().cache_config.enable_prefix_caching)
+    except Exception:  # no vLLM, or no current config
+        return False
+
+
 class CacheSwapHandle:
     """What the plugin's runner expects at ``defragmenter.cache_utils``.
 
-    ``kv_caches`` is there because the worker's sleep mode clears it; ``swap`` runs pairs on
-    the tensors without bookkeeping, so it refuses while any block is live or pinned.
+    ``kv_caches`` is there because the worker's sleep mode clears it. Calling it as the
+    plugin's ``CacheSwapUtils`` (``cache_utils(srcs, dsts, caches, block_size)``, ids padded
+    with -1) or ``swap(to_swap, threshold)`` moves blocks WITHOUT bookkeeping, so both
+    refuse while any block is live or pinned: they are for warm-up only.
     """
 
     def __init__(self, defragmenter: OnlineDefragmenter, kv_caches: KVCaches) -> None:
@@ -60,19 +80,50 @@ class CacheSwapHandle:
         """Warm-up only: run ``to_swap`` padded to ``threshold`` (no block may be in use)."""
         self._defragmenter.run_unlogged_swap([(int(s), int(d)) for s, d in to_swap], threshold)
 
+    def __call__(
+        self,
+        srcs: torch.Tensor | Sequence[int],
+        dsts: torch.Tensor | Sequence[int],
+        caches: Sequence[torch.Tensor],
+        block_size: int,
+    ) -> None:
+        """Move (or, with prefix caching, swap) blocks ``srcs[i] -> dsts[i]`` in exactly
+        ``caches`` (slot-major tensors); -1 entries are padding."""
+        self._defragmenter._idle_executor()
+        pairs = [
+            (int(s), int(d))
+            for s, d in zip(
+                torch.as_tensor(srcs).tolist(), torch.as_tensor(dsts).tolist(), strict=True
+            )
+            if s >= 0 and d >= 0
+        ]
+        swap = self._defragmenter.session.prefix_caching
+        for cache in caches:
+            blocks = cache.view(-1, block_size, *cache.shape[1:])
+            for s, d in pairs:
+                moved = blocks[s].clone()
+                if swap:
+                    blocks[s].copy_(blocks[d])
+                blocks[d].copy_(moved)
+
 
 class OnlineDefragmenter:
-    """The seed's surface over :class:`~kvlog.integrations.session.KvCacheSession`.
+    """The plugin's defragmenter surface over a shared :class:`KvCacheSession`.
 
-    Arguments not given come from the environment (``VLLM_DEFRAG``,
-    ``VLLM_DEFRAG_THRESHOLD``, ``VLLM_DEFRAG_WITH_GRAPHS``, ``KVLOG_PATH``, ``KVLOG_SYNC``);
-    ``prefix_caching`` is the plugin's ``get_config().prefix_caching``.
+    ``OnlineDefragmenter(kv_caches, block_size)`` as vllm-gaudi's runner builds it, or the
+    older ``OnlineDefragmenter()`` plus ``initialize(kv_caches, block_size)``. Arguments not
+    given come from the environment (``VLLM_DEFRAG``, ``VLLM_DEFRAG_THRESHOLD``,
+    ``VLLM_DEFRAG_WITH_GRAPHS``, ``KVLOG_PATH``, ``KVLOG_SYNC``); ``prefix_caching`` from the
+    plugin's ``get_config()`` or vLLM's current config when not given. A
+    ``KvlogOffloadingConnector`` worker over the same tensors shares this Engine.
     """
 
     def __init__(
         self,
+        kv_caches: KVCaches | None = None,
+        block_size: int | None = None,
         *,
-        prefix_caching: bool = False,
+        prefix_caching: bool | None = None,
         config: FacadeConfig | None = None,
         environ: Mapping[str, str] | None = None,
         backend: Backend = "auto",
@@ -81,16 +132,22 @@ class OnlineDefragmenter:
     ) -> None:
         self.config = config or config_from_env(environ, **overrides)
         self.to_swap_pad_thresholds = list(DEFAULT_PAD_SIZES)
+        self._prefix_caching = prefix_caching
         self.session = KvCacheSession(
             self.config,
-            prefix_caching=prefix_caching,
+            prefix_caching=bool(prefix_caching),
             backend=backend,
             pad_sizes=self.to_swap_pad_thresholds,
             executor_options=executor_options,
         )
+        self._books = RequestBooks()
         self.cache_utils: CacheSwapHandle | None = None
         self.last_swap: SwapPlan | None = None
         self.debug = None
+        if kv_caches is not None:
+            if block_size is None:
+                raise ConfigError("block_size", None, "given with kv_caches")
+            self.initialize(kv_caches, block_size)
 
     # -- the seed's attributes -----------------------------------------------------------
     @property
@@ -110,10 +167,28 @@ class OnlineDefragmenter:
         """The shared Engine (started on first use)."""
         return self.session.engine
 
+    @property
+    def kv_caches(self) -> KVCaches | None:
+        return self.session.kv_caches
+
+    @property
+    def block_size(self) -> int:
+        return self.session.block_size
+
     # -- the runner's calls --------------------------------------------------------------
     def initialize(self, kv_caches: KVCaches, block_size: int) -> None:
-        """Bind the runner's KV caches (HPU layout); ``num_gpu_blocks`` comes from their shape."""
-        self.session.bind_caches(kv_caches, block_size)
+        """Bind the runner's KV caches (HPU layout); join the session of a connector built
+        over the same tensors, if there is one."""
+        derive_num_gpu_blocks(kv_caches, block_size)
+        own = self.session
+        session, new = shared_session(kv_caches, lambda: own)
+        if not new:
+            prefix = self._prefix_caching
+            session.configure(self.config, session.prefix_caching if prefix is None else prefix)
+            self.session = session
+        elif self._prefix_caching is None:
+            session.configure(self.config, detect_prefix_caching())
+        session.bind_caches(kv_caches, block_size)
         self.cache_utils = CacheSwapHandle(self, kv_caches)
 
     def update_state(
@@ -121,42 +196,34 @@ class OnlineDefragmenter:
         new_blocks: Mapping[str, Sequence[int]],
         finished_reqs: Iterable[str],
         preempted_reqs: Iterable[str] = (),
+        resumed_reqs: Iterable[str] = (),
     ) -> None:
-        """Finished, then preempted requests release their blocks; then the new blocks."""
-        for req_id in finished_reqs:
-            self.session.apply(RequestFinished(req_id=str(req_id)))
-        for req_id in preempted_reqs:
-            self.session.apply(RequestPreempted(req_id=str(req_id)))
-        for req_id, blocks in new_blocks.items():
-            block_ids = _ids(blocks)
-            if block_ids:
-                self.session.release_holds(block_ids)
-                self._allocate(str(req_id), block_ids)
+        """One scheduler step's changes: finished, then preempted requests release their
+        blocks; then the new blocks (a resumed request's are its whole new table).
 
-    def _allocate(self, req_id: str, block_ids: list[int]) -> None:
-        """``BlocksAllocated``. A block still held by a live request (without prefix caching)
-        means the scheduler preempted that request without the runner saying so (vLLM's
-        runner does not pass preemptions; a resumed request even gets its own blocks back):
-        release the holders, then allocate."""
-        try:
-            self.session.apply(BlocksAllocated(req_id=req_id, block_ids=block_ids))
-        except BlockInUse:
-            state = self.session.engine.state
-            wanted = set(block_ids)
-            owners = [
-                owner
-                for owner in state.live_requests()
-                if wanted.intersection(state.request_blocks(owner))
-            ]
-            if not owners:
-                raise
-            for owner in owners:
-                self.session.apply(RequestPreempted(req_id=owner))
-            self.session.apply(BlocksAllocated(req_id=req_id, block_ids=block_ids))
+        The runner passes no preemptions; ``RequestBooks`` infers only what is provable
+        (module ``kvlog.integrations.books``). All or nothing: a bad input raises before
+        any event is applied."""
+        engine = self.session.engine
+        plan = self._books.plan(
+            engine.state,
+            {str(r): _ids(b) for r, b in new_blocks.items()},
+            [str(r) for r in finished_reqs],
+            [str(r) for r in preempted_reqs],
+            {str(r) for r in resumed_reqs},
+        )
+        for step in plan:
+            if isinstance(step, Claim):
+                self.session.claim(step.block_ids)
+            else:
+                self.session.apply(step)
+        self._books.commit()
 
     def defragment(self) -> None:
-        """End the step: collect finished transfers, then ``StepEnded`` (swaps run now)."""
+        """End the step: collect finished transfers, hold loaded blocks no request holds
+        any more, then ``StepEnded`` (swaps run now)."""
         self.session.poll()
+        self.session.rehold(f"{HOLD_PREFIX}step-{self.session.step}")
         plans = self.session.apply(StepEnded(step=self.session.step))
         self.session.step += 1
         swaps = [p for p in plans if isinstance(p, SwapPlan)]
@@ -166,7 +233,7 @@ class OnlineDefragmenter:
         """Logical -> physical; ids the Engine does not know (pads, -1) pass unchanged."""
         if not self.session.started:
             return block_id
-        return int(self.session.engine.state.resolve(block_id))
+        return int(self.session.engine.state.resolve(int(block_id)))
 
     def resolve_all(self, block_table_list: Sequence[Sequence[int]]) -> list[list[int]]:
         """:meth:`resolve` over every table, vectorized (one numpy pass for all tables)."""
@@ -183,7 +250,7 @@ class OnlineDefragmenter:
         """Physical -> logical."""
         if not self.session.started:
             return block_id
-        return int(self.session.engine.state.unresolve(block_id))
+        return int(self.session.engine.state.unresolve(int(block_id)))
 
     # -- views for debugging and the plugin's tests --------------------------------------
     @property
@@ -200,7 +267,11 @@ class OnlineDefragmenter:
         if not self.session.started:
             return {}
         state = self.session.engine.state
-        return {r: list(state.request_blocks(r)) for r in state.live_requests()}
+        return {
+            r: list(state.request_blocks(r))
+            for r in state.live_requests()
+            if not r.startswith(HOLD_PREFIX)
+        }
 
     # -- warm-up -------------------------------------------------------------------------
     def warmup(self) -> None:
@@ -227,6 +298,10 @@ class OnlineDefragmenter:
         """The plugin's ``cache_utils.swap``: only while no block is in use or pinned."""
         self._idle_executor()
         self._execute_swap(pairs, padded_to)
+
+    def _swap(self, to_swap: Sequence[tuple[int, int]], threshold: int) -> None:
+        """The plugin's ``_swap(to_swap, threshold)`` (warm-up only, see ``cache_utils``)."""
+        self.run_unlogged_swap([(int(s), int(d)) for s, d in to_swap], threshold)
 
     def _idle_executor(self) -> Executor:
         engine = self.session.engine

@@ -12,9 +12,10 @@ Two shapes, one Engine (the defragmenter's, see :mod:`kvlog.integrations.session
   ``cpu_to_gpu_handler``, like the plugin's ``CpuGpuOffloadingHandlers``.
 
 A spec is anything with ``.block_ids`` (vLLM's ``GPULoadStoreSpec``/``CPULoadStoreSpec``), or
-a plain numpy array or list of ids. GPU ids are the scheduler's (logical) ids: the Engine
-resolves them at submit time and pins the physical blocks until the transfer finishes, which
-is what the seed handler does not do. Only one KV cache group is supported, as in the seed.
+a plain numpy array or list of ids; a GPU spec's ``group_sizes`` and ``block_indices``
+(vLLM 0.33) select vLLM's chunk rule, any number of KV-cache groups. GPU ids are the
+scheduler's (logical) ids: the Engine resolves them when the job is declared or submitted and
+pins the physical blocks until the transfer finishes, which the seed handler does not do.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import msgspec
 import numpy as np
 
 from kvlog.errors import TransferSpecError
-from kvlog.events import LoadRequested, StoreRequested
+from kvlog.events import LoadRequested, StoreRequested, TransferSubmitted
 from kvlog.executors import TransferResult as ExecutorResult
 from kvlog.integrations.defrag import OnlineDefragmenter
 from kvlog.integrations.session import JobKind, KvCacheSession
@@ -37,6 +38,8 @@ __all__ = [
     "OffloadingWorker",
     "TransferResult",
     "block_ids_of",
+    "groups_of",
+    "transfer_event",
 ]
 
 
@@ -67,14 +70,52 @@ def _result(kind: JobKind, r: ExecutorResult) -> TransferResult:
 
 def block_ids_of(spec: Any, name: str) -> list[int]:
     """The block ids of a spec with ``.block_ids``, a numpy array, or a sequence of ints."""
-    group_sizes = getattr(spec, "group_sizes", None)
-    if group_sizes is not None and len(group_sizes) > 1:
-        raise TransferSpecError(f"{name}: {len(group_sizes)} KV cache groups; kvlog supports 1")
     ids = getattr(spec, "block_ids", spec)
-    array = np.asarray(ids)
+    try:
+        array = np.asarray(ids)
+    except (TypeError, ValueError) as error:
+        raise TransferSpecError(f"{name}: block_ids are not ints: {error}") from None
     if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
         raise TransferSpecError(f"{name}: block_ids must be a 1-D array of ints, got {ids!r}")
     return [int(b) for b in array.tolist()]
+
+
+def groups_of(spec: Any, name: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A GPU spec's ``(group_sizes, block_indices)`` (vLLM 0.33), or ``((), ())``."""
+    sizes = getattr(spec, "group_sizes", None)
+    indices = getattr(spec, "block_indices", None)
+    if sizes is None and indices is None:
+        return (), ()
+    try:
+        return tuple(int(n) for n in sizes or ()), tuple(int(i) for i in indices or ())
+    except (TypeError, ValueError) as error:
+        raise TransferSpecError(f"{name}: group_sizes/block_indices: {error}") from None
+
+
+def transfer_event(
+    kind: JobKind, job_id: int, src_spec: Any, dst_spec: Any, *, deferred: bool = False
+) -> StoreRequested | LoadRequested:
+    """The event for one vLLM transfer job (the GPU spec carries the KV-cache groups)."""
+    src, dst = block_ids_of(src_spec, "src_spec"), block_ids_of(dst_spec, "dst_spec")
+    if kind == "store":
+        sizes, indices = groups_of(src_spec, "src_spec")
+        return StoreRequested(
+            job_id=int(job_id),
+            gpu_block_ids=src,
+            cpu_block_ids=dst,
+            group_sizes=sizes,
+            block_indices=indices,
+            deferred=deferred,
+        )
+    sizes, indices = groups_of(dst_spec, "dst_spec")
+    return LoadRequested(
+        job_id=int(job_id),
+        cpu_block_ids=src,
+        gpu_block_ids=dst,
+        group_sizes=sizes,
+        block_indices=indices,
+        deferred=deferred,
+    )
 
 
 def _session_of(owner: OnlineDefragmenter | KvCacheSession) -> KvCacheSession:
@@ -82,10 +123,13 @@ def _session_of(owner: OnlineDefragmenter | KvCacheSession) -> KvCacheSession:
 
 
 class OffloadingWorker:
-    """vLLM's CPU ``OffloadingWorker`` shape over the defragmenter's Engine.
+    """vLLM 0.33's ``OffloadingWorker`` over the shared Engine.
 
-    ``num_cpu_blocks`` and ``block_size_factor`` (CPU block = that many GPU blocks) go into
-    the log's ``CacheConfigured``, so build the worker before the first scheduler step.
+    ``num_cpu_blocks`` and ``block_size_factor`` (vLLM's ``blocks_per_chunk``: a CPU block
+    is that many GPU blocks) go into the log's ``CacheConfigured``, so build the worker
+    before the first scheduler step. A job may be declared first (``declare``: pinned from
+    the scheduler's decision, see ``kvlog.integrations.vllm``); its ``submit_*`` then runs
+    it. Bad input raises ``InvalidEvent`` or ``TransferSpecError``.
     """
 
     def __init__(
@@ -93,31 +137,52 @@ class OffloadingWorker:
         defragmenter: OnlineDefragmenter | KvCacheSession,
         num_cpu_blocks: int,
         block_size_factor: int = 1,
+        *,
+        quarantine: bool = False,
     ) -> None:
         self.session = _session_of(defragmenter)
-        self.session.attach_offload(num_cpu_blocks, block_size_factor)
+        self.session.attach_offload(num_cpu_blocks, block_size_factor, quarantine=quarantine)
         self._shut_down = False
 
-    def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
-        """GPU (logical ids) -> CPU; True once submitted. Bad input raises ``InvalidEvent``."""
-        gpu, cpu = block_ids_of(src_spec, "src_spec"), block_ids_of(dst_spec, "dst_spec")
-        self._submit(StoreRequested(job_id=int(job_id), gpu_block_ids=gpu, cpu_block_ids=cpu))
-        return True
+    def declare(self, kind: JobKind, job_id: int, src_spec: Any, dst_spec: Any) -> None:
+        """Pin a job the scheduler decided, before its ``submit_*`` runs it."""
+        self._submit(transfer_event(kind, job_id, src_spec, dst_spec, deferred=True))
 
-    def submit_load(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
-        """CPU -> GPU (logical ids); True once submitted. Bad input raises ``InvalidEvent``."""
-        cpu, gpu = block_ids_of(src_spec, "src_spec"), block_ids_of(dst_spec, "dst_spec")
-        self._submit(LoadRequested(job_id=int(job_id), cpu_block_ids=cpu, gpu_block_ids=gpu))
+    def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
+        """GPU (logical ids) -> CPU; True once submitted."""
+        return self._run("store", job_id, src_spec, dst_spec)
+
+    def submit_load(
+        self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False
+    ) -> bool:
+        """CPU -> GPU (logical ids); True once submitted. ``expedited`` (a load the caller
+        waits for within the step) changes nothing here: kvlog's loads do not queue behind
+        one another's completion."""
+        del expedited
+        return self._run("load", job_id, src_spec, dst_spec)
+
+    def _run(self, kind: JobKind, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
+        if self._shut_down:
+            raise TransferSpecError("the offloading worker was shut down")
+        engine = self.session.engine
+        job = engine.state.job(int(job_id))
+        if job is not None and job.kind != kind:
+            raise TransferSpecError(f"job {job_id} was declared as a {job.kind}, not a {kind}")
+        if job is not None and not job.submitted:
+            engine.apply(TransferSubmitted(job_id=int(job_id)))
+        elif job is None and not self.session.known(int(job_id)):
+            self._submit(transfer_event(kind, job_id, src_spec, dst_spec))
+        # else: a declared store already flushed (running or done): nothing to do
         return True
 
     def _submit(self, event: StoreRequested | LoadRequested) -> None:
         if self._shut_down:
             raise TransferSpecError("the offloading worker was shut down")
-        self.session.apply(event)
         kind: JobKind = "store" if isinstance(event, StoreRequested) else "load"
-        self.session.submitted(event.job_id, kind)
         if kind == "load":
             self.session.hold(event.job_id, event.gpu_block_ids)
+        self.session.apply(event)
+        self.session.submitted(event.job_id, kind)
 
     def get_finished(self) -> list[TransferResult]:
         """Transfers finished since the last call (logged as ``TransferFinished``)."""

@@ -2,16 +2,20 @@
 
 Sharing is what makes the combination safe: a store resolves its (logical) GPU ids through
 the same forward table that defrag updates, and defrag sees the blocks that unfinished
-transfers pin. The session is created by the defragmenter facade; the offloading facades
-attach to it. The Engine starts lazily, at the first event after ``initialize()``, so the
-offloading side can still declare its CPU pool (``attach_offload``) during start-up: the
-log's ``CacheConfigured`` then carries the whole geometry.
+transfers pin. ``shared_session`` finds the session of a KV cache by its storage, so an
+``OnlineDefragmenter`` and a ``KvlogOffloadingConnector`` worker built over the same tensors
+in one process share one Engine (and one log), whichever is built first, with no wiring.
+
+The Engine starts lazily, at the first event, so every facade can still declare what it
+knows during start-up (the CPU pool, prefix caching, the runner's own tensors): the log's
+``CacheConfigured`` then carries the whole geometry.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping, Sequence
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -31,7 +35,14 @@ from kvlog.executors import TransferResult, make_executor
 from kvlog.executors.layouts import KVCaches, register_layout
 from kvlog.integrations.config import FacadeConfig
 
-__all__ = ["HOLD_PREFIX", "Backend", "JobKind", "KvCacheSession", "derive_num_gpu_blocks"]
+__all__ = [
+    "HOLD_PREFIX",
+    "Backend",
+    "JobKind",
+    "KvCacheSession",
+    "derive_num_gpu_blocks",
+    "shared_session",
+]
 
 HOLD_PREFIX = "kvlog-load-hold-"
 """Request ids of the placeholders that hold loaded blocks (see ``KvCacheSession.hold``)."""
@@ -40,14 +51,19 @@ Backend = Literal["auto", "cpu", "cuda", "hpu", "fake"]
 JobKind = Literal["store", "load"]
 
 
-def _first_tensor(kv_caches: KVCaches) -> torch.Tensor:
+def _tensors(kv_caches: KVCaches) -> Iterator[torch.Tensor]:
     layers = list(kv_caches.values()) if isinstance(kv_caches, Mapping) else list(kv_caches)
-    if not layers:
-        raise LayoutError("kv_caches is empty: initialize() needs at least one layer")
-    layer = layers[0]
-    tensor = layer if isinstance(layer, torch.Tensor) else layer[0]
-    if not isinstance(tensor, torch.Tensor):
-        raise LayoutError("the first layer of kv_caches holds no key tensor")
+    for layer in layers:
+        if isinstance(layer, torch.Tensor):
+            yield layer
+        elif isinstance(layer, (list, tuple)):
+            yield from (t for t in layer if isinstance(t, torch.Tensor))
+
+
+def _first_tensor(kv_caches: KVCaches) -> torch.Tensor:
+    tensor = next(_tensors(kv_caches), None)
+    if tensor is None:
+        raise LayoutError("kv_caches holds no tensor: give at least one layer")
     return tensor
 
 
@@ -81,6 +97,16 @@ def _log_path(config: FacadeConfig) -> str | None:
     return candidate
 
 
+class _Caches:
+    """KV-cache tensors as one facade registered them: their layout and geometry."""
+
+    def __init__(self, kv_caches: KVCaches, block_size: int, num_gpu_blocks: int, layout: str):
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.num_gpu_blocks = num_gpu_blocks
+        self.layout = layout
+
+
 class KvCacheSession:
     """Owns the Engine, its executor and its log; routes transfer completions to facades."""
 
@@ -100,27 +126,71 @@ class KvCacheSession:
         self.max_swaps = max_swaps
         self.pad_sizes = tuple(pad_sizes)
         self.executor_options = dict(executor_options or {})
-        self.kv_caches: KVCaches | None = None
-        self.block_size = 0
+        self._caches: _Caches | None = None
         self.num_cpu_blocks = 0
         self.block_size_factor = 1
+        self.quarantine = False
         self._engine: Engine | None = None
         self._kinds: dict[int, JobKind] = {}
         self._finished: dict[JobKind, list[TransferResult]] = {"store": [], "load": []}
         self._holds: dict[int, str] = {}
+        self._claims: set[int] = set()
         self.step = 0
 
     # -- start-up ------------------------------------------------------------------------
-    def bind_caches(self, kv_caches: KVCaches, block_size: int) -> None:
-        """Remember the runner's caches; the Engine starts on first use."""
-        if self._engine is not None:
-            raise ConfigError("kv_caches", "<tensors>", "initialize() before the first step")
-        derive_num_gpu_blocks(kv_caches, block_size)
-        self.kv_caches = kv_caches
-        self.block_size = block_size
+    @property
+    def kv_caches(self) -> KVCaches | None:
+        return None if self._caches is None else self._caches.kv_caches
 
-    def attach_offload(self, num_cpu_blocks: int, block_size_factor: int) -> None:
-        """Declare the CPU pool; only before the first step, or again with the same values."""
+    @property
+    def block_size(self) -> int:
+        return 0 if self._caches is None else self._caches.block_size
+
+    def bind_caches(
+        self,
+        kv_caches: KVCaches,
+        block_size: int,
+        *,
+        num_gpu_blocks: int | None = None,
+        layout: str = "hpu",
+    ) -> None:
+        """Remember a facade's caches (the latest before the first event wins: the runner's
+        own tensors, with every scale, come after the connector's 4-D views)."""
+        if num_gpu_blocks is None:
+            num_gpu_blocks = derive_num_gpu_blocks(kv_caches, block_size)
+        caches = _Caches(kv_caches, block_size, num_gpu_blocks, layout)
+        if self._engine is not None:
+            known = self._caches
+            assert known is not None, "a started session has caches"
+            if (known.num_gpu_blocks, known.block_size) != (num_gpu_blocks, block_size):
+                raise ConfigError(
+                    "kv_caches",
+                    f"{num_gpu_blocks} blocks of {block_size}",
+                    f"the shared cache's {known.num_gpu_blocks} blocks of {known.block_size}",
+                )
+            return
+        register_layout(kv_caches, num_gpu_blocks, block_size, layout)
+        self._caches = caches
+
+    def configure(self, config: FacadeConfig, prefix_caching: bool) -> None:
+        """A facade's policy; before the first event, or again with the same values."""
+        if self._engine is not None and (config, prefix_caching) != (
+            self.config,
+            self.prefix_caching,
+        ):
+            raise ConfigError("config", config, "the shared Engine's, set before its first step")
+        self.config, self.prefix_caching = config, prefix_caching
+
+    def attach_offload(
+        self, num_cpu_blocks: int, block_size_factor: int, *, quarantine: bool = False
+    ) -> None:
+        """Declare the CPU pool; only before the first step, or again with the same values.
+        ``quarantine``: the worker learns of the scheduler's transfers only after the
+        runner's defrag call (vLLM's connector flow), so blocks released in a step are no
+        defrag destination at its end (``CacheConfigured.quarantine_released``)."""
+        quarantine = quarantine or self.quarantine
+        if self._engine is not None and quarantine != self.quarantine:
+            raise ConfigError("quarantine", quarantine, "attach before the first step")
         same = (num_cpu_blocks, block_size_factor) == (self.num_cpu_blocks, self.block_size_factor)
         if self._engine is not None and not same:
             raise ConfigError("num_cpu_blocks", num_cpu_blocks, "attach before the first step")
@@ -130,6 +200,7 @@ class KvCacheSession:
             raise ConfigError("block_size_factor", block_size_factor, "a positive int")
         self.num_cpu_blocks = num_cpu_blocks
         self.block_size_factor = block_size_factor
+        self.quarantine = quarantine
 
     @property
     def started(self) -> bool:
@@ -137,13 +208,15 @@ class KvCacheSession:
 
     def cache_config(self) -> CacheConfigured:
         """The log's first event, from the caches and the configuration."""
-        if self.kv_caches is None:
+        caches = self._caches
+        if caches is None:
             raise ConfigError("kv_caches", None, "initialize(kv_caches, block_size) first")
-        num_gpu_blocks = derive_num_gpu_blocks(self.kv_caches, self.block_size)
-        layout = register_layout(self.kv_caches, num_gpu_blocks, self.block_size, "hpu")
+        layout = register_layout(
+            caches.kv_caches, caches.num_gpu_blocks, caches.block_size, caches.layout
+        )
         return CacheConfigured(
-            num_gpu_blocks=num_gpu_blocks,
-            block_size=self.block_size,
+            num_gpu_blocks=caches.num_gpu_blocks,
+            block_size=caches.block_size,
             num_cpu_blocks=self.num_cpu_blocks,
             block_size_factor=self.block_size_factor,
             prefix_caching=self.prefix_caching,
@@ -152,6 +225,7 @@ class KvCacheSession:
             max_swaps=self.max_swaps,
             pad_sizes=self.pad_sizes,
             page_size_bytes=layout.page_size_bytes,
+            quarantine_released=self.quarantine,
         )
 
     @property
@@ -159,10 +233,17 @@ class KvCacheSession:
         """The Engine, started now if this is its first use."""
         if self._engine is None:
             config = self.cache_config()
-            assert self.kv_caches is not None, "cache_config() checked the caches"
-            backend = _auto_backend(self.kv_caches) if self.backend == "auto" else self.backend
+            caches = self._caches
+            assert caches is not None, "cache_config() checked the caches"
+            backend = self.backend
+            if backend == "auto":
+                backend = _auto_backend(caches.kv_caches)  # type: ignore[assignment]
             executor = make_executor(
-                self.kv_caches, config, backend=backend, layout="hpu", **self.executor_options
+                caches.kv_caches,
+                config,
+                backend=backend,
+                layout=caches.layout,
+                **self.executor_options,
             )
             self._engine = Engine(
                 config, log_path=_log_path(self.config), executor=executor, sync=self.config.sync
@@ -175,6 +256,10 @@ class KvCacheSession:
 
     def submitted(self, job_id: int, kind: JobKind) -> None:
         self._kinds[job_id] = kind
+
+    def known(self, job_id: int) -> bool:
+        """Whether this job was declared or submitted (it may have finished since)."""
+        return self._engine is not None and job_id <= self._engine.state.last_job_id
 
     def poll(self) -> None:
         """Collect finished transfers (the Engine logs them) into per-direction queues."""
@@ -206,34 +291,65 @@ class KvCacheSession:
 
     # -- blocks a load writes before the runner sees their request -----------------------
     def hold(self, job_id: int, gpu_block_ids: list[int]) -> None:
-        """Give a load's destination blocks that no request holds to a placeholder request.
+        """Keep a load's destination blocks used until a request claims them.
 
         vLLM allocates a request's blocks, loads into them, and reports the request to the
         runner only when it is scheduled, possibly steps after the load ended. Until then
-        the blocks must count as used, or defrag would move other blocks into them.
+        the blocks must count as used, or defrag would move other blocks into them. Blocks
+        no request holds go to a placeholder request now (call this BEFORE the load's
+        event: a block an unfinished load writes cannot be allocated); blocks a stale
+        request still holds (one the scheduler preempted without saying so) are claimed,
+        and held as soon as that request lets them go (``rehold``).
         """
         state = self.engine.state
-        physical = state.resolve_array(np.asarray(gpu_block_ids, dtype=np.int64))
-        unowned = [
-            b
-            for b, p in zip(gpu_block_ids, physical.tolist(), strict=True)
-            if state.refs[p] == 0 and b not in self._holds
-        ]
-        if unowned:
-            hold_id = f"{HOLD_PREFIX}{job_id}"
-            self.apply(BlocksAllocated(req_id=hold_id, block_ids=unowned))
-            self._holds.update(dict.fromkeys(unowned, hold_id))
+        physical = state.resolve_array(np.asarray(gpu_block_ids, dtype=np.int64)).tolist()
+        unowned: list[int] = []
+        for b, p in zip(gpu_block_ids, physical, strict=True):
+            if b in self._holds:
+                continue
+            if state.refs[p] == 0:
+                unowned.append(b)
+            else:
+                self._claims.add(b)
+        self._hold(f"{HOLD_PREFIX}{job_id}", unowned)
 
-    def release_holds(self, block_ids: Iterable[int]) -> None:
-        """Release every placeholder that holds one of ``block_ids`` (a request claims them)."""
+    def _hold(self, hold_id: str, block_ids: list[int]) -> None:
+        if block_ids:
+            self.apply(BlocksAllocated(req_id=hold_id, block_ids=block_ids))
+            self._holds.update(dict.fromkeys(block_ids, hold_id))
+            self._claims.difference_update(block_ids)
+
+    def rehold(self, hold_id: str) -> None:
+        """Hold the claimed blocks that no request holds any more (after releases). One a
+        load still writes is pinned anyway; it is held at a later call, once unpinned."""
+        if not self._claims:
+            return
+        state = self.engine.state
+        free = sorted(
+            b
+            for b in self._claims
+            if not state.refs[state.resolve(b)] and not state.load_pins[state.resolve(b)]
+        )
+        self._hold(hold_id, free)
+
+    def claim(self, block_ids: Iterable[int]) -> None:
+        """A request is being given these blocks: release the placeholders that hold any of
+        them, and forget their claims."""
+        wanted = list(block_ids)
+        self._claims.difference_update(wanted)
         if not self._holds:
             return
-        hold_ids = sorted({self._holds[b] for b in block_ids if b in self._holds})
+        hold_ids = sorted({self._holds[b] for b in wanted if b in self._holds})
         for hold_id in hold_ids:
             self.apply(RequestFinished(req_id=hold_id))
         if hold_ids:
             released = set(hold_ids)
             self._holds = {b: h for b, h in self._holds.items() if h not in released}
+
+    release_holds = claim
+
+    def holds_any(self, block_ids: Iterable[int]) -> bool:
+        return any(b in self._holds for b in block_ids)
 
     @property
     def held_blocks(self) -> dict[int, str]:
@@ -243,3 +359,41 @@ class KvCacheSession:
     def close(self) -> None:
         if self._engine is not None:
             self._engine.close()
+
+
+# -- one session per KV-cache storage, shared by every facade of a process ---------------
+class _Entry:
+    """A live session and the storages of the tensors it was found by. The session keeps
+    its executor's views of those storages alive, so a storage pointer cannot be reused
+    by another allocation while the session lives."""
+
+    def __init__(self, session: KvCacheSession, tensors: list[torch.Tensor]) -> None:
+        self.session_ref = weakref.ref(session)
+        self.pointers = {_storage(t) for t in tensors}
+
+
+_SESSIONS: list[_Entry] = []
+
+
+def _storage(tensor: torch.Tensor) -> tuple[str, int]:
+    return (str(tensor.device), tensor.untyped_storage().data_ptr())
+
+
+def shared_session(
+    kv_caches: KVCaches, factory: Callable[[], KvCacheSession]
+) -> tuple[KvCacheSession, bool]:
+    """The live session over any of these tensors' storage, or a new one from ``factory``;
+    and whether it is new. Sessions no facade holds any more are forgotten."""
+    tensors = list(_tensors(kv_caches))
+    if not tensors:
+        raise LayoutError("kv_caches holds no tensor: give at least one layer")
+    _SESSIONS[:] = [e for e in _SESSIONS if e.session_ref() is not None]
+    pointers = {_storage(t) for t in tensors}
+    for entry in _SESSIONS:
+        session = entry.session_ref()
+        if session is not None and entry.pointers & pointers:
+            entry.pointers |= pointers
+            return session, False
+    session = factory()
+    _SESSIONS.append(_Entry(session, tensors))
+    return session, True

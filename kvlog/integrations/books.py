@@ -1,0 +1,218 @@
+"""What the runner's ``update_state`` does not say, inferred only where it is provable.
+
+vllm-gaudi's runner calls ``update_state(new | cached, finished_req_ids)``: no preempted
+requests, and a resumed request's whole new table looks like any running request's newly
+appended blocks. vLLM frees a preempted request's blocks at once and may hand them to other
+requests, or back to the request itself when it resumes. Two facts are provable:
+
+1. A running request is only ever given free blocks, so a request given a block it already
+   holds was preempted and has resumed: the list is its whole new table (release the old
+   one, allocate the new).
+2. Without prefix caching a block has one owner, so when the scheduler gives request S a
+   block that request R holds, R was preempted after that block joined R's table: every
+   block R received up to and including that allocation (its *batch*) is free. Later
+   batches of R may be a resumed table that the runner's call made look like an append:
+   they stay (R is released and its later batches allocated again).
+
+With prefix caching, sharing is legal, so only (1) applies; a block the runner never says
+was freed stays counted, which is safe: an over-counted block is never a defrag
+destination. The caller may pass ``preempted`` and ``resumed`` (vLLM's V2 runner output
+has ``preempted_req_ids``, the V1 output ``resumed_req_ids``); then nothing is inferred
+for those requests.
+
+``RequestBooks.plan`` checks everything first and returns the steps (events, and claims
+of blocks that loads hold) in order; ``commit`` keeps the books once they ran. Its cost is
+O(blocks named in the call), never O(pool).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvlog.errors import BlockInUse, BlockOutOfRange, DuplicateBlock
+from kvlog.events import (
+    BlocksAllocated,
+    Event,
+    RequestFinished,
+    RequestPreempted,
+    validate_event,
+)
+from kvlog.reducers import State
+
+__all__ = ["Claim", "RequestBooks", "Step"]
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A request is about to be given these blocks: release the load holds on them."""
+
+    block_ids: list[int]
+
+
+Step = Event | Claim
+
+
+class _Table:
+    """One request's blocks as the runner gave them, in batches (one per allocation)."""
+
+    __slots__ = ("batch_of", "batches")
+
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []
+        self.batch_of: dict[int, int] = {}
+
+    def append(self, block_ids: list[int]) -> None:
+        index = len(self.batches)
+        self.batches.append(block_ids)
+        self.batch_of.update(dict.fromkeys(block_ids, index))
+
+
+class RequestBooks:
+    """The facade's per-request batches, and the block owners without prefix caching."""
+
+    def __init__(self) -> None:
+        self._tables: dict[str, _Table] = {}
+        self._owner: dict[int, str] = {}
+        self._pending: list[tuple[str, str, list[int]]] = []
+
+    def plan(
+        self,
+        state: State,
+        new_blocks: dict[str, list[int]],
+        finished: list[str],
+        preempted: list[str],
+        resumed: set[str],
+    ) -> list[Step]:
+        """The steps for one call, checked; raises (changing nothing) on bad input."""
+        assert state.config is not None, "the session starts the Engine configured"
+        planner = _Planner(self, state, state.config.prefix_caching)
+        for req_id in finished:
+            planner.release(RequestFinished(req_id=req_id))
+        for req_id in preempted:
+            planner.release(RequestPreempted(req_id=req_id))
+        for req_id, block_ids in new_blocks.items():
+            if block_ids:
+                planner.allocate(req_id, block_ids, req_id in resumed)
+        planner.check()
+        self._pending = planner.changes
+        return planner.steps
+
+    def commit(self) -> None:
+        """Keep the books of the last ``plan`` (its steps ran)."""
+        for kind, req_id, block_ids in self._pending:
+            if kind == "drop":
+                table = self._tables.pop(req_id, None)
+                for b in [] if table is None else table.batch_of:
+                    if self._owner.get(b) == req_id:
+                        del self._owner[b]
+            else:
+                self._tables.setdefault(req_id, _Table()).append(block_ids)
+                self._owner.update(dict.fromkeys(block_ids, req_id))
+        self._pending = []
+
+
+class _Planner:
+    """One call's plan over a read-only view of the books plus this call's changes."""
+
+    def __init__(self, books: RequestBooks, state: State, prefix_caching: bool) -> None:
+        self.books = books
+        self.state = state
+        self.prefix_caching = prefix_caching
+        self.steps: list[Step] = []
+        self.changes: list[tuple[str, str, list[int]]] = []
+        self.dropped: set[str] = set()
+        self.added: dict[str, list[list[int]]] = {}
+        self.taken: dict[int, str] = {}
+
+    # -- the view -------------------------------------------------------------------------
+    def _old(self, req_id: str) -> _Table | None:
+        return None if req_id in self.dropped else self.books._tables.get(req_id)
+
+    def _holds(self, req_id: str, block_id: int) -> bool:
+        table = self._old(req_id)
+        if table is not None and block_id in table.batch_of:
+            return True
+        return any(block_id in batch for batch in self.added.get(req_id, ()))
+
+    def _owner(self, block_id: int) -> str | None:
+        owner = self.taken.get(block_id)
+        if owner is not None:
+            return owner
+        owner = self.books._owner.get(block_id)
+        return owner if owner is not None and self._old(owner) is not None else None
+
+    # -- the changes ----------------------------------------------------------------------
+    def release(self, event: RequestFinished | RequestPreempted) -> None:
+        self.steps.append(event)
+        self._drop(event.req_id)
+
+    def _drop(self, req_id: str) -> None:
+        for batch in self.added.pop(req_id, []):
+            for b in batch:
+                self.taken.pop(b, None)
+        self.dropped.add(req_id)
+        self.changes.append(("drop", req_id, []))
+
+    def allocate(self, req_id: str, block_ids: list[int], resumed: bool) -> None:
+        if len(set(block_ids)) != len(block_ids):
+            event = BlocksAllocated(req_id=req_id, block_ids=block_ids)
+            raise DuplicateBlock(f"request {req_id!r} is given a block twice", event)
+        known = self._old(req_id) is not None or req_id in self.added
+        if known and (resumed or any(self._holds(req_id, b) for b in block_ids)):
+            self.release(RequestPreempted(req_id=req_id))
+        if not self.prefix_caching:
+            self._evict_stale_owners(req_id, block_ids)
+        self.steps.append(Claim(block_ids))
+        self._add(req_id, block_ids)
+
+    def _add(self, req_id: str, block_ids: list[int]) -> None:
+        """One batch for ``req_id`` (after a release, a fresh table: ``dropped`` keeps
+        hiding the old one from the view)."""
+        self.steps.append(BlocksAllocated(req_id=req_id, block_ids=block_ids))
+        self.added.setdefault(req_id, []).append(block_ids)
+        self.taken.update(dict.fromkeys(block_ids, req_id))
+        self.changes.append(("add", req_id, block_ids))
+
+    def _evict_stale_owners(self, req_id: str, block_ids: list[int]) -> None:
+        """Fact 2: release each other owner's batches up to the last one given away."""
+        cut: dict[str, int] = {}
+        for b in block_ids:
+            owner = self._owner(b)
+            if owner is None or owner == req_id:
+                continue
+            if b in self.taken:
+                event = BlocksAllocated(req_id=req_id, block_ids=block_ids)
+                raise BlockInUse(f"block {b} is given to {owner!r} and {req_id!r} at once", event)
+            table = self._old(owner)
+            assert table is not None, "an owner from the books has a table"
+            cut[owner] = max(cut.get(owner, -1), table.batch_of[b])
+        for owner, index in sorted(cut.items()):
+            table = self._old(owner)
+            assert table is not None, "checked above"
+            keep = table.batches[index + 1 :] + self.added.get(owner, [])
+            self.release(RequestPreempted(req_id=owner))
+            for batch in keep:  # batch by batch, so later evidence can cut again
+                self._add(owner, batch)
+
+    # -- the check ------------------------------------------------------------------------
+    def check(self) -> None:
+        """Every event valid on its own, every block in range and not being loaded into."""
+        size = self.state.num_gpu_blocks
+        for step in self.steps:
+            if isinstance(step, Claim):
+                continue
+            validate_event(step)
+            if isinstance(step, BlocksAllocated):
+                self._check_blocks(step, size)
+
+    def _check_blocks(self, event: BlocksAllocated, size: int) -> None:
+        ids = np.asarray(event.block_ids, dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= size):
+            bad = next(b for b in event.block_ids if not 0 <= b < size)
+            raise BlockOutOfRange(f"block_ids holds block id {bad}, outside [0, {size})", event)
+        loading = np.flatnonzero(self.state.load_pins[self.state.fwd[ids]] > 0)
+        if loading.size:
+            b = event.block_ids[int(loading[0])]
+            raise BlockInUse(f"block {b} is still being written by an unfinished load", event)

@@ -1,0 +1,155 @@
+"""``KvlogOffloadingConnector``: vLLM 0.33's ``OffloadingConnector`` with kvlog's worker.
+
+Selected by configuration alone::
+
+    KVTransferConfig(
+        kv_connector="KvlogOffloadingConnector",
+        kv_connector_module_path="kvlog.integrations.vllm",
+        kv_role="kv_both",
+        kv_connector_extra_config={"cpu_bytes_to_use": ..., "blocks_per_chunk": ...},
+    )
+
+The scheduler side is vLLM's own (its CPU offloading manager decides every store and
+load). The worker side is vLLM's ``OffloadingConnectorWorker`` over a kvlog
+:class:`~kvlog.integrations.offload.OffloadingWorker` on the Engine that an
+``OnlineDefragmenter`` over the same tensors uses, so defrag and transfers see each other:
+
+- Every job of a step is declared (``deferred=True``: pinned, not yet run) in job-id order
+  as soon as the worker learns of it: at ``handle_preemptions`` or, where the runner never
+  calls it (vllm-gaudi), at ``bind_connector_metadata``. A store then reads the blocks the
+  scheduler meant even though it runs a step later, after the runner's next defrag call.
+- vLLM fences its own reuse of a block a store still reads with ``jobs_to_flush`` in
+  ``handle_preemptions``; where the runner does not call it, binding the metadata does the
+  same (submit, then wait), and kvlog's own reducer flushes such a store when the block is
+  reallocated (``FencePlan``).
+- ``submit_store`` / ``submit_load`` (``expedited`` too) run declared jobs; ``get_finished``
+  reports ``job_id, success, transfer_size, transfer_time`` as vLLM's ``TransferResult``.
+
+This module is the only one in kvlog that imports vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+    OffloadingConnectorMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
+    OffloadingConnectorWorker,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+    OffloadingConnector,
+)
+
+from kvlog.engine import Engine
+from kvlog.integrations.config import config_from_env
+from kvlog.integrations.offload import OffloadingWorker
+from kvlog.integrations.session import JobKind, KvCacheSession, shared_session
+
+__all__ = ["KvlogConnectorWorker", "KvlogOffloadingConnector"]
+
+
+def _layers(kv_caches: Mapping[str, Any]) -> list[Any]:
+    """Each layer as a tensor or a tuple of tensors (vllm-gaudi hands ``TensorTuple``s)."""
+    out: list[Any] = []
+    for layer in kv_caches.values():
+        if isinstance(layer, torch.Tensor):
+            out.append(layer)
+        else:
+            out.append(tuple(t for t in layer if isinstance(t, torch.Tensor)))
+    return out
+
+
+class KvlogConnectorWorker(OffloadingConnectorWorker):  # type: ignore[misc]
+    """vLLM's connector worker, with kvlog's Engine doing the transfers."""
+
+    def __init__(self, spec: Any, vllm_config: Any, kv_cache_config: Any) -> None:
+        super().__init__(spec, vllm_config, kv_cache_config)
+        self.session: KvCacheSession | None = None
+
+    # -- start-up -------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:  # type: ignore[override]
+        """Join (or start) the session of these tensors and give vLLM a kvlog worker."""
+        prefix_caching = bool(self.vllm_config.cache_config.enable_prefix_caching)
+        backend = self.spec.extra_config.get("kvlog_backend", "auto")
+
+        def new_session() -> KvCacheSession:
+            return KvCacheSession(config_from_env(), prefix_caching=prefix_caching, backend=backend)
+
+        layers = _layers(kv_caches)
+        session, new = shared_session(layers, new_session)
+        if session.kv_caches is None:  # the runner's own tensors (with scales) win
+            session.bind_caches(
+                layers,
+                self.vllm_config.cache_config.block_size,
+                num_gpu_blocks=int(self.kv_cache_config.num_blocks),
+                layout="auto",
+            )
+        if not new and not session.started:
+            session.configure(session.config, prefix_caching)
+        self.session = session
+        num_chunks, blocks_per_chunk = int(self.spec.num_chunks), int(self.spec.blocks_per_chunk)
+        self.worker = OffloadingWorker(session, num_chunks, blocks_per_chunk, quarantine=True)
+
+    @property
+    def engine(self) -> Engine:
+        assert self.session is not None, "register_kv_caches() first"
+        return self.session.engine
+
+    # -- the step -------------------------------------------------------------------------
+    def declare(self, metadata: OffloadingConnectorMetadata) -> None:
+        """Pin every job of this step not declared yet, in job-id order."""
+        worker = self.worker
+        assert isinstance(worker, OffloadingWorker), "register_kv_caches() first"
+        jobs: list[tuple[int, JobKind, Any]] = [
+            (job_id, "load", entry) for job_id, entry in metadata.load_jobs.items()
+        ]
+        if self._is_store_writer:  # other ranks never submit stores
+            jobs += [(job_id, "store", entry) for job_id, entry in metadata.store_jobs.items()]
+        assert self.session is not None, "register_kv_caches() first"
+        for job_id, kind, entry in sorted(jobs, key=lambda job: job[0]):
+            if not self.session.known(job_id):
+                worker.declare(kind, job_id, entry.src_spec, entry.dst_spec)
+
+    def handle_preemptions(self, kv_connector_metadata: OffloadingConnectorMetadata) -> None:
+        """vLLM's fence of ``jobs_to_flush``, after declaring the step's jobs."""
+        self.declare(kv_connector_metadata)
+        super().handle_preemptions(kv_connector_metadata)
+
+    def bind(self, metadata: OffloadingConnectorMetadata) -> None:
+        """Declare the step's jobs, and fence ``jobs_to_flush`` (again, if the runner called
+        ``handle_preemptions``: then the jobs are done and this costs nothing)."""
+        self.declare(metadata)
+        if metadata.jobs_to_flush:
+            super().handle_preemptions(metadata)
+
+
+class KvlogOffloadingConnector(OffloadingConnector):  # type: ignore[misc]
+    """vLLM's ``OffloadingConnector``; on the worker, kvlog keeps the books and moves bytes."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        if role == KVConnectorRole.WORKER:
+            worker: Any = getattr(self, "connector_worker", None)
+            assert worker is not None, "the WORKER role builds a connector worker"
+            self.connector_worker: Any = KvlogConnectorWorker(
+                worker.spec, vllm_config, worker.kv_cache_config
+            )
+
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        worker = self.connector_worker
+        if isinstance(worker, KvlogConnectorWorker):
+            assert isinstance(connector_metadata, OffloadingConnectorMetadata)
+            worker.bind(connector_metadata)
+
+    @property
+    def engine(self) -> Engine:
+        """The shared kvlog Engine (worker side)."""
+        worker = self.connector_worker
+        assert isinstance(worker, KvlogConnectorWorker), "the worker side has the Engine"
+        return worker.engine

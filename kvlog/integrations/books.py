@@ -3,22 +3,18 @@
 vllm-gaudi's runner calls ``update_state(new | cached, finished_req_ids)``: no preempted
 requests, and a resumed request's whole new table looks like any running request's newly
 appended blocks. vLLM frees a preempted request's blocks at once and may hand them to other
-requests, or back to the request itself when it resumes. Two facts are provable:
+requests, or back to the request itself, as new blocks or in its resumed table. One fact
+is provable: a block the scheduler gives away is free, so whoever kvlog thinks holds it was
+preempted after the allocation (the *batch*) that brought it, and every block that request
+received up to and including that batch is free too. Later batches may be a resumed table
+that the runner's call made look like an append: they stay. The holder is the receiving
+request itself (a table never repeats a block, prefix caching or not), or, without prefix
+caching, any other request (with it, sharing a block is legal and proves nothing).
 
-1. A running request is only ever given free blocks, so a request given a block it already
-   holds was preempted and has resumed: the list is its whole new table (release the old
-   one, allocate the new).
-2. Without prefix caching a block has one owner, so when the scheduler gives request S a
-   block that request R holds, R was preempted after that block joined R's table: every
-   block R received up to and including that allocation (its *batch*) is free. Later
-   batches of R may be a resumed table that the runner's call made look like an append:
-   they stay (R is released and its later batches allocated again).
-
-With prefix caching, sharing is legal, so only (1) applies; a block the runner never says
-was freed stays counted, which is safe: an over-counted block is never a defrag
-destination. The caller may pass ``preempted`` and ``resumed`` (vLLM's V2 runner output
-has ``preempted_req_ids``, the V1 output ``resumed_req_ids``); then nothing is inferred
-for those requests.
+A block the runner never says was freed stays counted, which is safe: an over-counted block
+is never a defrag destination. The caller may pass ``preempted`` and ``resumed`` (vLLM's V2
+runner output has ``preempted_req_ids``, the V1 output ``resumed_req_ids``): a resumed
+request's list is then its whole new table.
 
 ``RequestBooks.plan`` checks everything first and returns the steps (events, and claims
 of blocks that loads hold) in order; ``commit`` keeps the books once they ran. Its cost is
@@ -160,10 +156,9 @@ class _Planner:
             event = BlocksAllocated(req_id=req_id, block_ids=block_ids)
             raise DuplicateBlock(f"request {req_id!r} is given a block twice", event)
         known = self._old(req_id) is not None or req_id in self.added
-        if known and (resumed or any(self._holds(req_id, b) for b in block_ids)):
+        if known and resumed:
             self.release(RequestPreempted(req_id=req_id))
-        if not self.prefix_caching:
-            self._evict_stale_owners(req_id, block_ids)
+        self._evict_stale_owners(req_id, block_ids)
         self.steps.append(Claim(block_ids))
         self._add(req_id, block_ids)
 
@@ -176,15 +171,22 @@ class _Planner:
         self.changes.append(("add", req_id, block_ids))
 
     def _evict_stale_owners(self, req_id: str, block_ids: list[int]) -> None:
-        """Fact 2: release each other owner's batches up to the last one given away."""
+        """Facts 1 and 2: a block being given away was freed, so its holder (``req_id``
+        itself, or without prefix caching any request) was preempted after the batch that
+        brought it: release the holder's batches up to the last such one."""
         cut: dict[str, int] = {}
         for b in block_ids:
-            owner = self._owner(b)
+            if b in self.taken and not self.prefix_caching:
+                event = BlocksAllocated(req_id=req_id, block_ids=block_ids)
+                owner = self.taken[b]
+                raise BlockInUse(f"block {b} is given to {owner!r} and {req_id!r} at once", event)
+            own = self._old(req_id)
+            if own is not None and b in own.batch_of:
+                cut[req_id] = max(cut.get(req_id, -1), own.batch_of[b])
+                continue
+            owner = None if self.prefix_caching else self._owner(b)
             if owner is None or owner == req_id:
                 continue
-            if b in self.taken:
-                event = BlocksAllocated(req_id=req_id, block_ids=block_ids)
-                raise BlockInUse(f"block {b} is given to {owner!r} and {req_id!r} at once", event)
             table = self._old(owner)
             assert table is not None, "an owner from the books has a table"
             cut[owner] = max(cut.get(owner, -1), table.batch_of[b])

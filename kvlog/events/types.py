@@ -117,14 +117,16 @@ class StoreRequested(_Tagged, frozen=True):
 
 
 class LoadRequested(_Tagged, frozen=True):
-    """Load CPU blocks into (logical) GPU blocks (``group_sizes`` and ``block_indices`` as
-    for ``StoreRequested``)."""
+    """Load CPU blocks into (logical) GPU blocks (``group_sizes``, ``block_indices`` and
+    ``deferred`` as for ``StoreRequested``: the vLLM connector declares every job of a step
+    when it learns of them, in job-id order, and submits them later)."""
 
     job_id: int
     cpu_block_ids: list[int]
     gpu_block_ids: list[int]
     group_sizes: tuple[int, ...] = ()
     block_indices: tuple[int, ...] = ()
+    deferred: bool = False
 
 
 class TransferFinished(_Tagged, frozen=True):
@@ -135,8 +137,8 @@ class TransferFinished(_Tagged, frozen=True):
 
 
 class TransferSubmitted(_Tagged, frozen=True):
-    """The worker submits a deferred store: its ``TransferPlan`` runs now (a job whose plan
-    already ran, because the scheduler reused one of its blocks, is a no-op)."""
+    """The worker submits a deferred store or load: its ``TransferPlan`` runs now (a store
+    whose plan already ran, because the scheduler reused one of its blocks, is a no-op)."""
 
     job_id: int
 

@@ -24,11 +24,11 @@ in-flight bound (``TooManyJobs``).
   store writing a CPU sub-block an unfinished load reads; a load reading a CPU sub-block an
   unfinished store writes. (Allocating a block an unfinished load writes is refused in
   ``defrag.allocate``.) Several stores may read one block: pins are counts.
-- A deferred store (``deferred=True``: the scheduler decided it, the KV it reads is still
-  being computed) pins at once and plans at ``TransferSubmitted``, or at ``flush`` when the
-  scheduler hands one of its blocks to a new request first.
+- A deferred job (``deferred=True``: the scheduler decided it; a store's KV may still be
+  being computed) pins at once and plans at ``TransferSubmitted``; a deferred store plans
+  earlier, at ``flush``, when the scheduler hands one of its blocks to a new request first.
 - ``TransferFinished`` ends the job, success or not, and releases its pins; a job not in
-  flight is ``UnknownJob``. A deferred store cannot finish before it is submitted.
+  flight is ``UnknownJob``. A deferred job cannot finish before it is submitted.
 """
 
 from __future__ import annotations
@@ -220,13 +220,13 @@ def _plan(state: State, job: Job) -> TransferPlan:
 
 def submit(state: State, event: Transfer) -> list[Plan]:
     """Validate a store or load, pin its GPU blocks and return its TransferPlan (none yet
-    for a deferred store)."""
+    for a deferred job)."""
     physical, subs = check_submit(state, event)
     store = isinstance(event, StoreRequested)
     kind = "store" if store else "load"
     pairs = (physical, subs) if store else (subs, physical)
     cpu = np.asarray(event.cpu_block_ids, dtype=np.int64)
-    deferred = store and event.deferred  # type: ignore[union-attr]
+    deferred = event.deferred
     job = Job(event.job_id, kind, physical, cpu, pairs, submitted=False)
     if store:
         state.store_jobs[event.job_id] = job
@@ -238,7 +238,7 @@ def submit(state: State, event: Transfer) -> list[Plan]:
 
 
 def check_submitted(state: State, event: TransferSubmitted) -> Job | None:
-    """The deferred store to submit, None for one already submitted (a flushed store), or
+    """The deferred job to submit, None for one already submitted (a flushed store), or
     ``UnknownJob``."""
     job = state.job(event.job_id)
     if job is None:
@@ -248,7 +248,7 @@ def check_submitted(state: State, event: TransferSubmitted) -> Job | None:
 
 
 def submitted(state: State, event: TransferSubmitted) -> list[Plan]:
-    """Run a deferred store's plan now."""
+    """Run a deferred job's plan now."""
     job = check_submitted(state, event)
     return [] if job is None else [_plan(state, job)]
 
@@ -271,7 +271,8 @@ def check_finish(state: State, event: TransferFinished) -> Job:
         raise UnknownJob(f"job {event.job_id} is not in flight (it {why})", event)
     if not job.submitted:
         raise UnknownJob(
-            f"store job {event.job_id} is deferred: it cannot finish before it is submitted",
+            f"{job.kind} job {event.job_id} is deferred: it cannot finish before it is "
+            "submitted",
             event,
         )
     return job

@@ -2,9 +2,11 @@
 
 ``apply(event)`` is the one way in. Its order, and what it guarantees:
 
-1. **validate**: the log must take the record (a type and a size the writer accepts) and
-   ``reducers.validate`` must accept the event against the state; a refused event raises
-   (``InvalidEvent``, ``RecordRejected``), is never logged and changes nothing;
+1. **admit**: the event must be an exact event type whose record the log can hold, and
+   ``reducers.validate`` must accept it against the state (numpy integers and 1-D integer
+   arrays are first turned into plain ints, which is what gets logged). A refused event
+   raises a ``KvlogError`` (``InvalidEvent``, ``RecordRejected``), is never logged and
+   changes nothing, with or without a log: the same checks run either way;
 2. **append** it to the log. If the write or fsync fails, the writer is poisoned and so is
    the engine (every later call raises ``LogPoisoned``), and the state has not changed: it
    is the state of every event appended before. Events buffered since the last group commit
@@ -13,11 +15,19 @@
    reducer bug and an ``AssertionError``);
 4. hand the plans to the executor, if any, and return them.
 
-Every ``checkpoint_every`` steps the engine appends a ``Checkpoint`` record (sequence
-number of the last applied record and the state digest), with a state snapshot every
-``snapshot_every`` checkpoints, so a replay verifies as it goes and can start from the
-latest snapshot. ``close()`` drains the executor's transfers, writes a final checkpoint
-(with a snapshot) and closes the log.
+So ``apply`` raises only before anything changed, except ``LogPoisoned`` from the
+checkpoint that a ``StepEnded`` may write after it was applied (the engine has then
+stopped; resume the log). Every ``checkpoint_every`` steps the engine appends a
+``Checkpoint`` record (sequence number of the last applied record and the state digest),
+with a state snapshot every ``snapshot_every`` checkpoints, so a replay verifies as it goes
+and can start from the latest snapshot; a snapshot of any allowed pool fits the log (it is
+split across records when large). ``close()`` drains the executor's transfers, writes a
+final checkpoint (with a snapshot) and closes the log cleanly.
+
+The constructor checks the configuration, that this machine can hold its state
+(``StateTooLarge``) and builds the state before it opens or creates the log, so a refused
+configuration leaves no file, no descriptor and no lock behind, and a log never holds a
+configuration that cannot be loaded back.
 """
 
 from __future__ import annotations
@@ -31,7 +41,17 @@ from typing import TYPE_CHECKING, Any, overload
 import numpy as np
 
 from kvlog import reducers
-from kvlog.errors import BlockOutOfRange, InvalidEvent, LogClosed, LogPoisoned, RecordRejected
+from kvlog.errors import (
+    BlockOutOfRange,
+    ConfigError,
+    InvalidEvent,
+    LogClosed,
+    LogNotFound,
+    LogPoisoned,
+    NotConfigured,
+    RecordRejected,
+    StateTooLarge,
+)
 from kvlog.events import (
     CacheConfigured,
     Checkpoint,
@@ -40,15 +60,22 @@ from kvlog.events import (
     StepEnded,
     TransferFinished,
     encode,
+    validate_event,
 )
-from kvlog.log import MAX_RECORD_BYTES, LogWriter, SyncMode
+from kvlog.events.validate import normalize_event
+from kvlog.log import MAX_RECORD_BYTES, SYNC_MODES, LogReader, LogWriter, Recovery, SyncMode
+from kvlog.reducers.digest import digest_and_snapshot
 
 if TYPE_CHECKING:
     from kvlog.executors import Executor, TransferResult
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "available_memory", "check_state_memory", "state_bytes"]
 
-_EVENT_TYPES = typing.get_args(Event)
+_EVENT_TYPES = frozenset(typing.get_args(Event))
+STATE_BYTES_PER_BLOCK = 21
+"""Bytes the state keeps per GPU block: five int32 arrays, two bitmaps and summaries."""
+WORK_BYTES_PER_BLOCK = 24
+"""Bytes per GPU block a checkpoint or a restore needs on top, while it runs."""
 
 
 class Engine:
@@ -66,30 +93,45 @@ class Engine:
         meta: dict[str, str] | None = None,
         _state: reducers.State | None = None,
         _last_event_seq: int = -1,
+        _writer: LogWriter | None = None,
     ) -> None:
-        if checkpoint_every < 0 or snapshot_every < 0:
-            raise ValueError("checkpoint_every and snapshot_every must be >= 0 (0 = never)")
+        try:
+            _check_arguments(sync, checkpoint_every, snapshot_every)
+            if _state is None:
+                config, _state = _configured(config)
+        except BaseException:
+            if _writer is not None:
+                _writer.close()
+            raise
         self.executor = executor
         self.checkpoint_every = checkpoint_every
         self.snapshot_every = snapshot_every
-        self._state = reducers.initial_state() if _state is None else _state
-        self._log: LogWriter | None = None
+        self._state = _state
+        self._log: LogWriter | None = _writer
         self._closed = False
         self._num_steps = 0
         self._num_checkpoints = 0
-        self._last_seq = -1
-        if log_path is not None:
-            if _state is None and _holds_records(log_path):
-                raise FileExistsError(
-                    f"{os.fspath(log_path)} already holds records; use Engine.resume() to "
-                    "continue it (the file was not touched)"
-                )
-            self._log = LogWriter(log_path, sync=sync, meta=meta)
-            self._last_seq = _last_event_seq
-        if _state is None:
-            self.apply(config)
-        elif self._log is not None:
-            self._checkpoint(force_snapshot=True)
+        self._last_seq = _last_event_seq
+        if _writer is None and log_path is not None:
+            self._log = LogWriter(log_path, sync=sync, meta=meta, new=True)
+        self.recovery: Recovery | None = None if self._log is None else self._log.recovery
+        """The torn tail cut when the log was opened (``Engine.resume``), else None."""
+        if self._log is not None:
+            self._start_log(config, fresh=_last_event_seq < 0)
+
+    def _start_log(self, config: CacheConfigured, *, fresh: bool) -> None:
+        """Log the configuration (a new log) or a checkpoint of the state (a continued one);
+        on failure close the log (its descriptor and lock go with it) and re-raise."""
+        assert self._log is not None
+        try:
+            if fresh:
+                self._last_seq = self._log.append(config)
+            else:
+                self._checkpoint(force_snapshot=True)
+        except BaseException:
+            self._closed = True
+            self._log.close()
+            raise
 
     # -- the way in ----------------------------------------------------------------------
     @property
@@ -110,16 +152,17 @@ class Engine:
     def apply(self, event: Event) -> list[Plan]:
         """Validate, log, reduce and execute one event; returns the plans."""
         self._check_open()
-        if self._log is not None:
-            _check_record(event)
-            reducers.validate(self._state, event)
+        if self._log is None:
+            event, plans = self._reduce_unlogged(event)
+        else:
+            event = self._admit(event)
             self._last_seq = self._log.append(event)
-        try:
-            self._state, plans = reducers.reduce(self._state, event)
-        except InvalidEvent as exc:
-            if self._log is None:
-                raise
-            raise AssertionError(f"reducer bug: validate accepted, reduce refused: {exc}") from exc
+            try:
+                self._state, plans = reducers.reduce(self._state, event)
+            except InvalidEvent as exc:
+                raise AssertionError(
+                    f"reducer bug: validate accepted, reduce refused: {exc}"
+                ) from exc
         if self.executor is not None:
             for plan in plans:
                 self.executor.execute(plan)
@@ -128,6 +171,36 @@ class Engine:
             if self.checkpoint_every and self._num_steps % self.checkpoint_every == 0:
                 self._checkpoint()
         return plans
+
+    def _admit(self, event: Event) -> Event:
+        """The event to log (numpy ids made plain), or the refusal (nothing changed)."""
+        try:
+            self._validate(event)
+            return event
+        except (InvalidEvent, RecordRejected):
+            plain = normalize_event(event)
+            if plain is event:
+                raise
+        self._validate(plain)
+        return plain  # type: ignore[no-any-return]
+
+    def _validate(self, event: Event) -> None:
+        _check_record(event)
+        reducers.validate(self._state, event)
+
+    def _reduce_unlogged(self, event: Event) -> tuple[Event, list[Plan]]:
+        """Without a log: reduce validates first and changes nothing when it refuses."""
+        try:
+            _check_record(event)
+            self._state, plans = reducers.reduce(self._state, event)
+            return event, plans
+        except (InvalidEvent, RecordRejected):
+            plain = normalize_event(event)
+            if plain is event:
+                raise
+        _check_record(plain)
+        self._state, plans = reducers.reduce(self._state, plain)
+        return plain, plans
 
     def poll(self) -> list[TransferResult]:
         """Finished transfers from the executor, each logged and reduced as TransferFinished."""
@@ -141,7 +214,7 @@ class Engine:
         self._check_open()
         if self.executor is None:
             return []
-        ids = None if job_ids is None else list(job_ids)
+        ids = None if job_ids is None else [int(j) for j in job_ids]
         if ids is not None and not ids:
             return []
         return self._finish(self.executor.wait(ids))
@@ -155,7 +228,7 @@ class Engine:
     def resolve(self, block_id: int) -> int:
         """The physical block that logical ``block_id`` lives in now."""
         self._check_range(block_id)
-        return int(self._state.resolve(block_id))
+        return int(self._state.resolve(int(block_id)))
 
     @overload
     def resolve_all(self, block_tables: list[list[int]]) -> list[list[int]]: ...
@@ -169,9 +242,14 @@ class Engine:
         """
         if isinstance(block_tables, np.ndarray):
             return self._resolve_array(block_tables)
-        rows = [np.asarray(row, dtype=np.int64) for row in block_tables]
+        try:
+            rows = [np.asarray(row, dtype=np.int64) for row in block_tables]
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise BlockOutOfRange(f"block tables must hold int64 block ids: {exc}") from exc
         if not rows:
             return []
+        if any(row.ndim != 1 for row in rows):
+            raise InvalidEvent("block tables must be a list of lists of ints")
         flat = np.concatenate(rows) if len(rows) > 1 else rows[0]
         resolved = self._resolve_array(flat).tolist()
         out: list[list[int]] = []
@@ -185,7 +263,7 @@ class Engine:
         if table.size == 0:
             return table.copy()
         if not np.issubdtype(table.dtype, np.integer):
-            raise TypeError(f"block tables must hold integers, not {table.dtype}")
+            raise InvalidEvent(f"block tables must hold integers, not {table.dtype}")
         valid = table >= 0
         top = int(table.max())
         if top >= self.config.num_gpu_blocks:
@@ -195,6 +273,8 @@ class Engine:
         return out
 
     def _check_range(self, block_id: int) -> None:
+        if isinstance(block_id, bool) or not isinstance(block_id, (int, np.integer)):
+            raise InvalidEvent(f"a block id must be an int, not {type(block_id).__name__}")
         if not 0 <= block_id < self.config.num_gpu_blocks:
             raise BlockOutOfRange(
                 f"block id {block_id} is outside [0, {self.config.num_gpu_blocks})"
@@ -205,7 +285,7 @@ class Engine:
         return str(reducers.digest(self._state))
 
     def snapshot(self) -> bytes:
-        """The whole state as bytes, for ``Engine.restore``."""
+        """The whole state as bytes (checksummed), for ``Engine.restore``."""
         return bytes(reducers.snapshot(self._state))
 
     # -- restore and resume --------------------------------------------------------------
@@ -223,29 +303,40 @@ class Engine:
 
         With ``log_path``, the log must be the one the snapshot came from: the engine
         appends to it, starting with a checkpoint of the restored state, so a replay of the
-        log verifies that the snapshot matches what the log says.
+        log verifies that the snapshot matches what the log says. Bytes that are not an
+        intact snapshot raise ``CorruptLogError``; a snapshot taken before
+        ``CacheConfigured`` raises ``NotConfigured``.
         """
+        _check_arguments(sync, checkpoint_every, snapshot_every)
         state = reducers.restore(blob)
-        config = state.config
-        if config is None:
-            raise ValueError(
+        if state.config is None:
+            raise NotConfigured(
                 "cannot restore an engine from a snapshot taken before CacheConfigured"
             )
-        last = -1 if log_path is None else _last_event_seq(log_path)
-        if log_path is not None and last < 0:
-            raise FileNotFoundError(
-                f"{os.fspath(log_path)} holds no events: a restored engine continues the log "
-                "its snapshot came from (start a new log with Engine(config, log_path))"
-            )
+        check_state_memory(state.config, resident=True)
+        writer = None if log_path is None else _open_existing(log_path, sync)
+        try:
+            last = -1 if writer is None else _last_event_seq(writer.path)
+            if writer is not None and last < 0:
+                raise LogNotFound(
+                    2,
+                    f"{writer.path} holds no events: a restored engine continues the log its "
+                    "snapshot came from (start a new log with Engine(config, log_path))",
+                )
+        except BaseException:
+            if writer is not None:
+                writer.close()
+            raise
         return cls(
-            config,
-            log_path,
+            state.config,
+            None,
             executor,
             sync,
             checkpoint_every,
             snapshot_every,
             _state=state,
             _last_event_seq=last,
+            _writer=writer,
         )
 
     @classmethod
@@ -257,28 +348,35 @@ class Engine:
         checkpoint_every: int = 256,
         snapshot_every: int = 16,
     ) -> Engine:
-        """Reopen an existing log (a torn tail is cut) and continue it where it ends.
+        """Reopen an existing log (a torn tail is cut, and reported on ``.recovery``) and
+        continue it where it ends.
 
-        The state is rebuilt by a verified replay from the log's latest snapshot. Transfers
-        that were in flight when the log ended are still in flight: the caller decides
-        (``apply(TransferFinished(job_id, success=False))`` when their data is gone).
+        The log is locked first, then the state is rebuilt by a verified replay from the
+        log's latest snapshot. Transfers that were in flight when the log ended are still in
+        flight: the caller decides (``apply(TransferFinished(job_id, success=False))`` when
+        their data is gone).
         """
         from kvlog.replay import replay_state
 
-        LogWriter(log_path, sync="none").close()  # cut a torn tail before reading
-        state, last = replay_state(log_path)
-        config = state.config
-        if config is None:
-            raise FileNotFoundError(f"{os.fspath(log_path)} holds no events to resume")
+        _check_arguments(sync, checkpoint_every, snapshot_every)
+        writer = _open_existing(log_path, sync)
+        try:
+            state, last = replay_state(writer.path)
+            if state.config is None:
+                raise LogNotFound(2, f"{writer.path} holds no events to resume")
+        except BaseException:
+            writer.close()
+            raise
         return cls(
-            config,
-            log_path,
+            state.config,
+            None,
             executor,
             sync,
             checkpoint_every,
             snapshot_every,
             _state=state,
             _last_event_seq=last,
+            _writer=writer,
         )
 
     # -- checkpoints and closing ---------------------------------------------------------
@@ -294,11 +392,12 @@ class Engine:
         with_snapshot = force_snapshot or (
             self.snapshot_every > 0 and self._num_checkpoints % self.snapshot_every == 0
         )
+        if with_snapshot:
+            digest, blob = digest_and_snapshot(self._state)
+        else:
+            digest, blob = self.digest(), b""
         record = Checkpoint(
-            seq=self._last_seq,
-            digest=self.digest(),
-            step=int(self._state.step),
-            snapshot=self.snapshot() if with_snapshot else b"",
+            seq=self._last_seq, digest=digest, step=int(self._state.step), snapshot=blob
         )
         self._log.append(record)
 
@@ -341,31 +440,111 @@ class Engine:
         self.close()
 
 
-def _check_record(event: Event) -> None:
-    """Raise ``RecordRejected`` now for an event the log writer would refuse."""
-    if not isinstance(event, _EVENT_TYPES):
-        raise RecordRejected(f"not an event: {type(event).__name__}")
-    if len(encode(event)) > MAX_RECORD_BYTES:
-        raise RecordRejected(
-            f"{type(event).__name__} encodes to more than {MAX_RECORD_BYTES} bytes"
+def _check_arguments(sync: object, checkpoint_every: object, snapshot_every: object) -> None:
+    if sync not in SYNC_MODES:
+        raise ConfigError("sync", sync, f"one of {SYNC_MODES}")
+    for name, value in (("checkpoint_every", checkpoint_every), ("snapshot_every", snapshot_every)):
+        if type(value) is not int or value < 0:
+            raise ConfigError(name, value, "an int >= 0 (0 = never)")
+
+
+def _configured(config: CacheConfigured) -> tuple[CacheConfigured, reducers.State]:
+    """The (plain) configuration and the state built from it, before any file is touched:
+    ``InvalidEvent`` for a bad configuration, ``StateTooLarge`` for one this machine cannot
+    hold."""
+    state = reducers.initial_state()
+    config = normalize_event(config)
+    if type(config) is not CacheConfigured:
+        raise NotConfigured("the first event must be CacheConfigured", config)
+    reducers.validate(state, config)
+    check_state_memory(config)
+    try:
+        state, _ = reducers.reduce(state, config)
+    except MemoryError as exc:
+        raise StateTooLarge(f"cannot allocate the state: {exc!r}", config) from exc
+    return config, state
+
+
+def state_bytes(config: CacheConfigured) -> int:
+    """Bytes the state of ``config`` keeps (without request tables and jobs)."""
+    return STATE_BYTES_PER_BLOCK * int(config.num_gpu_blocks)
+
+
+def available_memory() -> int | None:
+    """Bytes this process may still allocate: MemAvailable, capped by a cgroup limit; None
+    where neither can be read."""
+    found: list[int] = []
+    try:
+        with open("/proc/meminfo", encoding="ascii") as file:
+            for line in file:
+                if line.startswith("MemAvailable:"):
+                    found.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max", encoding="ascii") as limit_file:
+            limit = limit_file.read().strip()
+        with open("/sys/fs/cgroup/memory.current", encoding="ascii") as current_file:
+            current = int(current_file.read().strip())
+        if limit != "max":
+            found.append(max(int(limit) - current, 0))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
+def check_state_memory(config: CacheConfigured, *, resident: bool = False) -> None:
+    """``StateTooLarge`` when the state of ``config`` (plus the room a checkpoint needs)
+    does not fit in the memory this machine has available. ``resident``: the state is
+    already allocated; only the working room must fit."""
+    need = WORK_BYTES_PER_BLOCK * int(config.num_gpu_blocks)
+    if not resident:
+        need += state_bytes(config)
+    free = available_memory()
+    if free is not None and need > free:
+        raise StateTooLarge(
+            f"{config.num_gpu_blocks:,} GPU blocks need about {need / 2**20:,.0f} MiB for the "
+            f"state and its checkpoints; {free / 2**20:,.0f} MiB are available",
+            config,
         )
 
 
-def _holds_records(path: str | os.PathLike[str]) -> bool:
-    """Whether a log file exists with at least one record (read only, never modified)."""
-    from kvlog.log import LogReader
+def _check_record(event: Event) -> None:
+    """Raise ``RecordRejected`` now for an event the log writer would refuse."""
+    if type(event) not in _EVENT_TYPES:
+        raise RecordRejected(f"not an event: {type(event).__name__}")
+    if _size_bound(event) > MAX_RECORD_BYTES:
+        validate_event(event)  # a malformed event is refused as that, not for its size
+        if len(encode(event)) > MAX_RECORD_BYTES:
+            raise RecordRejected(
+                f"{type(event).__name__} encodes to more than {MAX_RECORD_BYTES} bytes"
+            )
 
-    if not os.path.exists(path) or os.path.getsize(path) == 0:
-        return False
-    return next(iter(LogReader(path).records()), None) is not None
+
+def _size_bound(event: Event) -> int:
+    """An upper bound of the event's encoded size (for valid field values)."""
+    total = 64
+    for name in event.__struct_fields__:
+        value = getattr(event, name)
+        if isinstance(value, (list, tuple)):
+            total += 16 + 9 * len(value)
+        elif isinstance(value, str):
+            total += 16 + 4 * len(value)
+        else:
+            total += 16 + 9
+    return total
+
+
+def _open_existing(path: str | os.PathLike[str], sync: SyncMode) -> LogWriter:
+    """The writer of a log that must exist already (``LogNotFound`` otherwise; nothing is
+    created). Opening locks it and cuts a torn tail."""
+    if not os.path.lexists(path) or (os.path.isfile(path) and os.path.getsize(path) == 0):
+        raise LogNotFound(2, f"{os.fspath(path)}: no log to continue")
+    return LogWriter(path, sync=sync)
 
 
 def _last_event_seq(path: str | os.PathLike[str]) -> int:
     """Sequence number of the last event in a log (-1 when it holds none)."""
-    from kvlog.log import LogReader
-
-    if not os.path.exists(path) or os.path.getsize(path) == 0:
-        return -1
     last = -1
     for seq, record in LogReader(path).records():
         if not isinstance(record, Checkpoint):

@@ -15,19 +15,28 @@ builtin exception, so callers that do not know kvlog can still catch ``ValueErro
     │   ├── UnknownJob                       TransferFinished for a job that is not in flight
     │   ├── DuplicateJob                     a job id that is in flight or already used
     │   ├── TooManyJobs                      more transfer jobs in flight than the state bounds
-    │   └── TransferSizeMismatch             GPU/CPU block counts that do not fit block_size_factor
+    │   ├── TransferSizeMismatch             GPU/CPU block counts that do not fit block_size_factor
+    │   └── StateTooLarge (MemoryError)      a pool whose state this machine cannot hold
     ├── CorruptLogError (ValueError)         a log that is damaged other than by a torn tail
     │   └── SchemaVersionError               a header this version cannot read
     ├── RecordRejected (ValueError)          not a record, or larger than the log's record bound
     ├── LogWriterError (OSError)             the log writer cannot go on
     │   ├── LogPoisoned                      an earlier write or fsync failed; no more appends
     │   ├── LogClosed                        an append after close()
-    │   └── LogLocked                        another writer holds the log open for append
+    │   ├── LogLocked                        another writer holds the log open for append
+    │   └── LogPathError                     a path that cannot hold a log: not a regular file,
+    │       │                                a dangling symlink, a refused create (read-only
+    │       │                                filesystem, full disk, permissions); errno kept
+    │       ├── LogExists (FileExistsError)  a new log asked for where records already are
+    │       └── LogNotFound (FileNotFoundError)  a log to continue that is not there
     ├── LayoutError (ValueError)             KV-cache tensors that do not match a layout
-    ├── ConfigError (ValueError)             an environment variable or facade argument kvlog
-    │                                        cannot use (kvlog.integrations)
+    ├── ConfigError (ValueError)             an argument or environment variable kvlog cannot
+    │                                        use (Engine, LogWriter, kvlog.integrations)
     ├── TransferSpecError (ValueError)       a vLLM transfer spec the offloading facade cannot
     │                                        turn into an event (kvlog.integrations)
+    ├── TraceError (ValueError)              a request trace kvlog cannot read (kvlog synth --trace)
+    ├── MissingExtra (ImportError)           an optional dependency is not installed; names the
+    │                                        pip extra that brings it (kvlog sweep, reports)
     └── ExecutorError (RuntimeError)         an executor used wrongly (after shutdown, unknown plan)
         └── BackendUnavailable               a device backend this machine cannot run (no CUDA,
                                              no habana_frameworks)
@@ -49,13 +58,19 @@ __all__ = [
     "KvlogError",
     "LayoutError",
     "LogClosed",
+    "LogExists",
     "LogLocked",
+    "LogNotFound",
+    "LogPathError",
     "LogPoisoned",
     "LogWriterError",
+    "MissingExtra",
     "NotConfigured",
     "RecordRejected",
     "SchemaVersionError",
+    "StateTooLarge",
     "TransferSizeMismatch",
+    "TraceError",
     "TransferSpecError",
     "UnknownJob",
 ]
@@ -115,6 +130,11 @@ class TransferSizeMismatch(InvalidEvent):
     """GPU and CPU block counts of a transfer that ``block_size_factor`` cannot match."""
 
 
+class StateTooLarge(InvalidEvent, MemoryError):
+    """A ``CacheConfigured`` whose state this machine cannot hold: refused before anything
+    is allocated or logged (the pool bound is ``kvlog.events.validate.MAX_GPU_BLOCKS``)."""
+
+
 class CorruptLogError(KvlogError, ValueError):
     """A log that is damaged other than by a torn tail (which is repaired instead).
 
@@ -155,12 +175,26 @@ class LogLocked(LogWriterError):
     """Another ``LogWriter`` (in this or another process) has the log open for append."""
 
 
+class LogPathError(LogWriterError):
+    """A log path kvlog cannot use: a directory, device, FIFO or socket (never replaced),
+    a dangling symlink, or an open or create the OS refused (``errno`` is the OS's)."""
+
+
+class LogExists(LogPathError, FileExistsError):
+    """A new log was asked for on a path that already holds records (nothing was touched)."""
+
+
+class LogNotFound(LogPathError, FileNotFoundError):
+    """A log to continue (``Engine.resume``, ``Engine.restore``) that does not exist or
+    holds no events (nothing was created)."""
+
+
 class LayoutError(KvlogError, ValueError):
     """KV-cache tensors that do not match the declared layout."""
 
 
 class ConfigError(KvlogError, ValueError):
-    """An environment variable or facade argument that kvlog cannot use.
+    """An argument or environment variable that kvlog cannot use.
 
     ``name`` is the variable or argument, ``value`` what it held.
     """
@@ -173,6 +207,21 @@ class ConfigError(KvlogError, ValueError):
 
 class TransferSpecError(KvlogError, ValueError):
     """A transfer spec the offloading facade cannot turn into an event (e.g. several KV groups)."""
+
+
+class TraceError(KvlogError, ValueError):
+    """A request trace that cannot be read: unknown format, a row that does not parse."""
+
+
+class MissingExtra(KvlogError, ImportError):
+    """An optional dependency is missing; the message names the extra to install."""
+
+    def __init__(self, module: str, extra: str, purpose: str) -> None:
+        self.module = module
+        self.extra = extra
+        super().__init__(
+            f"{purpose} needs {module}, which is not installed: pip install 'kvlog[{extra}]'"
+        )
 
 
 class ExecutorError(KvlogError, RuntimeError):

@@ -6,9 +6,11 @@ the format as well as the recovery rule.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,10 +36,22 @@ from kvlog.log.format import FRAME, encode_header, frame_crc, record_seed
 
 
 def _write_log(path: Path, records: list[Record]) -> bytes:
-    with LogWriter(path, "none") as writer:
-        for record in records:
-            writer.append(record)
+    """A log as a crash leaves it (abandoned, not closed: a closed log has no torn tail)."""
+    writer = LogWriter(path, "none")
+    for record in records:
+        writer.append(record)
+    writer.abandon()
     return path.read_bytes()
+
+
+@contextlib.contextmanager
+def _abandoning(writer: LogWriter) -> Iterator[LogWriter]:
+    """The writer, abandoned at the end (no close record or flag), so the bytes on disk are
+    exactly the records."""
+    try:
+        yield writer
+    finally:
+        writer.abandon()
 
 
 def _overwrite(path: Path, data: bytes) -> None:
@@ -118,7 +132,7 @@ def test_torn_write_at_every_byte_of_the_last_three_records(tmp_path: Path, no_f
         assert got == records[:kept] and tail == expected_tail, cut
         assert path.stat().st_size == cut  # reading never modifies the file
 
-        with LogWriter(path, "none") as writer:
+        with _abandoning(LogWriter(path, "none")) as writer:
             assert writer.recovery == expected_tail
             assert writer.next_seq == kept
             for record in extra:
@@ -181,7 +195,7 @@ def test_flips_in_the_last_record_are_cut_by_the_writer(tmp_path: Path, no_fsync
         flipped = bytearray(data)
         flipped[position] ^= 0x10
         _overwrite(path, flipped)
-        with LogWriter(path) as writer:
+        with _abandoning(LogWriter(path)) as writer:
             assert writer.recovery is not None
             assert writer.recovery.offset == offsets[-2]
             assert writer.next_seq == len(records) - 1
@@ -308,7 +322,7 @@ def test_garbage_tails_are_torn(tmp_path: Path) -> None:
         got, found = _read_all(path)
         assert got == records
         assert found is not None and (found.offset, found.truncated_bytes) == (len(data), len(tail))
-        with LogWriter(path) as writer:
+        with _abandoning(LogWriter(path)) as writer:
             assert writer.recovery == found
         assert path.read_bytes() == data
 
@@ -365,7 +379,7 @@ def test_logs_without_a_file_id_stay_readable(tmp_path: Path) -> None:
     header = encode_header(LogHeader(schema_version=1, kvlog_version="0.1.0"))
     _overwrite(path, header + _frame(0, encode(StepEnded(0))))
     assert read_header(path).file_id == 0
-    with LogWriter(path) as writer:  # appends keep the log's (absent) id
+    with _abandoning(LogWriter(path)) as writer:  # appends keep the log's (absent) id
         assert writer.next_seq == 1
         writer.append(StepEnded(1))
     assert path.read_bytes() == header + _frame(0, encode(StepEnded(0))) + _frame(

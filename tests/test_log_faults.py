@@ -53,14 +53,16 @@ def temp_dir() -> Iterator[str]:
 
 
 def write_log(path: str, records: list[Record]) -> WrittenLog:
-    """Write ``records``, flushing after each one to learn the frame boundaries."""
+    """Write ``records``, flushing after each one to learn the frame boundaries; the
+    writer is abandoned, not closed (see tests/test_hardening_log.py for closed logs)."""
     starts = []
-    with LogWriter(path, sync="none") as writer:
+    writer = LogWriter(path, sync="none")
+    writer.flush()
+    for record in records:
+        starts.append(os.path.getsize(path))
+        writer.append(record)
         writer.flush()
-        for record in records:
-            starts.append(os.path.getsize(path))
-            writer.append(record)
-            writer.flush()
+    writer.abandon()  # as a crash leaves it: a log closed cleanly can have no torn tail
     return WrittenLog(path, list(records), starts, os.path.getsize(path))
 
 

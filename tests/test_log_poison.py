@@ -137,8 +137,8 @@ def test_short_writes_are_completed(disk: FaultyDisk, tmp_path: Path) -> None:
     records.append(StepEnded(0))
     for record in records:
         writer.append(record)
-    writer.close()
     assert len(sizes) > 10 and sizes == sorted(sizes, reverse=True)
+    writer.close()
     assert [record for _, record in LogReader(path)] == records
 
 

@@ -177,7 +177,7 @@ def test_closed_and_locked(tmp_path: Path) -> None:
         assert second.next_seq == 1
     with pytest.raises(ValueError, match="sync"):
         LogWriter(path, "sometimes")  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="meta"):
+    with pytest.raises(ValueError, match="meta"):  # ConfigError, a KvlogError
         LogWriter(tmp_path / "meta.kvlog", meta={"n": 1})  # type: ignore[dict-item]
 
 
@@ -216,9 +216,11 @@ def _one_step(step: int) -> list[Record]:
 @pytest.mark.parametrize(
     ("sync", "writes", "syncs"),
     [
-        ("step", 3, [1, 2, 3, 3]),  # one write and one fsync per step; close fsyncs again
-        ("always", 24, [*range(1, 25), 24]),
-        ("none", 1, [1]),  # everything at close
+        # one write and one fsync per step; close writes its LogEnd record, fsyncs, then
+        # sets the header's closed flag and fsyncs again
+        ("step", 4, [1, 2, 3, 4, 4]),
+        ("always", 25, [*range(1, 26), 25]),
+        ("none", 1, [1, 1]),  # everything at close
     ],
 )
 def test_sync_modes_write_once_per_group(

@@ -1,13 +1,20 @@
 """Stateless validation of event field values that msgspec types cannot express.
 
-``validate_event`` checks one event on its own (types, signs, orderings); the reducers
-check it against the state (ranges, ownership, job ids). Both raise an ``InvalidEvent``
-subclass before anything changes.
+``validate_event`` checks one event on its own (exact types, signs, bounds, orderings,
+strings that encode); the reducers check it against the state (ranges, ownership, job
+ids). Both raise an ``InvalidEvent`` subclass before anything changes. ``normalize_event``
+turns numpy integers and 1-D integer arrays (vLLM hands block ids as int32 arrays) into
+plain ints and lists, so that what is logged is plain msgpack.
 """
 
 from __future__ import annotations
 
 import itertools
+import typing
+from typing import Any
+
+import msgspec
+import numpy as np
 
 from kvlog.errors import BlockOutOfRange, DuplicateBlock, InvalidEvent
 from kvlog.events.types import (
@@ -24,13 +31,27 @@ from kvlog.events.types import (
     TransferSubmitted,
 )
 
-__all__ = ["MAX_BLOCKS", "MAX_ID", "validate_block_ids", "validate_event"]
+__all__ = [
+    "MAX_BLOCKS",
+    "MAX_GPU_BLOCKS",
+    "MAX_ID",
+    "normalize_event",
+    "validate_block_ids",
+    "validate_event",
+]
 
 MAX_ID = 2**63 - 1
 """Largest job id or step (msgpack int64)."""
 MAX_BLOCKS = 2**31 - 1
-"""Largest pool size: block ids are stored as int32."""
+"""Largest block id of any kind (CPU ids included): ids are stored as int32."""
+MAX_GPU_BLOCKS = 1 << 25
+"""Largest GPU pool (33,554,432 blocks). The state costs about 20.3 bytes per GPU block
+(five int32 arrays and two bitmaps: 680 MiB at the bound) and a checkpoint as much again
+while it is written; the Engine also refuses a pool this machine cannot hold
+(``StateTooLarge``). Large snapshots are split across log records, so every pool up to
+the bound checkpoints."""
 MAX_REQ_ID_LENGTH = 4096
+_EVENT_TYPES = frozenset(typing.get_args(Event))
 
 
 def _int(event: Event, name: str, value: object, lo: int, hi: int = MAX_ID) -> None:
@@ -47,8 +68,8 @@ def validate_block_ids(event: Event, name: str, block_ids: object) -> None:
     for b in block_ids:
         if type(b) is not int:
             raise InvalidEvent(f"{name} holds {b!r}, not an int", event)
-        if b < 0:
-            raise BlockOutOfRange(f"{name} holds negative block id {b}", event)
+        if not 0 <= b <= MAX_BLOCKS:
+            raise BlockOutOfRange(f"{name} holds block id {b}, outside [0, {MAX_BLOCKS}]", event)
     if len(set(block_ids)) != len(block_ids):
         seen: set[int] = set()
         dup = next(b for b in block_ids if b in seen or seen.add(b))  # type: ignore[func-returns-value]
@@ -58,10 +79,20 @@ def validate_block_ids(event: Event, name: str, block_ids: object) -> None:
 def _req_id(event: Event, req_id: object) -> None:
     if type(req_id) is not str or not 0 < len(req_id) <= MAX_REQ_ID_LENGTH:
         raise InvalidEvent(f"req_id must be a non-empty str of at most {MAX_REQ_ID_LENGTH}", event)
+    if not req_id.isascii():
+        _encodable(event, "req_id", req_id)
+
+
+def _encodable(event: Event, name: str, text: str) -> None:
+    """A str the log can hold: UTF-8 encodable (no lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidEvent(f"{name} is not valid UTF-8 text: {exc.reason}", event) from exc
 
 
 def _validate_config(e: CacheConfigured) -> None:
-    _int(e, "num_gpu_blocks", e.num_gpu_blocks, 1, MAX_BLOCKS)
+    _int(e, "num_gpu_blocks", e.num_gpu_blocks, 1, MAX_GPU_BLOCKS)
     _int(e, "block_size", e.block_size, 1, MAX_BLOCKS)
     _int(e, "num_cpu_blocks", e.num_cpu_blocks, 0, MAX_BLOCKS)
     _int(e, "block_size_factor", e.block_size_factor, 1, 1 << 16)
@@ -85,7 +116,7 @@ def _validate_config(e: CacheConfigured) -> None:
 
 def _validate_policy(e: CacheConfigured) -> None:
     """The named defrag policy and its parameters (``reducers/policies.py``)."""
-    if e.policy not in DEFRAG_POLICIES:
+    if type(e.policy) is not str or e.policy not in DEFRAG_POLICIES:
         raise InvalidEvent(f"policy must be one of {list(DEFRAG_POLICIES)}, got {e.policy!r}", e)
     _int(e, "policy_ratio_pct", e.policy_ratio_pct, 100, 1 << 20)
     _int(e, "policy_min_swaps", e.policy_min_swaps, 1, 1 << 20)
@@ -99,7 +130,7 @@ def _validate_transfer(e: StoreRequested | LoadRequested) -> None:
     if not e.gpu_block_ids or not e.cpu_block_ids:
         raise InvalidEvent("a transfer needs at least one GPU and one CPU block", e)
     _validate_groups(e)
-    if isinstance(e, StoreRequested) and type(e.deferred) is not bool:
+    if type(e.deferred) is not bool:
         raise InvalidEvent("deferred must be a bool", e)
 
 
@@ -128,6 +159,8 @@ def _validate_groups(e: StoreRequested | LoadRequested) -> None:
 
 def validate_event(event: object) -> None:
     """Raise ``InvalidEvent`` if ``event`` is not a well-formed event on its own."""
+    if type(event) not in _EVENT_TYPES:  # a subclass would not decode from the log
+        raise InvalidEvent(f"not a kvlog event: {type(event).__name__}", None)
     if isinstance(event, CacheConfigured):
         _validate_config(event)
     elif isinstance(event, BlocksAllocated):
@@ -147,3 +180,33 @@ def validate_event(event: object) -> None:
             raise InvalidEvent("success must be a bool", event)
     else:
         raise InvalidEvent(f"not a kvlog event: {type(event).__name__}", None)
+
+
+def normalize_event(event: Any) -> Any:
+    """``event`` with numpy integers as ints and 1-D integer numpy arrays (or lists and
+    tuples holding numpy integers) as lists of ints; ``event`` itself when nothing needs
+    converting or it is not a kvlog event. Anything else is left for validation to refuse."""
+    if type(event) not in _EVENT_TYPES:
+        return event
+    changes = {}
+    for name in event.__struct_fields__:
+        value = getattr(event, name)
+        plain = _plain(value)
+        if plain is not value:
+            changes[name] = plain
+    return msgspec.structs.replace(event, **changes) if changes else event
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, np.integer):
+        return int(value)
+    if isinstance(value, np.bool_):
+        return bool(value)
+    if isinstance(value, np.ndarray):
+        if value.ndim == 1 and np.issubdtype(value.dtype, np.integer):
+            return value.tolist()
+        return value
+    if isinstance(value, (list, tuple)) and any(isinstance(v, np.integer) for v in value):
+        out = [int(v) if isinstance(v, np.integer) else v for v in value]
+        return out if isinstance(value, list) else tuple(out)
+    return value

@@ -2,7 +2,7 @@
 
 A file is a header followed by records, all integers little-endian::
 
-    header  magic "\\x89KVLOG\\r\\n" (8) | format_version u16 | flags u16 (0) | body_len u32
+    header  magic "\\x89KVLOG\\r\\n" (8) | format_version u16 | flags u16 | body_len u32
             | crc u32 | body (body_len bytes: msgpack map of LogHeader)
     record  crc u32 | length u32 | seq u64 | payload (length bytes: kvlog.events.encode)
 
@@ -14,21 +14,38 @@ log (every log numbers from 0; the random ``file_id`` tells them apart). ``file_
 the default of a header without one, means no id in the checksum. ``magic`` and
 ``format_version`` keep their place in every future format, so an old kvlog can always
 tell a newer file from a damaged one. Sequence numbers start at 0 and are dense.
+
+Grown since the first files (old files read as before, and old readers read new files
+except for the new record kind):
+
+- ``flags`` bit 0, ``FLAG_CLOSED``: the writer closed the log cleanly (all records synced,
+  then this flag written in place and synced; ``flags``, ``body_len`` and ``crc`` are one
+  10-byte write inside the first sector). A writer reopening the log clears it, synced,
+  before its first append. With the flag set nothing can be torn, so any damage, the last
+  record's included, is corruption. Other bits are refused (``SchemaVersionError``).
+- ``LogEnd``, a log-internal record: ``close()`` appends it (synced) before setting
+  ``FLAG_CLOSED``, so a closed log cut at a record boundary is told from a whole one.
+- ``SnapshotPart`` records: a ``Checkpoint`` whose snapshot is larger than
+  ``SNAPSHOT_PART_BYTES`` is written as ``count`` parts (``index`` 0..count-1, in order)
+  followed at once by the ``Checkpoint`` with an empty snapshot; readers join them back.
+  Parts without their checkpoint at the end of a log not closed cleanly are a torn tail.
 """
 
 from __future__ import annotations
 
 import os
 import struct
-from typing import BinaryIO
+from typing import BinaryIO, NamedTuple, Union
 
 import msgspec
 
 from kvlog import crc32c as _crc32c
 from kvlog.errors import CorruptLogError, SchemaVersionError
-from kvlog.events import SCHEMA_VERSION
+from kvlog.events import SCHEMA_VERSION, Record
 
 __all__ = [
+    "FLAGS_OFFSET",
+    "FLAG_CLOSED",
     "FORMAT_VERSION",
     "FRAME",
     "FRAME_BYTES",
@@ -37,13 +54,25 @@ __all__ = [
     "MAGIC",
     "MAX_HEADER_BODY_BYTES",
     "MAX_RECORD_BYTES",
+    "SNAPSHOT_PART_BYTES",
+    "HeaderRead",
+    "END",
+    "PART",
+    "RECORD",
+    "LogEnd",
     "LogHeader",
+    "LogRecord",
     "Recovery",
+    "SnapshotPart",
     "encode_header",
+    "flags_patch",
     "frame_crc",
+    "frame_kind",
+    "is_snapshot_part",
     "new_file_id",
     "record_seed",
     "parse_header",
+    "read_header_info",
     "read_up_to",
 ]
 
@@ -52,6 +81,13 @@ FORMAT_VERSION = 1
 MAX_RECORD_BYTES = 64 << 20
 """Bound on one record's payload: a garbled length can never make a reader allocate more."""
 MAX_HEADER_BODY_BYTES = 1 << 20
+SNAPSHOT_PART_BYTES = 16 << 20
+"""Largest snapshot written inside its ``Checkpoint``; larger ones go in ``SnapshotPart``s."""
+FLAG_CLOSED = 0x0001
+"""Header flag: the log was closed cleanly (see the module docstring)."""
+_KNOWN_FLAGS = FLAG_CLOSED
+FLAGS_OFFSET = 10
+"""Byte offset of ``flags``; ``flags | body_len | crc`` (10 bytes) are rewritten in place."""
 
 _PREFIX = struct.Struct("<8sHHII")  # magic, format_version, flags, body_len, crc
 HEADER_PREFIX_BYTES = _PREFIX.size
@@ -81,18 +117,84 @@ class Recovery(msgspec.Struct, frozen=True):
     reason: str = ""
 
 
+class SnapshotPart(msgspec.Struct, frozen=True, tag_field="type", tag=True):
+    """A log-internal record: piece ``index`` of ``count`` of the snapshot of the
+    ``Checkpoint`` record that follows the last piece (never yielded by readers)."""
+
+    index: int
+    count: int
+    data: bytes
+
+
+class LogEnd(msgspec.Struct, frozen=True, tag_field="type", tag=True):
+    """A log-internal record: the last record of a cleanly closed log, written by
+    ``close()`` before ``FLAG_CLOSED``; ``offset`` is its own frame's byte offset. A reopened
+    log goes on after it (readers skip it)."""
+
+    offset: int
+
+
+LogRecord = Union[Record, SnapshotPart, LogEnd]  # noqa: UP007 (Record is a runtime alias)
+"""What a frame's payload decodes to."""
+_PART_ENCODED = msgspec.msgpack.encode(SnapshotPart(0, 1, b""))
+_PART_PREFIX = _PART_ENCODED[: _PART_ENCODED.index(msgspec.msgpack.encode("index"))]
+"""The msgpack map header and ``"type": "SnapshotPart"``: msgspec writes the tag first."""
+
+
+_END_ENCODED = msgspec.msgpack.encode(LogEnd(0))
+_END_PREFIX = _END_ENCODED[: _END_ENCODED.index(msgspec.msgpack.encode("offset"))]
+_TAG_LENGTH_AT = 6  # fixmap, fixstr "type", then the tag's fixstr header
+_INTERNAL_TAGS = {
+    _PART_PREFIX[_TAG_LENGTH_AT]: _PART_PREFIX,
+    _END_PREFIX[_TAG_LENGTH_AT]: _END_PREFIX,
+}
+RECORD, PART, END = 0, 1, 2
+"""Frame kinds told by ``frame_kind``."""
+
+
+def frame_kind(payload: bytes | memoryview) -> int:
+    """``PART``, ``END`` or ``RECORD`` (an event or checkpoint), from the payload's tag
+    bytes, without decoding."""
+    if len(payload) <= _TAG_LENGTH_AT:
+        return RECORD
+    prefix = _INTERNAL_TAGS.get(payload[_TAG_LENGTH_AT])
+    if prefix is None or bytes(payload[: len(prefix)]) != prefix:
+        return RECORD
+    return PART if prefix is _PART_PREFIX else END
+
+
+def is_snapshot_part(payload: bytes | memoryview) -> bool:
+    """Whether a frame payload is a ``SnapshotPart`` (a prefix check, no decoding)."""
+    return frame_kind(payload) == PART
+
+
+class HeaderRead(NamedTuple):
+    """A parsed header: the header, the offset of record 0, the flags and the raw body."""
+
+    header: LogHeader
+    data_offset: int
+    flags: int
+    body: bytes
+
+
 _header_encoder = msgspec.msgpack.Encoder()
 _header_decoder = msgspec.msgpack.Decoder(LogHeader)
 
 
 def encode_header(header: LogHeader) -> bytes:
-    """The header bytes of a new log file."""
+    """The header bytes of a new log file (no flags)."""
     body = _header_encoder.encode(header)
     if len(body) > MAX_HEADER_BODY_BYTES:
         raise ValueError(f"log header meta too large: {len(body)} bytes")
-    fields = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(body), 0)[8:16]
+    prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(body), 0)[:FLAGS_OFFSET]
+    return prefix + flags_patch(body, 0) + body
+
+
+def flags_patch(body: bytes, flags: int) -> bytes:
+    """The 10 bytes at ``FLAGS_OFFSET`` (flags, body_len, crc) of a header with ``body``."""
+    fields = struct.pack("<HHI", FORMAT_VERSION, flags, len(body))
     crc = _crc32c.crc32c(body, _crc32c.crc32c(fields))
-    return _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(body), crc) + body
+    return struct.pack("<HII", flags, len(body), crc)
 
 
 def new_file_id() -> int:
@@ -116,12 +218,18 @@ def parse_header(file: BinaryIO, path: str) -> tuple[LogHeader, int]:
     Raises ``SchemaVersionError`` for a format or schema this kvlog cannot read and
     ``CorruptLogError`` for a truncated or damaged header.
     """
+    info = read_header_info(file, path)
+    return info.header, info.data_offset
+
+
+def read_header_info(file: BinaryIO, path: str) -> HeaderRead:
+    """``parse_header`` with the flags and the raw body too."""
     prefix = read_up_to(file, HEADER_PREFIX_BYTES)
     if len(prefix) < len(MAGIC) or prefix[: len(MAGIC)] != MAGIC:
         raise CorruptLogError("not a kvlog log (bad magic)", path=path, offset=0)
     if len(prefix) < HEADER_PREFIX_BYTES:
         raise CorruptLogError("truncated log header", path=path, offset=len(prefix))
-    _, format_version, _, body_len, crc = _PREFIX.unpack(prefix)
+    _, format_version, flags, body_len, crc = _PREFIX.unpack(prefix)
     if format_version != FORMAT_VERSION:
         raise SchemaVersionError(
             f"log format version {format_version}, this kvlog reads {FORMAT_VERSION}",
@@ -135,7 +243,10 @@ def parse_header(file: BinaryIO, path: str) -> tuple[LogHeader, int]:
         raise CorruptLogError("truncated log header", path=path, offset=len(prefix) + len(body))
     if _crc32c.crc32c(body, _crc32c.crc32c(prefix[8:16])) != crc:
         raise CorruptLogError("log header checksum mismatch", path=path, offset=0)
-    return _decode_header_body(body, path), HEADER_PREFIX_BYTES + body_len
+    if flags & ~_KNOWN_FLAGS:
+        raise SchemaVersionError(f"unknown log header flags {flags:#06x}", path=path, offset=10)
+    header = _decode_header_body(body, path)
+    return HeaderRead(header, HEADER_PREFIX_BYTES + body_len, flags, body)
 
 
 def _decode_header_body(body: bytes, path: str) -> LogHeader:

@@ -15,6 +15,18 @@ only be misplaced data, never a torn write). The forward search looks at every b
 offset, vectorized with numpy, and only checksums candidates whose length fits and whose
 sequence number lies in ``[E, E + remaining_bytes // 17]``, so it costs little even when
 the tail is long garbage.
+
+Three more rules make a torn tail something only a crash can leave:
+
+- a log whose header says it was closed cleanly (``FLAG_CLOSED``) has no torn tail: any
+  bad frame is corruption, and so is a last record other than its ``LogEnd`` (a cut at a
+  record boundary);
+- a bad frame that is whole (its length fits, its sequence number is ``E``) and is followed
+  by another whole frame numbered ``E + 1``, both failing their checksums, is corruption:
+  a crash leaves a prefix of what was written, never two whole frames with wrong sums
+  (e.g. another log's header in front of these records: every checksum fails);
+- ``SnapshotPart`` frames at the end without the ``Checkpoint`` they belong to are part of
+  the torn tail (the checkpoint was never durable).
 """
 
 from __future__ import annotations
@@ -28,11 +40,14 @@ import numpy as np
 from kvlog import crc32c as _crc32c
 from kvlog.errors import CorruptLogError
 from kvlog.log.format import (
+    END,
     FRAME,
     FRAME_BYTES,
     MAX_RECORD_BYTES,
+    PART,
     Recovery,
     frame_crc,
+    frame_kind,
     read_up_to,
 )
 
@@ -46,12 +61,28 @@ class FrameScanner:
     """Streams the verified frames of one open log file, from ``start_offset`` on.
 
     After ``frames()`` is exhausted: ``last_seq`` (-1 if none), ``end_offset`` (the end of
-    the last good frame) and ``tail`` (a ``Recovery`` when a torn tail follows, else None).
+    the last good frame) and ``tail`` (a ``Recovery`` when a torn tail follows, else None);
+    trailing ``SnapshotPart`` frames are then in the tail, not in ``last_seq``. ``closed``:
+    the header says the log was closed cleanly (no torn tail allowed).
     """
 
     def __init__(
-        self, file: BinaryIO, path: str, start_offset: int, file_size: int, seed: int = 0
+        self,
+        file: BinaryIO,
+        path: str,
+        start_offset: int,
+        file_size: int,
+        seed: int = 0,
+        *,
+        closed: bool = False,
     ) -> None:
+        self._closed = closed
+        self._run = (-1, -1)  # (offset, seq) of the first SnapshotPart of a pending run
+        self._last_kind = -1  # frame_kind of the last good frame (-1: none)
+        self._last_frame = (-1, -1)  # (offset, seq) of the last good frame
+        self.close_offset = -1
+        """Byte offset of the ``LogEnd`` that ends the log, -1 if it does not end with one
+        (``last_seq`` and ``end_offset`` then leave that record out)."""
         self._seed = seed  # record_seed of the log's file_id
         self._file = file
         self._path = path
@@ -66,6 +97,18 @@ class FrameScanner:
 
     def frames(self) -> Iterator[tuple[int, int, memoryview]]:
         """Yield ``(offset, seq, payload)``; a payload view is valid until the next one."""
+        for offset, seq, payload in self._all_frames():
+            kind = frame_kind(payload)
+            if kind == PART:
+                if self._run[0] < 0:
+                    self._run = (offset, seq)
+            else:
+                self._run = (-1, -1)
+            self._last_kind, self._last_frame = kind, (offset, seq)
+            yield offset, seq, payload
+        self._check_end()
+
+    def _all_frames(self) -> Iterator[tuple[int, int, memoryview]]:
         self._file.seek(self._buf_start)
         while self._buf_start + self._pos < self._size:
             yield from self._buffered_frames()
@@ -76,6 +119,29 @@ class FrameScanner:
             if reason:
                 self._bad_frame(offset, reason)
                 return
+
+    def _check_end(self) -> None:
+        """The end-of-log rules: a closed log ends in its ``LogEnd``; pending snapshot
+        parts join the torn tail."""
+        if self._closed and self._last_kind != END:
+            raise CorruptLogError(
+                "the log was closed cleanly but does not end with its close record: "
+                "records after it were cut off",
+                path=self._path,
+                offset=self.end_offset,
+                seq=self.last_seq + 1,
+            )
+        if self._last_kind == END and self.tail is None:
+            self.close_offset, close_seq = self._last_frame
+            self.last_seq, self.end_offset = close_seq - 1, self.close_offset
+        run_offset, run_seq = self._run
+        if run_offset < 0:
+            return
+        reason = "snapshot parts without their checkpoint"
+        if self.tail is not None:
+            reason = f"{reason}, then {self.tail.reason}"
+        self.tail = Recovery(self._size - run_offset, run_seq - 1, run_offset, reason)
+        self.last_seq, self.end_offset = run_seq - 1, run_offset
 
     def _buffered_frames(self) -> Iterator[tuple[int, int, memoryview]]:
         """The hot loop: the good frames lying wholly in the buffer, from the read position."""
@@ -122,15 +188,22 @@ class FrameScanner:
         expected = self.last_seq + 1
         fd = self._file.fileno()
         found = find_valid_frame(fd, offset + 1, self._size, expected, self._seed)
+        why = ""
         if found is not None:
             found_offset, found_seq = found
-            raise CorruptLogError(
+            why = (
                 f"{reason}, but a valid record (sequence number {found_seq}) "
-                f"follows at byte offset {found_offset}",
-                path=self._path,
-                offset=offset,
-                seq=expected,
+                f"follows at byte offset {found_offset}"
             )
+        elif self._closed:
+            why = f"{reason} in a log closed cleanly (no torn tail can follow a clean close)"
+        elif _whole_frames_follow(fd, offset, self._size, expected):
+            why = (
+                f"{reason}, and whole frames numbered {expected} and {expected + 1} with "
+                "failing checksums are there: damage (or another log's header), not a torn write"
+            )
+        if why:
+            raise CorruptLogError(why, path=self._path, offset=offset, seq=expected)
         self.tail = Recovery(self._size - offset, self.last_seq, offset, reason)
 
     def _fill(self, need: int) -> bool:
@@ -147,6 +220,20 @@ class FrameScanner:
         self._buf_start += self._pos
         self._pos = 0
         return len(self._buf) >= need
+
+
+def _whole_frames_follow(fd: int, offset: int, file_size: int, expected: int) -> bool:
+    """Whether whole frames numbered ``expected`` and ``expected + 1`` (plausible lengths
+    that fit in the file) start at ``offset``, checksums aside."""
+    for seq in (expected, expected + 1):
+        head = os.pread(fd, FRAME_BYTES, offset)
+        if len(head) < FRAME_BYTES:
+            return False
+        _, length, found_seq = FRAME.unpack(head)
+        offset += FRAME_BYTES + length
+        if found_seq != seq or not 0 < length <= MAX_RECORD_BYTES or offset > file_size:
+            return False
+    return True
 
 
 def find_valid_frame(

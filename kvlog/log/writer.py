@@ -8,21 +8,33 @@ commit), at each record with ``sync="always"`` (then fsync), and when the buffer
 unknown (after a failed fsync the kernel may have dropped dirty pages), so that append
 and every later one raise ``LogPoisoned``; reopen the log to recover what is on disk.
 
-A new log is created atomically (header written to a temporary file, fsynced, then
-linked into place), so a crash during creation leaves either no file or a whole header:
-a non-empty file with a short or damaged header is corrupt and never rewritten. An
-existing empty file (``touch``, ``NamedTemporaryFile``) counts as absent. On reopen, the
-existing header is kept (``meta`` and ``file_id``, random unless given for byte-identical
-files, are only written at creation); a torn tail is truncated
-(and fsynced) and reported on ``.recovery``; other damage raises ``CorruptLogError``.
-One writer per file: an exclusive ``flock`` raises ``LogLocked`` for a second one.
+Opening, in this order, so that two writers can never both win: the path must be a
+regular file or absent (a directory, device, FIFO or socket raises ``LogPathError`` and is
+never replaced or written; a symlink is followed to its target, the link stays, and a
+dangling one is refused). An absent file is created atomically (header written to a
+temporary file, fsynced, then linked into place; a crash leaves no file or a whole
+header). Then the file is opened and locked (an exclusive ``flock``; a second writer gets
+``LogLocked``), and only then is it judged: an empty file (``touch``) gets its header
+written in place; a non-empty file with a short or damaged header is corrupt and never
+rewritten; with ``new=True`` a file that holds records raises ``LogExists`` untouched.
+On reopen the existing header is kept (``meta`` and ``file_id``, random unless given for
+byte-identical files, are only written at creation); a torn tail is truncated (and
+fsynced) and reported on ``.recovery``; other damage raises ``CorruptLogError``.
+
+``close()`` appends a ``LogEnd`` record, writes and syncs, then sets ``FLAG_CLOSED`` in
+the header and syncs; a reopening writer clears the flag (synced), then cuts the ``LogEnd``
+(synced) and appends after the last record, so sequence numbers stay dense. A
+``Checkpoint`` whose snapshot is over ``SNAPSHOT_PART_BYTES`` is written as
+``SnapshotPart`` records and the checkpoint (see ``kvlog.log.format``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
+import stat
 import struct
 import tempfile
 import typing
@@ -33,17 +45,35 @@ import msgspec
 
 from kvlog import __version__
 from kvlog import crc32c as _crc32c
-from kvlog.errors import LogClosed, LogLocked, LogPoisoned, RecordRejected, SchemaVersionError
-from kvlog.events import SCHEMA_VERSION, Record, StepEnded
+from kvlog.errors import (
+    ConfigError,
+    LogClosed,
+    LogExists,
+    LogLocked,
+    LogPathError,
+    LogPoisoned,
+    RecordRejected,
+    SchemaVersionError,
+)
+from kvlog.events import SCHEMA_VERSION, Checkpoint, Record, StepEnded
 from kvlog.log.format import (
+    FLAG_CLOSED,
+    FLAGS_OFFSET,
     FRAME_BYTES,
     FRAME_HEAD,
     MAX_RECORD_BYTES,
+    RECORD,
+    SNAPSHOT_PART_BYTES,
+    LogEnd,
     LogHeader,
+    LogRecord,
     Recovery,
+    SnapshotPart,
     encode_header,
+    flags_patch,
+    frame_kind,
     new_file_id,
-    parse_header,
+    read_header_info,
     record_seed,
 )
 from kvlog.log.scan import FrameScanner
@@ -62,6 +92,7 @@ _EMPTY_FRAME = bytes(FRAME_BYTES)
 _CRC = struct.Struct("<I")
 _encoder = msgspec.msgpack.Encoder()  # the configuration of kvlog.events.encode
 _logger = logging.getLogger("kvlog.log")
+_OPEN_FLAGS = os.O_RDWR | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOCTTY", 0)
 
 
 class LogWriter:
@@ -75,9 +106,13 @@ class LogWriter:
         meta: dict[str, str] | None = None,
         buffer_bytes: int = 1 << 20,
         file_id: int | None = None,
+        new: bool = False,
     ) -> None:
         if sync not in SYNC_MODES:
-            raise ValueError(f"sync must be one of {SYNC_MODES}, not {sync!r}")
+            raise ConfigError("sync", sync, f"one of {SYNC_MODES}")
+        if type(buffer_bytes) is not int or buffer_bytes < 0:
+            raise ConfigError("buffer_bytes", buffer_bytes, "an int >= 0")
+        header = _new_header(meta, file_id)  # arguments are checked before the path
         self.path = os.fspath(path)
         self.sync_mode: SyncMode = sync
         self._fsync_each, self._fsync_step = sync == "always", sync == "step"
@@ -86,24 +121,20 @@ class LogWriter:
         self._poison: OSError | None = None
         self._closed = False
         self._seed = 0
-        if not os.path.exists(self.path) or os.path.getsize(self.path) == 0:
-            _create(self.path, _new_header(meta, file_id))
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | getattr(os, "O_CLOEXEC", 0))
+        self._fd = _open_locked(self.path, header)
         try:
-            _lock(self._fd, self.path)
-            self.header, self.next_seq, self.recovery = self._recover()
+            self.header, self.next_seq, self.recovery = self._recover(new)
+            self._offset = os.lseek(self._fd, 0, os.SEEK_END)  # where the next frame goes
         except BaseException:
             os.close(self._fd)
             raise
 
-    def _seed_of(self, header: LogHeader) -> int:
-        self._seed = record_seed(header.file_id)
-        return self._seed
-
-    def _recover(self) -> tuple[LogHeader, int, Recovery | None]:
-        """Verify every frame; cut a torn tail. Returns the header, next seq and recovery."""
-        with open(self.path, "rb", buffering=0) as file:
-            header, data_offset = parse_header(file, self.path)
+    def _recover(self, new: bool) -> tuple[LogHeader, int, Recovery | None]:
+        """Verify every frame; cut a torn tail; clear the closed flag. Returns the header,
+        next seq and recovery."""
+        with os.fdopen(os.dup(self._fd), "rb", buffering=0) as file:
+            info = read_header_info(file, self.path)
+            header = info.header
             if header.schema_version != SCHEMA_VERSION:
                 raise SchemaVersionError(
                     f"cannot append schema {SCHEMA_VERSION} records to a schema "
@@ -111,12 +142,26 @@ class LogWriter:
                     path=self.path,
                 )
             size = os.fstat(file.fileno()).st_size
-            scanner = FrameScanner(file, self.path, data_offset, size, self._seed_of(header))
-            for _ in scanner.frames():
-                pass
-        if scanner.tail is not None:
-            os.ftruncate(self._fd, scanner.tail.offset)
+            self._seed = record_seed(header.file_id)
+            closed = bool(info.flags & FLAG_CLOSED)
+            scanner = FrameScanner(
+                file, self.path, info.data_offset, size, self._seed, closed=closed
+            )
+            for _, _, payload in scanner.frames():
+                if new and frame_kind(payload) == RECORD:
+                    raise LogExists(
+                        errno.EEXIST,
+                        f"{self.path} already holds records; use Engine.resume() to continue "
+                        "it (the file was not touched)",
+                    )
+        self._body = info.body
+        if closed:
+            self._write_flags(0)  # first: from here on the log may end torn again
+        cut = scanner.tail.offset if scanner.tail is not None else scanner.close_offset
+        if cut >= 0:  # a torn tail, or the close record (the log goes on after it)
+            os.ftruncate(self._fd, cut)
             _datasync(self._fd)
+        if scanner.tail is not None:
             _logger.warning("%s: cut a torn tail: %s", self.path, scanner.tail)
         return header, scanner.last_seq + 1, scanner.tail
 
@@ -127,10 +172,25 @@ class LogWriter:
         record_type = type(record)
         if record_type not in _RECORD_TYPES:  # exact types: a subclass would not decode
             raise RecordRejected(f"not a log record: {record_type.__name__}")
+        if record_type is Checkpoint and len(record.snapshot) > SNAPSHOT_PART_BYTES:  # type: ignore[union-attr]
+            return self._append_parts(record)  # type: ignore[arg-type]
+        seq = self._frame(record)
+        if self._fsync_each or (self._fsync_step and record_type is StepEnded):
+            self._commit(fsync=True)
+        elif len(self._buffer) >= self._buffer_bytes:
+            self._commit(fsync=False)
+        return seq
+
+    def _frame(self, record: LogRecord) -> int:
+        """Encode one record into the buffer; its sequence number (nothing kept on error)."""
         buffer, seq = self._buffer, self.next_seq
         start = len(buffer)
         buffer += _EMPTY_FRAME
-        _encoder.encode_into(record, buffer, start + FRAME_BYTES)  # the payload, in place
+        try:
+            _encoder.encode_into(record, buffer, start + FRAME_BYTES)  # the payload, in place
+        except (TypeError, ValueError, OverflowError) as exc:  # UnicodeEncodeError included
+            del buffer[start:]
+            raise RecordRejected(f"{type(record).__name__} does not encode: {exc}") from exc
         length = len(buffer) - start - FRAME_BYTES
         if length > MAX_RECORD_BYTES:
             del buffer[start:]
@@ -139,10 +199,20 @@ class LogWriter:
         with memoryview(buffer)[start + 4 :] as checked:
             _CRC.pack_into(buffer, start, _crc32c.crc32c(checked, self._seed))
         self.next_seq = seq + 1
-        if self._fsync_each or (self._fsync_step and record_type is StepEnded):
-            self._commit(fsync=True)
-        elif len(buffer) >= self._buffer_bytes:
-            self._commit(fsync=False)
+        return seq
+
+    def _append_parts(self, checkpoint: Checkpoint) -> int:
+        """A checkpoint with a large snapshot: its parts, then itself without the snapshot."""
+        snapshot = checkpoint.snapshot
+        count = -(-len(snapshot) // SNAPSHOT_PART_BYTES)
+        with memoryview(snapshot) as view:
+            for index in range(count):
+                piece = view[index * SNAPSHOT_PART_BYTES : (index + 1) * SNAPSHOT_PART_BYTES]
+                self._frame(SnapshotPart(index, count, piece))  # type: ignore[arg-type]
+                if len(self._buffer) >= self._buffer_bytes:
+                    self._commit(fsync=False)
+        seq = self._frame(msgspec.structs.replace(checkpoint, snapshot=b""))
+        self._commit(fsync=self._fsync_each)
         return seq
 
     def flush(self) -> None:
@@ -156,15 +226,30 @@ class LogWriter:
         self._commit(fsync=True)
 
     def close(self) -> None:
-        """Write, fsync and close; idempotent. A poisoned writer just closes its file."""
+        """Write, fsync, mark the clean close and close; idempotent. A poisoned writer just
+        closes its file (no close mark: its log may end torn)."""
         if self._closed:
             return
         try:
             if self._poison is None:
+                self._frame(LogEnd(self._offset + len(self._buffer)))
                 self._commit(fsync=True)
+                self._write_flags(FLAG_CLOSED)
         finally:
             self._closed = True
             os.close(self._fd)  # releases the lock
+
+    def abandon(self) -> None:
+        """Close the file as a crash would leave it: the buffered records are written (not
+        synced), no close record, no closed flag (crash tests). Idempotent."""
+        if self._closed:
+            return
+        try:
+            if self._poison is None:
+                self._commit(fsync=False)
+        finally:
+            self._closed = True
+            os.close(self._fd)
 
     @property
     def closed(self) -> bool:
@@ -198,6 +283,7 @@ class LogWriter:
         try:
             if self._buffer:
                 _write_all(self._fd, self._buffer)
+                self._offset += len(self._buffer)
                 self._buffer.clear()
             if fsync:
                 _datasync(self._fd)
@@ -206,40 +292,129 @@ class LogWriter:
             self._buffer.clear()
             raise LogPoisoned(f"{self.path}: log write or fsync failed: {exc}") from exc
 
+    def _write_flags(self, flags: int) -> None:
+        """Rewrite the header's flags (one 10-byte write in the first sector), synced."""
+        try:
+            patch = flags_patch(self._body, flags)
+            if os.pwrite(self._fd, patch, FLAGS_OFFSET) != len(patch):
+                raise OSError(errno.EIO, "short write of the log header flags")
+            _datasync(self._fd)
+        except OSError as exc:
+            self._poison = exc
+            raise LogPoisoned(f"{self.path}: writing the header flags failed: {exc}") from exc
+
 
 def _new_header(meta: dict[str, str] | None, file_id: int | None) -> LogHeader:
+    if meta is not None and not isinstance(meta, dict):
+        raise ConfigError("meta", meta, "a dict of str to str")
     meta = dict(meta or {})
     for key, value in meta.items():
         if not isinstance(key, str) or not isinstance(value, str):
-            raise TypeError(f"log meta must map str to str, got {key!r}: {value!r}")
+            raise ConfigError("meta", {key: value}, "a dict of str to str")
     if file_id is None:
         file_id = new_file_id()
-    elif not 0 < file_id < 1 << 64:
-        raise ValueError(f"file_id must be in 1..2**64-1, not {file_id}")
-    return LogHeader(SCHEMA_VERSION, __version__, meta, file_id=file_id)
+    elif type(file_id) is not int or not 0 < file_id < 1 << 64:
+        raise ConfigError("file_id", file_id, "an int in 1..2**64-1")
+    header = LogHeader(SCHEMA_VERSION, __version__, meta, file_id=file_id)
+    try:
+        encode_header(header)
+    except (ValueError, TypeError) as exc:  # too large, or a str that does not encode
+        raise ConfigError("meta", "<...>", f"a small dict of encodable str ({exc})") from exc
+    return header
+
+
+def _open_locked(path: str, header: LogHeader) -> int:
+    """The fd of the log file, opened read-write and locked; an absent file is created
+    (atomically) and an empty one gets its header, under the lock."""
+    if _check_kind(path) is None:
+        _create(path, header)
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except OSError as exc:
+        raise _path_error(path, "cannot open the log", exc) from exc
+    try:
+        _check_regular(os.fstat(fd).st_mode, path)  # the checked path may have changed
+        _lock(fd, path)
+        if os.fstat(fd).st_size == 0:  # decided under the lock: one writer writes it
+            _write_header_in_place(fd, path, header)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _check_kind(path: str) -> os.stat_result | None:
+    """The stat of what ``path`` names (through a symlink), None when nothing is there;
+    ``LogPathError`` for anything but a regular file, and for a dangling symlink."""
+    try:
+        st = os.lstat(path)
+        if stat.S_ISLNK(st.st_mode):
+            try:
+                st = os.stat(path)
+            except FileNotFoundError as exc:
+                raise LogPathError(
+                    errno.ENOENT,
+                    f"{path} is a dangling symlink: kvlog creates no log through a link",
+                ) from exc
+    except FileNotFoundError:
+        return None
+    except LogPathError:
+        raise
+    except OSError as exc:
+        raise _path_error(path, "cannot stat the log path", exc) from exc
+    _check_regular(st.st_mode, path)
+    return st
+
+
+def _check_regular(mode: int, path: str) -> None:
+    if stat.S_ISREG(mode):
+        return
+    kinds = [(stat.S_ISDIR, "directory"), (stat.S_ISCHR, "character device")]
+    kinds += [(stat.S_ISBLK, "block device"), (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket")]
+    kind = next((name for test, name in kinds if test(mode)), "special file")
+    code = errno.EISDIR if stat.S_ISDIR(mode) else errno.EINVAL
+    raise LogPathError(code, f"{path} is a {kind}, not a regular file: refused, left as it is")
+
+
+def _path_error(path: str, what: str, exc: OSError) -> LogPathError:
+    code = exc.errno if exc.errno is not None else errno.EIO
+    return LogPathError(code, f"{path}: {what}: {exc.strerror or exc}")
+
+
+def _write_header_in_place(fd: int, path: str, header: LogHeader) -> None:
+    try:
+        _pwrite_all(fd, encode_header(header), 0)
+        _datasync(fd)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)  # leave the file empty, as it was
+        raise _path_error(path, "cannot write the log header", exc) from exc
 
 
 def _create(path: str, header: LogHeader) -> None:
-    """Create the log atomically: a whole header or no file (or the old empty file)."""
+    """Create the log atomically: a whole header or no file. Another writer creating it
+    at the same time wins the link; both then race for the lock."""
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp_path = tempfile.mkstemp(
-        prefix=f".{os.path.basename(path)}.", suffix=".kvlog.tmp", dir=directory
-    )
+    try:
+        fd, tmp_path = tempfile.mkstemp(
+            prefix=f".{os.path.basename(path)}.", suffix=".kvlog.tmp", dir=directory
+        )
+    except OSError as exc:
+        raise _path_error(path, "cannot create the log", exc) from exc
     try:
         try:
             _write_all(fd, encode_header(header))
             os.fsync(fd)
         finally:
             os.close(fd)
-        if os.path.exists(path):  # an empty file stands in for a new log
-            os.replace(tmp_path, path)
-        else:
-            with contextlib.suppress(FileExistsError):
-                os.link(tmp_path, path)  # never replaces a log another writer just made
+        with contextlib.suppress(FileExistsError):
+            os.link(tmp_path, path)  # never replaces anything
+        _fsync_directory(directory)
+    except OSError as exc:
+        raise _path_error(path, "cannot create the log", exc) from exc
     finally:
-        if os.path.exists(tmp_path):
+        with contextlib.suppress(OSError):
             os.unlink(tmp_path)
-    _fsync_directory(directory)
 
 
 def _write_all(fd: int, data: bytes | bytearray) -> None:
@@ -252,6 +427,15 @@ def _write_all(fd: int, data: bytes | bytearray) -> None:
             if written <= 0:
                 raise OSError(f"write returned {written}")
             done += written
+
+
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    done = 0
+    while done < len(data):
+        written = os.pwrite(fd, data[done:], offset + done)
+        if written <= 0:
+            raise OSError(errno.EIO, f"pwrite returned {written}")
+        done += written
 
 
 def _datasync(fd: int) -> None:

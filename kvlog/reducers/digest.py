@@ -5,28 +5,52 @@ dict, the per-block arrays as explicit little-endian int32 bytes, the request ta
 by request id and the jobs sorted by job id. It never uses ``hash()`` or pickle, so the
 digest is the same across processes, platforms and Python versions. Derived data (bitmaps,
 ``num_used``, ``max_used``) is left out and rebuilt on restore; ``last_swap`` is debug data
-kept in snapshots only.
+kept in snapshots only. The digest hashes the encoding piece by piece (the arrays straight
+from the state's buffers), so it never holds a copy of the arrays.
+
+A snapshot (format 2) is ``SNAPSHOT_MAGIC | crc32c u32 | body``, the body msgpack of
+``[digest, zlib(canonical without the arrays), arrays, last_swap]``; each array is stored
+as ``[codec, bytes]``: fwd and bwd as their difference from the identity, then zlib when
+at most half of it is nonzero, raw otherwise. ``restore`` checks the CRC, rebuilds, checks
+every invariant with typed errors (``kvlog.reducers.consistency``, no asserts) and that the
+rebuilt state has the recorded digest. Format 1 snapshots (msgpack ``[magic, canonical,
+last_swap]``, no checksum), as in older logs, still restore, with the same checks.
 """
 
 from __future__ import annotations
 
 import hashlib
+import struct
+import zlib
 from typing import Any
 
 import msgspec
 import numpy as np
 
+from kvlog import crc32c as _crc32c
 from kvlog.errors import CorruptLogError
 from kvlog.events import CacheConfigured, SwapPlan, decode_plan, encode
 from kvlog.reducers.blockset import BlockSet, pack_words
-from kvlog.reducers.invariants import check_invariants
+from kvlog.reducers.consistency import check_consistent
 from kvlog.reducers.state import Job, State
 
-__all__ = ["FORMAT_VERSION", "digest", "restore", "snapshot"]
+__all__ = [
+    "FORMAT_VERSION",
+    "SNAPSHOT_MAGIC",
+    "digest",
+    "digest_and_snapshot",
+    "restore",
+    "snapshot",
+]
 
 FORMAT_VERSION = 1
 _MAGIC = "kvlog.reducers.State"
 _ARRAYS = ("refs", "fwd", "bwd", "store_pins", "load_pins")
+_ARRAYS_AT = 4  # index of the arrays in the canonical list
+_MAPPINGS = frozenset({"fwd", "bwd"})  # stored as their difference from the identity
+SNAPSHOT_MAGIC = b"\x89KVSNAP\x02"
+"""First bytes of a format-2 snapshot (a format-1 one starts with a msgpack array)."""
+_RAW, _ZLIB = 0, 1
 
 
 _SCHEMA1_CONFIG = frozenset(CacheConfigured.__struct_fields__[:10])
@@ -71,7 +95,7 @@ def _job(job: Job, factor: int) -> list[Any]:
 
 
 def _canonical(state: State) -> list[Any]:
-    arrays = [getattr(state, name).astype("<i4").tobytes() for name in _ARRAYS]
+    arrays = [_le_bytes(getattr(state, name)) for name in _ARRAYS]
     tables = [[req_id, state.tables[req_id]] for req_id in sorted(state.tables)]
     factor = state.config.block_size_factor if state.config is not None else 1
     jobs = [
@@ -80,38 +104,139 @@ def _canonical(state: State) -> list[Any]:
             [*state.store_jobs.values(), *state.load_jobs.values()], key=lambda j: j.job_id
         )
     ]
-    out = [FORMAT_VERSION, _config(state.config), state.step, state.last_job_id, arrays]
+    out: list[Any] = [FORMAT_VERSION, _config(state.config), state.step, state.last_job_id]
+    out.append(arrays)
     out += [tables, jobs]
     if state.quarantined:
         out.append(sorted(state.quarantined))
     return out
 
 
+def _le_bytes(array: np.ndarray) -> memoryview:
+    """The bytes of an int32 array as little-endian int32, without a copy where native."""
+    return np.ascontiguousarray(array, dtype="<i4").data.cast("B")
+
+
+def _array_header(count: int) -> bytes:
+    if count < 16:
+        return bytes([0x90 | count])
+    return (
+        b"\xdc" + struct.pack(">H", count)
+        if count < 1 << 16
+        else b"\xdd" + struct.pack(">I", count)
+    )
+
+
+def _bin_header(size: int) -> bytes:
+    if size < 1 << 8:
+        return b"\xc4" + struct.pack(">B", size)
+    return (
+        b"\xc5" + struct.pack(">H", size) if size < 1 << 16 else b"\xc6" + struct.pack(">I", size)
+    )
+
+
+def _hash(canonical: list[Any]) -> str:
+    """sha256 of ``msgpack.encode(canonical)``, fed piece by piece (no copy of the arrays)."""
+    sha = hashlib.sha256(_array_header(len(canonical)))
+    for index, item in enumerate(canonical):
+        if index != _ARRAYS_AT:
+            sha.update(msgspec.msgpack.encode(item))
+            continue
+        sha.update(_array_header(len(item)))
+        for array in item:
+            sha.update(_bin_header(len(array)))
+            sha.update(array)
+    return sha.hexdigest()
+
+
 def digest(state: State) -> str:
     """Hex sha256 of the canonical encoding."""
-    return hashlib.sha256(msgspec.msgpack.encode(_canonical(state))).hexdigest()
+    return _hash(_canonical(state))
 
 
 def snapshot(state: State) -> bytes:
     """The whole state as bytes; ``restore`` gives it back with the same digest."""
+    return digest_and_snapshot(state)[1]
+
+
+def digest_and_snapshot(state: State) -> tuple[str, bytes]:
+    """``digest(state)`` and ``snapshot(state)``, from one canonical encoding."""
+    canonical = _canonical(state)
+    hexdigest = _hash(canonical)
+    arrays = [_pack_array(name, state) for name in _ARRAYS]
+    rest = list(canonical)
+    rest[_ARRAYS_AT] = None
     last_swap = encode(state.last_swap) if state.last_swap is not None else b""
-    return msgspec.msgpack.encode([_MAGIC, _canonical(state), last_swap])
+    body = msgspec.msgpack.encode(
+        [hexdigest, zlib.compress(msgspec.msgpack.encode(rest), 1), arrays, last_swap]
+    )
+    crc = struct.pack("<I", _crc32c.crc32c(body))
+    return hexdigest, SNAPSHOT_MAGIC + crc + body
+
+
+def _pack_array(name: str, state: State) -> list[Any]:
+    """``[codec, bytes]`` of one per-block array (see the module docstring)."""
+    array = getattr(state, name)
+    if name in _MAPPINGS:
+        array = array - np.arange(array.size, dtype=np.int32)
+    if np.count_nonzero(array) * 2 <= array.size:
+        return [_ZLIB, zlib.compress(_le_bytes(array), 1)]
+    return [_RAW, _le_bytes(array)]
+
+
+def _unpack_array(name: str, packed: list[Any], size: int) -> bytes:
+    codec, data = packed
+    raw = zlib.decompress(data) if codec == _ZLIB else bytes(data)
+    if codec not in (_RAW, _ZLIB) or len(raw) != 4 * size:
+        raise ValueError(f"{name}: codec {codec!r} with {len(raw)} bytes for {size} blocks")
+    if name not in _MAPPINGS:
+        return raw
+    return (np.frombuffer(raw, "<i4") + np.arange(size, dtype=np.int32)).astype("<i4").tobytes()
 
 
 def restore(blob: bytes) -> State:
-    """A State from ``snapshot`` bytes; ``CorruptLogError`` if they are not one."""
+    """A State from ``snapshot`` bytes; ``CorruptLogError`` if they are not one (a checksum
+    or digest that does not match, or a state that breaks an invariant)."""
     try:
+        if bytes(blob[: len(SNAPSHOT_MAGIC)]) == SNAPSHOT_MAGIC:
+            return _restore_v2(blob)
         magic, canonical, last_swap = msgspec.msgpack.decode(blob)
         if magic != _MAGIC or canonical[0] != FORMAT_VERSION:
             raise ValueError(f"not a version {FORMAT_VERSION} state snapshot")
-        state = _rebuild(canonical)
-        if last_swap:
-            plan = decode_plan(last_swap)
-            assert isinstance(plan, SwapPlan), "last_swap must be a SwapPlan"
-            state.last_swap = plan
-        check_invariants(state)
-    except (ValueError, TypeError, KeyError, IndexError, AssertionError) as error:
+        return _finish(_rebuild(canonical), last_swap)
+    except CorruptLogError:
+        raise
+    except (ValueError, TypeError, KeyError, IndexError, OverflowError, zlib.error) as error:
         raise CorruptLogError(f"bad state snapshot: {error}") from error
+
+
+def _restore_v2(blob: bytes) -> State:
+    start = len(SNAPSHOT_MAGIC) + 4
+    (crc,) = struct.unpack_from("<I", blob, len(SNAPSHOT_MAGIC))
+    with memoryview(blob)[start:] as body:
+        if _crc32c.crc32c(body) != crc:
+            raise CorruptLogError("bad state snapshot: checksum mismatch")
+        hexdigest, packed_rest, arrays, last_swap = msgspec.msgpack.decode(body)
+    canonical = msgspec.msgpack.decode(zlib.decompress(packed_rest))
+    config = canonical[1]
+    size = int(config["num_gpu_blocks"]) if config is not None else 0
+    canonical[_ARRAYS_AT] = [
+        _unpack_array(name, packed, size) for name, packed in zip(_ARRAYS, arrays, strict=True)
+    ]
+    state = _finish(_rebuild(canonical), last_swap)
+    if digest(state) != hexdigest:
+        raise CorruptLogError("bad state snapshot: the rebuilt state has another digest")
+    return state
+
+
+def _finish(state: State, last_swap: bytes) -> State:
+    """Attach ``last_swap`` and check the rebuilt state (typed errors, no asserts)."""
+    if last_swap:
+        plan = decode_plan(last_swap)
+        if not isinstance(plan, SwapPlan):
+            raise ValueError(f"last_swap is a {type(plan).__name__}, not a SwapPlan")
+        state.last_swap = plan
+    check_consistent(state)
     return state
 
 
@@ -119,7 +244,7 @@ def _rebuild(canonical: list[Any]) -> State:
     _, config, step, last_job_id, arrays, tables, jobs, *rest = canonical
     state = State()
     if config is not None:
-        state.configure(msgspec.convert(config, CacheConfigured))
+        state.configure(_checked_config(config))
     for name, raw in zip(_ARRAYS, arrays, strict=True):
         array = np.frombuffer(raw, dtype="<i4").astype(np.int32)
         if array.size != state.num_gpu_blocks:
@@ -142,3 +267,13 @@ def _rebuild(canonical: list[Any]) -> State:
     state.pinned[:] = pack_words(pinned)
     state._max_used = state.used.highest_at_most(state.num_gpu_blocks - 1)
     return state
+
+
+def _checked_config(config: Any) -> CacheConfigured:
+    """The snapshot's configuration, valid (so its pool size is bounded) before any
+    allocation."""
+    from kvlog.events import validate_event
+
+    checked = msgspec.convert(config, CacheConfigured)
+    validate_event(checked)  # InvalidEvent is a ValueError: reported as a bad snapshot
+    return checked

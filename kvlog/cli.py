@@ -1,4 +1,4 @@
-"""The ``kvlog`` command line: synth, replay, inspect, demo.
+"""The ``kvlog`` command line: synth, replay, inspect, demo, sweep.
 
 Exit status: 0 when everything checked out, 1 when a replay diverged or a canary failed,
 2 for bad arguments or a log that cannot be read.
@@ -14,7 +14,20 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from kvlog.errors import KvlogError
+from kvlog.cli_sweep import (
+    add_parallel_flags,
+    add_policy_flags,
+    add_sweep,
+    add_trace_flags,
+    cmd_replay_parallel,
+    cmd_sweep,
+    policy_fields,
+    progress_bar,
+    render_table,
+    run_trace_command,
+    trace_geometry,
+)
+from kvlog.errors import KvlogError, MissingExtra
 from kvlog.events import DEFAULT_PAD_SIZES, Checkpoint, to_dict
 from kvlog.log import LogReader
 from kvlog.replay import ReplayResult, replay
@@ -77,6 +90,7 @@ def _add_policy(p: argparse.ArgumentParser, defaults: bool) -> None:
     )
     if not defaults:
         group.add_argument("--defrag", dest="defrag", action="store_true", help="turn it on")
+    add_policy_flags(p, defaults)
 
 
 def _add_synth(sub: Any) -> None:
@@ -85,8 +99,10 @@ def _add_synth(sub: Any) -> None:
     p.add_argument("--out", required=True, help="log file to create")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--steps", type=int, default=d.steps)
-    p.add_argument("--num-gpu-blocks", type=int, default=d.num_gpu_blocks)
-    p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument(
+        "--num-gpu-blocks", type=int, help=f"default {d.num_gpu_blocks} (4096 with --trace)"
+    )
+    p.add_argument("--block-size", type=int, help=f"default {d.block_size} (128 with --trace)")
     p.add_argument(
         "--num-cpu-blocks",
         type=int,
@@ -113,6 +129,7 @@ def _add_synth(sub: Any) -> None:
     p.add_argument("--sync", choices=("none", "step", "always"), default="step")
     p.add_argument("--checkpoint-every", type=int, default=256)
     _add_policy(p, defaults=True)
+    add_trace_flags(p)
 
 
 def _add_replay(sub: Any) -> None:
@@ -125,8 +142,9 @@ def _add_replay(sub: Any) -> None:
     )
     p.add_argument("--backend", choices=("cpu", "fake"), default="cpu")
     p.add_argument("--from-snapshot", action="store_true", help="start at the latest snapshot")
-    p.add_argument("--report", help="plot to FILE (.svg; .png with matplotlib; .csv)")
+    p.add_argument("--report", help="plot to FILE (.png or .svg, kvlog[plot]; .csv numbers)")
     _add_policy(p, defaults=False)
+    add_parallel_flags(p)
 
 
 def _add_inspect(sub: Any) -> None:
@@ -153,13 +171,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_replay(sub)
     _add_inspect(sub)
     _add_demo(sub)
+    add_sweep(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvlog`` console script; returns the exit status."""
     args = build_parser().parse_args(argv)
-    commands = {"synth": cmd_synth, "replay": cmd_replay, "inspect": cmd_inspect, "demo": cmd_demo}
+    commands = {
+        "synth": cmd_synth,
+        "replay": cmd_replay,
+        "inspect": cmd_inspect,
+        "demo": cmd_demo,
+        "sweep": cmd_sweep,
+    }
     try:
         return commands[args.command](args)
     except (KvlogError, FileExistsError, FileNotFoundError, IsADirectoryError) as exc:
@@ -176,8 +201,6 @@ def synth_config(args: argparse.Namespace) -> SynthConfig:
     return SynthConfig(
         seed=args.seed,
         steps=args.steps,
-        num_gpu_blocks=args.num_gpu_blocks,
-        block_size=args.block_size,
         num_cpu_blocks=args.num_cpu_blocks,
         block_size_factor=args.block_size_factor,
         prefix_caching=args.prefix_caching,
@@ -193,7 +216,7 @@ def synth_config(args: argparse.Namespace) -> SynthConfig:
         prefix_share=args.prefix_share,
         transfer_failure_rate=args.failure_rate,
         check_every=args.check_every,
-    )
+    ).replace(**trace_geometry(args), **policy_fields(args))
 
 
 def cmd_synth(args: argparse.Namespace) -> int:
@@ -201,14 +224,18 @@ def cmd_synth(args: argparse.Namespace) -> int:
     from kvlog.events import validate_event
 
     validate_event(config.cache_config())
-    result = run_synth(
-        config,
-        args.out,
-        execute=args.execute,
-        backend=args.backend,
-        sync=args.sync,
-        checkpoint_every=args.checkpoint_every,
-    )
+    if args.trace:
+        result = run_trace_command(args, config)
+    else:
+        result = run_synth(
+            config,
+            args.out,
+            execute=args.execute,
+            backend=args.backend,
+            sync=args.sync,
+            checkpoint_every=args.checkpoint_every,
+            snapshot_every=args.snapshot_every,
+        )
     print_synth(result, sys.stdout)
     return 0 if result.canary_ok else 1
 
@@ -220,7 +247,7 @@ def print_synth(r: SynthResult, out: TextIO) -> None:
             "requests",
             f"{r.num_requests} arrived, {r.num_finished} finished, {r.num_preemptions} preemptions",
         ),
-        ("prefix cache", f"{r.num_prefix_hit_blocks} hit blocks"),
+        ("prefix cache", _prefix_line(r)),
         (
             "offload",
             f"{r.num_stores} stores, {r.num_loads} loads ({r.num_loaded_blocks} blocks), "
@@ -231,6 +258,8 @@ def print_synth(r: SynthResult, out: TextIO) -> None:
         ("digest", r.final_digest),
         ("elapsed", f"{r.elapsed_s:.2f} s ({r.num_events / max(r.elapsed_s, 1e-9):,.0f} events/s)"),
     ]
+    if r.simulated_s:
+        rows.insert(2, ("trace", f"{r.simulated_s:,.1f} s served, {r.num_clipped} clipped"))
     if r.canary_checks:
         checked = sum(c.num_checked for c in r.canary_checks)
         failed = sum(c.num_failed for c in r.canary_checks)
@@ -240,6 +269,15 @@ def print_synth(r: SynthResult, out: TextIO) -> None:
     out.write("synth\n" + format_table(rows) + "\n")
 
 
+def _prefix_line(r: SynthResult) -> str:
+    if not r.config.prefix_caching:
+        return "off"
+    return (
+        f"{r.num_prefix_hit_blocks:,} hit blocks of {r.num_prefix_query_blocks:,} looked up "
+        f"(hit rate {r.prefix_hit_rate:.1%})"
+    )
+
+
 # -- replay ------------------------------------------------------------------------------
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
@@ -247,33 +285,15 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         value = getattr(args, name)
         if value is not None:
             out[name] = value
+    out.update(policy_fields(args))
     return out
 
 
-class _ProgressBar:
-    """A one-line progress bar on stderr (only used when stderr is a terminal)."""
-
-    def __init__(self, total_bytes: int, stream: TextIO) -> None:
-        self.total = max(total_bytes, 1)
-        self.stream = stream
-        self.started = time.perf_counter()
-
-    def __call__(self, num_records: int, num_bytes: int) -> None:
-        frac = min(num_bytes / self.total, 1.0)
-        filled = int(frac * 30)
-        rate = num_records / max(time.perf_counter() - self.started, 1e-9)
-        bar = "#" * filled + "-" * (30 - filled)
-        self.stream.write(f"\rreplay [{bar}] {frac:4.0%} {num_records:,} records {rate:,.0f}/s")
-        self.stream.flush()
-
-    def close(self) -> None:
-        self.stream.write("\r" + " " * 78 + "\r")
-        self.stream.flush()
-
-
 def cmd_replay(args: argparse.Namespace) -> int:
-    bar = _ProgressBar(os.path.getsize(args.log), sys.stderr) if sys.stderr.isatty() else None
-    try:
+    if args.parallel:
+        return cmd_replay_parallel(args, sys.stdout)
+    total = max(os.path.getsize(args.log), 1)
+    with progress_bar("replay") as update:
         result = replay(
             args.log,
             args.verify,
@@ -282,17 +302,14 @@ def cmd_replay(args: argparse.Namespace) -> int:
             backend=args.backend,
             from_snapshot=args.from_snapshot,
             series=bool(args.report),
-            progress=bar,
+            progress=lambda _records, done: update(min(done, total), total),
             **_overrides(args),
         )
-    finally:
-        if bar is not None:
-            bar.close()
     print_replay(result, sys.stdout)
     if args.report:
-        print(
-            write_report(args.report, _series(result), f"kvlog replay {os.path.basename(args.log)}")
-        )
+        title = f"kvlog replay {os.path.basename(args.log)}"
+        config = result.recorded_config
+        print(write_report(args.report, _series(result), title, config=config))
     return 0 if result.ok else 1
 
 
@@ -301,6 +318,8 @@ def _series(result: ReplayResult) -> list[Series]:
     if result.recorded is not None and result.recorded.series is not None:
         out.append(result.recorded.series)
     if result.whatif is not None and result.whatif.whatif.series is not None:
+        changed = ", ".join(f"{k}={v}" for k, v in result.whatif.overrides.items())
+        result.whatif.whatif.series.label = f"what-if {changed}"
         out.append(result.whatif.whatif.series)
     return out
 
@@ -387,21 +406,8 @@ def print_replay(result: ReplayResult, out: TextIO) -> None:
 
 
 def format_table(rows: Sequence[tuple[str, ...]]) -> str:
-    """Rows as left-aligned columns (first column) and right-aligned values."""
-    if not rows:
-        return ""
-    width = max(len(r) for r in rows)
-    cols = [max(len(r[i]) if i < len(r) else 0 for r in rows) for i in range(width)]
-    lines = []
-    for r in rows:
-        cells = [r[0].ljust(cols[0])] + [
-            (r[i] if i < len(r) else "").rjust(cols[i])
-            if width > 2
-            else (r[i] if i < len(r) else "")
-            for i in range(1, width)
-        ]
-        lines.append("  " + "  ".join(cells).rstrip())
-    return "\n".join(lines)
+    """Rows as aligned columns: labels left, figures right (rendered by rich)."""
+    return render_table(rows)
 
 
 # -- inspect -----------------------------------------------------------------------------
@@ -441,13 +447,15 @@ def _demo_dir(wanted: str) -> str:
 
 
 def demo_config(steps: int, seed: int) -> SynthConfig:
-    """The demo workload: offload with block_size_factor 2, defrag on, memory pressure."""
+    """The demo workload: prefix caching with shared system prompts, offload with
+    block_size_factor 2, defrag on, memory pressure."""
     return SynthConfig(
         seed=seed,
         steps=steps,
         num_gpu_blocks=1024,
         num_cpu_blocks=768,
         block_size_factor=2,
+        prefix_caching=True,
         arrival_rate=0.2,
         check_every=250,
     )
@@ -461,7 +469,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
         if os.path.exists(leftover):
             os.unlink(leftover)
     config = demo_config(args.steps, args.seed)
-    print(f"kvlog demo: {args.steps} scheduler steps on CPU tensors, offload and defrag on\n")
+    print(
+        f"kvlog demo: {args.steps} scheduler steps on CPU tensors, prefix caching, offload "
+        "and defrag on\n"
+    )
     synth = run_synth(config, log_path, execute=True, sync="none")
     print_synth(synth, sys.stdout)
     print()
@@ -469,15 +480,41 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print_replay(result, sys.stdout)
     same = result.final_digest == synth.final_digest
     print(f"\nlive digest {'==' if same else '!='} replayed digest")
-    nodefrag = replay(log_path, defrag=False)
-    assert nodefrag.whatif is not None, "a what-if replay without its comparison"
-    recorded, other = nodefrag.whatif.recorded, nodefrag.whatif.whatif
-    print(
-        f"what-if --no-defrag: peak highest used id {recorded.peak_max_used} -> "
-        f"{other.peak_max_used}, mean {recorded.mean_max_used:.0f} -> {other.mean_max_used:.0f}"
-    )
-    report = os.path.join(directory, "demo_report.svg")
-    print(write_report(report, _series(nodefrag), "kvlog demo: recorded policy vs --no-defrag"))
+    series = _demo_whatifs(log_path)
+    _demo_report(directory, series, result.recorded_config)
     ok = same and result.ok and synth.canary_ok
     print(f"\n{'OK' if ok else 'FAILED'}: log {log_path} ({time.perf_counter() - started:.1f} s)")
     return 0 if ok else 1
+
+
+def _demo_whatifs(log_path: str) -> list[Series]:
+    """What-ifs of the demo log: no defrag, and the tail policy; their series, labelled."""
+    out: list[Series] = []
+    for label, overrides in (
+        ("--no-defrag", {"defrag": False}),
+        ("--policy tail", {"policy": "tail"}),
+    ):
+        run = replay(log_path, **overrides)
+        assert run.whatif is not None, "a what-if replay without its comparison"
+        recorded, other = run.whatif.recorded, run.whatif.whatif
+        print(
+            f"what-if {label}: mean highest used id {recorded.mean_max_used:,.0f} -> "
+            f"{other.mean_max_used:,.0f}, blocks moved by defrag {recorded.num_swapped_blocks:,} "
+            f"-> {other.num_swapped_blocks:,}"
+        )
+        for stats, name in ((recorded, "recorded (seed)"), (other, label)):
+            if stats.series is not None and (name != "recorded (seed)" or not out):
+                stats.series.label = name
+                out.append(stats.series)
+    return out
+
+
+def _demo_report(directory: str, series: list[Series], config: Any) -> None:
+    title = "kvlog demo: the recorded policy and two what-ifs"
+    for ext in (".png", ".svg"):
+        path = os.path.join(directory, "demo_report" + ext)
+        try:
+            print(write_report(path, series, title, config=config))
+        except MissingExtra as exc:
+            print(f"no picture: {exc}")
+            return

@@ -1,22 +1,34 @@
-"""Per-step series of a replay and their plot (SVG written by hand, CSV, or PNG).
+"""Per-step series of a replay and their pictures (matplotlib, PNG or SVG) or numbers (CSV).
 
-The SVG writer has no dependency, so ``kvlog replay --report out.svg`` always works; a
-``.png`` report uses matplotlib (the optional ``plot`` extra) when it is installed and says
-so otherwise; a ``.csv`` report writes the raw numbers.
+``write_report(path, series, title, config=..., cost=...)`` writes what the file name asks
+for: ``.csv`` the raw numbers, ``.png`` or ``.svg`` a figure of stacked panels sharing the
+step axis: fragmentation (%), the highest used block id and the used blocks, the bytes
+defrag moved per step, the bytes stored and loaded per step and, with a ``config`` that has
+a page size, the modeled step time (:mod:`kvlog.cost`). Byte axes are in MiB or GiB, the
+time axis in ms, ticks are thousands-separated, legends sit outside the data on the right.
+matplotlib is an optional extra (``kvlog[plot]``); without it a picture raises
+:class:`kvlog.errors.MissingExtra` naming the extra. :func:`byte_unit` and
+:func:`plt_module` serve the sweep plot too.
 """
 
 from __future__ import annotations
 
 import csv
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from xml.sax.saxutils import escape
+from typing import Any
 
-__all__ = ["Series", "write_report"]
+from kvlog.cost import CostModel
+from kvlog.errors import MissingExtra
+from kvlog.events import CacheConfigured
 
+__all__ = ["PICTURE_FORMATS", "Series", "byte_unit", "plt_module", "write_report"]
+
+PICTURE_FORMATS = (".png", ".svg")
 _MAX_POINTS = 1500
-_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd")
+USED_LABEL = "used blocks (any policy)"
+_UNITS = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
 
 
 @dataclass
@@ -53,6 +65,26 @@ class Series:
     def transfer_bytes(self) -> list[int]:
         return [a + b for a, b in zip(self.store_bytes, self.load_bytes, strict=True)]
 
+    def swap_bytes(self, config: CacheConfigured) -> list[int]:
+        """Bytes defrag moved per step (a ``"swap"`` pair moves two pages)."""
+        per_pair = config.page_size_bytes * (2 if config.prefix_caching else 1)
+        return [n * per_pair for n in self.num_swapped]
+
+    def modeled_ms(self, config: CacheConfigured, cost: CostModel) -> list[float]:
+        """The cost model's step time in ms (defrag counted without pad buckets)."""
+        page, swap = config.page_size_bytes, config.prefix_caching
+        return [
+            1e3
+            * (
+                cost.decode_s(top, page)
+                + cost.defrag_s(n, page, swap)
+                + cost.transfer_s(store, load)
+            )
+            for top, n, store, load in zip(
+                self.max_used, self.num_swapped, self.store_bytes, self.load_bytes, strict=True
+            )
+        ]
+
     def __len__(self) -> int:
         return len(self.step)
 
@@ -70,78 +102,105 @@ def _downsample(xs: Sequence[int], ys: Sequence[float]) -> tuple[list[float], li
     return out_x, out_y
 
 
-def _panels(series: Sequence[Series]) -> list[tuple[str, list[tuple[str, list[float]]]]]:
-    panels: list[tuple[str, list[tuple[str, list[float]]]]] = []
-    panels.append(("fragmentation", [(s.label, list(s.fragmentation)) for s in series]))
-    used: list[tuple[str, list[float]]] = []
-    for s in series:
-        used.append((f"{s.label}: highest used id", [float(v) for v in s.max_used]))
-        used.append((f"{s.label}: used blocks", [float(v) for v in s.num_used]))
-    panels.append(("blocks", used))
-    panels.append(
-        ("swapped blocks per step", [(s.label, [float(v) for v in s.num_swapped]) for s in series])
-    )
-    panels.append(
-        (
-            "transfer bytes per step",
-            [(s.label, [float(v) for v in s.transfer_bytes]) for s in series],
-        )
-    )
+def byte_unit(largest: float) -> tuple[str, int]:
+    """The unit (name, bytes) that keeps ``largest`` readable: MiB up to GiB, and so on."""
+    for name, size in _UNITS:
+        if largest >= size:
+            return name, size
+    return "B", 1
+
+
+def plt_module(purpose: str) -> Any:
+    """``matplotlib.pyplot`` on the Agg backend, or ``MissingExtra`` naming ``kvlog[plot]``."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise MissingExtra("matplotlib", "plot", purpose) from exc
+    return plt
+
+
+Panel = tuple[str, str, list[tuple[str, list[float]]]]
+"""(title, y-axis kind: "pct" | "blocks" | "bytes" | "ms", lines)."""
+
+
+def _panels(
+    series: Sequence[Series], config: CacheConfigured | None, cost: CostModel | None
+) -> list[Panel]:
+    def lines(values: Callable[[Series], Sequence[float]]) -> list[tuple[str, list[float]]]:
+        return [(s.label, [float(v) for v in values(s)]) for s in series]
+
+    blocks = [(f"{s.label}: highest used id", [float(v) for v in s.max_used]) for s in series]
+    if series:  # the same events use the same blocks under every policy: draw them once
+        blocks.append((USED_LABEL, [float(v) for v in series[0].num_used]))
+    panels: list[Panel] = [
+        ("fragmentation: holes below the highest used block", "pct",
+         lines(lambda s: [100.0 * f for f in s.fragmentation])),
+        ("blocks", "blocks", blocks),
+    ]  # fmt: skip
+    if config is not None and config.page_size_bytes > 0:
+        paged = config
+        panels.append(("moved by defrag per step", "bytes", lines(lambda s: s.swap_bytes(paged))))
+        if any(any(s.transfer_bytes) for s in series):
+            panels.append(("stored + loaded per step", "bytes", lines(lambda s: s.transfer_bytes)))
+        model = cost or CostModel()
+        modeled = lines(lambda s: s.modeled_ms(paged, model))
+        panels.append((f"modeled step time ({model.describe()})", "ms", modeled))
+    else:
+        panels.append(("blocks moved by defrag per step", "blocks", lines(lambda s: s.num_swapped)))
+        if any(any(s.transfer_bytes) for s in series):
+            panels.append(("stored + loaded per step", "bytes", lines(lambda s: s.transfer_bytes)))
     return panels
 
 
-def _svg_panel(
-    out: list[str], top: float, title: str, xs: list[int], lines: list[tuple[str, list[float]]]
+def _axis(ax: Any, kind: str, lines: list[tuple[str, list[float]]]) -> Callable[[float], float]:
+    """Label the y axis for ``kind``; returns the scale that maps values to axis units."""
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(nbins=10, integer=True))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
+    ax.yaxis.set_major_locator(MaxNLocator(nbins=5))
+    ax.grid(True, alpha=0.3)
+    if kind == "bytes":
+        largest = max((max(ys) for _, ys in lines if ys), default=0.0)
+        name, size = byte_unit(largest)
+        ax.set_ylabel(name)
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.4g}"))
+        return lambda v: v / size
+    labels = {"pct": "% of ids", "blocks": "blocks", "ms": "ms"}
+    ax.set_ylabel(labels[kind])
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.4g}"))
+    return lambda v: v
+
+
+def write_figure(
+    path: str,
+    series: Sequence[Series],
+    title: str,
+    config: CacheConfigured | None = None,
+    cost: CostModel | None = None,
 ) -> None:
-    left, width, height = 70.0, 760.0, 150.0
-    out.append(f'<text x="{left}" y="{top - 6:.1f}" font-size="13">{escape(title)}</text>')
-    out.append(
-        f'<rect x="{left}" y="{top}" width="{width}" height="{height}" fill="none" stroke="#888"/>'
-    )
-    if not xs:
-        return
-    x0, x1 = xs[0], max(xs[-1], xs[0] + 1)
-    y_max = max((max(ys) for _, ys in lines if ys), default=0.0) or 1.0
-    out.append(
-        f'<text x="{left - 4}" y="{top + 10}" font-size="10" text-anchor="end">{y_max:.4g}</text>'
-    )
-    out.append(f'<text x="{left - 4}" y="{top + height}" font-size="10" text-anchor="end">0</text>')
-    out.append(f'<text x="{left}" y="{top + height + 12}" font-size="10">step {x0}</text>')
-    end_x = left + width
-    out.append(
-        f'<text x="{end_x}" y="{top + height + 12}" font-size="10" text-anchor="end">{x1}</text>'
-    )
-    for i, (label, ys) in enumerate(lines):
-        px, py = _downsample(xs, ys)
-        pts = " ".join(
-            f"{left + (x - x0) / (x1 - x0) * width:.1f},{top + height - y / y_max * height:.1f}"
-            for x, y in zip(px, py, strict=True)
-        )
-        color = _COLORS[i % len(_COLORS)]
-        out.append(f'<polyline fill="none" stroke="{color}" stroke-width="1" points="{pts}"/>')
-        ly = top + 14 + 12 * i
-        out.append(
-            f'<text x="{end_x - 4}" y="{ly}" font-size="10" text-anchor="end" '
-            f'fill="{color}">{escape(label)}</text>'
-        )
-
-
-def write_svg(path: str, series: Sequence[Series], title: str) -> None:
-    """Four stacked panels: fragmentation, highest used id, swaps, transfer bytes."""
-    panels = _panels(series)
-    height = 40 + 190 * len(panels)
-    out = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="860" height="{height}" '
-        f'font-family="sans-serif">',
-        '<rect width="100%" height="100%" fill="white"/>',
-        f'<text x="70" y="20" font-size="15">{escape(title)}</text>',
-    ]
+    """The stacked panels of the module docstring, as PNG or SVG (by ``path``)."""
+    plt = plt_module("a report picture")
+    panels = _panels(series, config, cost)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(11, 2.3 * len(panels)), sharex=True)
     xs = series[0].step if series else []
-    for i, (name, lines) in enumerate(panels):
-        _svg_panel(out, 50.0 + 190 * i, name, xs, lines)
-    out.append("</svg>")
-    with open(path, "w", encoding="utf-8") as f:
-        f.write("\n".join(out) + "\n")
+    for ax, (name, kind, lines) in zip(axes, panels, strict=True):
+        scale = _axis(ax, kind, lines)
+        for label, ys in lines:
+            px, py = _downsample(xs, ys)
+            style = {"color": "0.55", "linestyle": "--"} if label == USED_LABEL else {}
+            ax.plot(px, [scale(y) for y in py], label=label, linewidth=0.9, **style)
+        ax.set_ylim(bottom=0)
+        ax.set_title(name, fontsize=10, loc="left")
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    axes[-1].set_xlabel("scheduler step")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
 
 
 def write_csv(path: str, series: Sequence[Series]) -> None:
@@ -177,45 +236,24 @@ def write_csv(path: str, series: Sequence[Series]) -> None:
                 )
 
 
-def write_png(path: str, series: Sequence[Series], title: str) -> None:
-    """The same four panels with matplotlib (imported lazily: an optional extra)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = _panels(series)
-    fig, axes = plt.subplots(len(panels), 1, figsize=(10, 2.4 * len(panels)), sharex=True)
-    xs = series[0].step if series else []
-    for ax, (name, lines) in zip(axes, panels, strict=True):
-        for label, ys in lines:
-            ax.plot(xs, ys, label=label, linewidth=0.8)
-        ax.set_title(name, fontsize=10)
-        ax.legend(fontsize=7, loc="upper right")
-    axes[-1].set_xlabel("step")
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def write_report(path: str, series: Sequence[Series], title: str = "kvlog replay") -> str:
+def write_report(
+    path: str,
+    series: Sequence[Series],
+    title: str = "kvlog replay",
+    *,
+    config: CacheConfigured | None = None,
+    cost: CostModel | None = None,
+) -> str:
     """Write the report in the format the file name asks for; returns what was written.
 
-    ``.csv``: numbers; ``.png``: matplotlib if installed, else an SVG next to it (the
-    returned message says so); anything else: SVG.
+    ``.csv``: numbers; ``.png`` / ``.svg``: the figure (needs ``kvlog[plot]``); any other
+    name gets ``.png`` appended.
     """
     ext = os.path.splitext(path)[1].lower()
     if ext == ".csv":
         write_csv(path, series)
         return f"wrote CSV {path}"
-    if ext == ".png":
-        try:
-            write_png(path, series, title)
-            return f"wrote PNG {path}"
-        except ImportError:
-            svg = os.path.splitext(path)[0] + ".svg"
-            write_svg(svg, series, title)
-            return f"matplotlib is not installed (pip install kvlog[plot]); wrote SVG {svg} instead"
-    write_svg(path, series, title)
-    return f"wrote SVG {path}"
+    if ext not in PICTURE_FORMATS:
+        path += ".png"
+    write_figure(path, series, title, config, cost)
+    return f"wrote {os.path.splitext(path)[1][1:].upper()} {path}"

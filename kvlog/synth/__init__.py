@@ -2,7 +2,9 @@
 
 ``run_synth(config, out=...)`` builds an Engine for ``config`` (with an executor and canary
 checks when ``execute``), drives it for ``config.steps`` steps and closes it. The same
-config and seed always record the same events.
+config and seed always record the same events. ``run_trace(trace_config, requests,
+out=...)`` does the same for a public request trace (``read_trace``) through a vLLM-like
+scheduler and block pool (``serving.py``), until every request has finished.
 """
 
 from __future__ import annotations
@@ -10,12 +12,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Callable, Sequence
 
 from kvlog.canary import CanaryTracker, make_canary_executor
 from kvlog.engine import Engine
+from kvlog.events import CacheConfigured
 from kvlog.log import SyncMode
 from kvlog.synth.driver import SynthResult, SynthRun
 from kvlog.synth.pool import BlockPool, CpuCache
+from kvlog.synth.serving import TraceConfig, TraceRun, VllmBlockPool, bytes_per_token
+from kvlog.synth.traces import TRACE_FORMATS, TraceRequest, read_trace
 from kvlog.synth.workload import Request, SynthConfig, Workload
 
 __all__ = [
@@ -25,8 +31,16 @@ __all__ = [
     "SynthConfig",
     "SynthResult",
     "SynthRun",
+    "TRACE_FORMATS",
+    "TraceConfig",
+    "TraceRequest",
+    "TraceRun",
+    "VllmBlockPool",
     "Workload",
+    "bytes_per_token",
+    "read_trace",
     "run_synth",
+    "run_trace",
 ]
 
 
@@ -41,18 +55,60 @@ def run_synth(
     snapshot_every: int = 16,
 ) -> SynthResult:
     """Run one synthetic workload; with ``out``, record it to that (new) log file."""
-    cache_config = config.cache_config()
+    meta = {"workload": "kvlog synth", "synth": json.dumps(_jsonable(config), sort_keys=True)}
+    return _record(
+        config.cache_config(),
+        lambda engine, tracker: SynthRun(config, engine, tracker),
+        out,
+        meta,
+        (execute, backend, sync, checkpoint_every, snapshot_every),
+    )
+
+
+def run_trace(
+    config: TraceConfig,
+    requests: Sequence[TraceRequest],
+    out: str | os.PathLike[str] | None = None,
+    *,
+    execute: bool = False,
+    backend: str = "cpu",
+    sync: SyncMode = "step",
+    checkpoint_every: int = 256,
+    snapshot_every: int = 16,
+    source: str = "",
+) -> SynthResult:
+    """Serve ``requests`` (a trace) until all finished; with ``out``, record the log."""
+    described = dataclasses.asdict(config)
+    described["synth"] = _jsonable(config.synth)
+    described.update(source=source, num_requests=len(requests))
+    meta = {"workload": "kvlog synth --trace", "trace": json.dumps(described, sort_keys=True)}
+    return _record(
+        config.synth.cache_config(),
+        lambda engine, tracker: TraceRun(config, requests, engine, tracker),
+        out,
+        meta,
+        (execute, backend, sync, checkpoint_every, snapshot_every),
+    )
+
+
+def _record(
+    cache_config: CacheConfigured,
+    make_run: Callable[[Engine, CanaryTracker | None], SynthRun],
+    out: str | os.PathLike[str] | None,
+    meta: dict[str, str],
+    options: tuple[bool, str, SyncMode, int, int],
+) -> SynthResult:
+    execute, backend, sync, checkpoint_every, snapshot_every = options
     executor = None
     tracker: CanaryTracker | None = None
     if execute:
         executor, tracker = make_canary_executor(cache_config, backend)
-    meta = {"workload": "kvlog synth", "synth": json.dumps(_jsonable(config), sort_keys=True)}
     try:
         engine = Engine(
             cache_config, out, executor, sync, checkpoint_every, snapshot_every, meta=meta
         )
         with engine:
-            result = SynthRun(config, engine, tracker).run()
+            result = make_run(engine, tracker).run()
         result.num_events += 1  # the CacheConfigured the engine applied itself
     finally:
         if executor is not None:

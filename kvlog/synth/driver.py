@@ -57,6 +57,7 @@ class SynthResult:
     num_finished: int = 0
     num_preemptions: int = 0
     num_prefix_hit_blocks: int = 0
+    num_prefix_query_blocks: int = 0  # full prompt blocks looked up in the prefix cache
     num_stores: int = 0
     num_loads: int = 0
     num_loaded_blocks: int = 0
@@ -67,10 +68,19 @@ class SynthResult:
     final_digest: str = ""
     canary_checks: list[CanaryReport] = field(default_factory=list)
     elapsed_s: float = 0.0
+    num_clipped: int = 0  # trace requests cut to the longest request the pool takes
+    simulated_s: float = 0.0  # trace runs: the serving time the steps stand for
 
     @property
     def canary_ok(self) -> bool:
         return all(report.ok for report in self.canary_checks)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Share of the looked-up prompt blocks found in the GPU prefix cache."""
+        if not self.num_prefix_query_blocks:
+            return 0.0
+        return self.num_prefix_hit_blocks / self.num_prefix_query_blocks
 
 
 @dataclass
@@ -359,6 +369,7 @@ class SynthRun:
         req.blocks = hits + fresh
         req.num_cached = len(hits)
         self.result.num_prefix_hit_blocks += len(hits)
+        self.result.num_prefix_query_blocks += num_prefix if self.config.prefix_caching else 0
         self.emit(BlocksAllocated(req_id=req.req_id, block_ids=list(req.blocks)))
         if num_load:
             assert self.cpu is not None, "CPU hits without a CPU cache"

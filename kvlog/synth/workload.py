@@ -48,6 +48,10 @@ class SynthConfig:
     transfer_failure_rate: float = 0.0
     watermark_blocks: int = 4
     check_every: int = 0
+    policy: str = "seed"
+    policy_ratio_pct: int = 150
+    policy_min_swaps: int = 4
+    max_bytes_per_step: int = 0
 
     def cache_config(self, page_size_bytes: int | None = None) -> CacheConfigured:
         """The ``CacheConfigured`` event this run starts its log with."""
@@ -62,6 +66,10 @@ class SynthConfig:
             max_swaps=self.max_swaps,
             pad_sizes=tuple(self.pad_sizes),
             page_size_bytes=self.page_size_bytes if page_size_bytes is None else page_size_bytes,
+            policy=self.policy,
+            policy_ratio_pct=self.policy_ratio_pct,
+            policy_min_swaps=self.policy_min_swaps,
+            max_bytes_per_step=self.max_bytes_per_step,
         )
 
     def replace(self, **changes: object) -> SynthConfig:

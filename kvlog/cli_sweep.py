@@ -1,0 +1,386 @@
+"""The command line for real traffic and what-ifs: ``synth --trace``, ``sweep``, ``replay
+--parallel``, the policy flags, and the tables and progress bars (rich) ``kvlog`` prints.
+
+``kvlog.cli`` builds the parser and calls in here; everything here takes parsed arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TextIO
+
+from kvlog.cost import HARDWARE, cost_model
+from kvlog.events import DEFRAG_POLICIES
+from kvlog.synth import SynthConfig, SynthResult, TraceConfig, bytes_per_token, read_trace
+from kvlog.synth.traces import TRACE_FORMATS
+
+__all__ = [
+    "add_parallel_flags",
+    "add_policy_flags",
+    "add_sweep",
+    "add_trace_flags",
+    "cmd_replay_parallel",
+    "cmd_sweep",
+    "policy_fields",
+    "progress_bar",
+    "render_table",
+    "run_trace_command",
+    "size_arg",
+]
+
+TRACE_DEFAULTS = {"num_gpu_blocks": 4096, "block_size": 128}
+"""Geometry of trace runs when not given (real prompts are long: 128-token blocks)."""
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+# -- argument types ------------------------------------------------------------------------
+def size_arg(text: str) -> int:
+    """Bytes from ``4096``, ``64MiB``, ``1G``, ``512k`` (binary units)."""
+    raw = text.strip().lower().removesuffix("b").removesuffix("i")
+    digits = raw.rstrip("kmgt")
+    unit = raw[len(digits) :]
+    try:
+        value = float(digits)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 64MiB)") from exc
+    if unit not in _SIZE_UNITS or value < 0:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 64MiB)")
+    return int(value * _SIZE_UNITS[unit])
+
+
+def _list_of(kind: Callable[[str], Any], what: str) -> Callable[[str], list[Any]]:
+    def parse(text: str) -> list[Any]:
+        try:
+            values = [kind(x) for x in text.replace(" ", "").split(",") if x]
+        except (ValueError, argparse.ArgumentTypeError) as exc:
+            raise argparse.ArgumentTypeError(f"wants {what} like {text!r}: {exc}") from exc
+        if not values:
+            raise argparse.ArgumentTypeError(f"wants at least one of {what}")
+        return values
+
+    return parse
+
+
+def _ratio_pct(text: str) -> int:
+    try:
+        ratio = float(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"a ratio like 1.5, not {text!r}") from exc
+    if not ratio >= 1.0:
+        raise argparse.ArgumentTypeError(f"the ratio must be >= 1, not {text!r}")
+    return round(ratio * 100)
+
+
+# -- policy flags --------------------------------------------------------------------------
+def add_policy_flags(p: argparse.ArgumentParser, defaults: bool) -> None:
+    """``--policy`` and its parameters; for replay (``defaults=False``) an absent flag keeps
+    the recording's value."""
+    d = SynthConfig()
+    p.add_argument(
+        "--policy",
+        choices=DEFRAG_POLICIES,
+        default=d.policy if defaults else None,
+        help="defrag policy: seed (the plugin's rule) or tail (vllm-gaudi PR #376)",
+    )
+    p.add_argument(
+        "--ratio-limit",
+        dest="policy_ratio_pct",
+        type=_ratio_pct,
+        default=d.policy_ratio_pct if defaults else None,
+        help="tail: defrag when highest used id / used blocks exceeds this (1.5)",
+    )
+    p.add_argument(
+        "--min-swaps",
+        dest="policy_min_swaps",
+        type=int,
+        default=d.policy_min_swaps if defaults else None,
+        help="tail: skip defrags of fewer pairs (4)",
+    )
+    p.add_argument(
+        "--max-bytes-per-step",
+        type=size_arg,
+        default=d.max_bytes_per_step if defaults else None,
+        help="any policy: bytes one step's defrag may move, e.g. 256MiB (0: no cap)",
+    )
+
+
+POLICY_FIELDS = ("policy", "policy_ratio_pct", "policy_min_swaps", "max_bytes_per_step")
+
+
+def policy_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The policy flags that were given (all of them for synth, which has defaults)."""
+    return {n: getattr(args, n) for n in POLICY_FIELDS if getattr(args, n, None) is not None}
+
+
+# -- synth --trace -------------------------------------------------------------------------
+def add_trace_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", help="drive the serving loop from this public request trace")
+    p.add_argument("--trace-format", choices=TRACE_FORMATS, help="default: by file extension")
+    p.add_argument("--requests", type=int, help="only the first N requests of the trace")
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="multiply the trace's clock (0.5: arrivals twice as fast)",
+    )
+    p.add_argument("--step-ms", type=float, default=50.0, help="simulated time of one step")
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=8192, help="token budget of one step"
+    )
+    p.add_argument(
+        "--max-model-len", type=int, default=0, help="clip longer requests (0: half the pool)"
+    )
+    p.add_argument(
+        "--page-size-bytes",
+        type=size_arg,
+        help="bytes of one GPU block over all layers (default: 128 KiB per token)",
+    )
+    p.add_argument("--snapshot-every", type=int, default=16, help="checkpoints per snapshot")
+
+
+def run_trace_command(args: argparse.Namespace, config: SynthConfig) -> SynthResult:
+    """``kvlog synth --trace``: read the trace, serve it, record the log."""
+    from kvlog.synth import run_trace
+
+    requests = read_trace(args.trace, args.trace_format, limit=args.requests)
+    trace_config = TraceConfig(
+        config,
+        trace_format=args.trace_format or "",
+        time_scale=args.time_scale,
+        step_ms=args.step_ms,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+    )
+    _check_trace_config(trace_config, bool(requests and requests[0].hash_ids))
+    return run_trace(
+        trace_config,
+        requests,
+        args.out,
+        execute=args.execute,
+        backend=args.backend,
+        sync=args.sync,
+        checkpoint_every=args.checkpoint_every,
+        snapshot_every=args.snapshot_every,
+        source=os.path.basename(args.trace),
+    )
+
+
+def trace_geometry(args: argparse.Namespace) -> dict[str, int]:
+    """``num_gpu_blocks``, ``block_size``, ``page_size_bytes`` for synth, trace or not."""
+    d = SynthConfig()
+    trace = bool(getattr(args, "trace", None))
+    blocks = args.num_gpu_blocks or (
+        TRACE_DEFAULTS["num_gpu_blocks"] if trace else d.num_gpu_blocks
+    )
+    size = args.block_size or (TRACE_DEFAULTS["block_size"] if trace else d.block_size)
+    page = getattr(args, "page_size_bytes", None)
+    if page is None:
+        page = bytes_per_token() * size if trace else d.page_size_bytes
+    return {"num_gpu_blocks": blocks, "block_size": size, "page_size_bytes": page}
+
+
+def _check_trace_config(config: TraceConfig, hashed: bool) -> None:
+    from kvlog.errors import TraceError
+
+    if hashed and 512 % config.synth.block_size:
+        raise TraceError(f"--block-size {config.synth.block_size} must divide 512 for hash_ids")
+    for name in ("time_scale", "step_ms"):
+        if not getattr(config, name) > 0:
+            raise TraceError(f"--{name.replace('_', '-')} must be > 0")
+    if config.max_num_batched_tokens < 1:
+        raise TraceError("--max-num-batched-tokens must be >= 1")
+
+
+# -- tables and progress -------------------------------------------------------------------
+def render_table(rows: Sequence[tuple[str, ...]], header: bool = False) -> str:
+    """Rows as aligned columns (rich): text left, figures right; ``header``: the first row
+    is a header, underlined."""
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    if not rows:
+        return ""
+    width = max(len(r) for r in rows)
+    table = Table(
+        box=box.SIMPLE_HEAD if header else None,
+        show_header=header,
+        show_edge=False,
+        pad_edge=False,
+        padding=(0, 1),
+    )
+    first = rows[0] if header else ("",) * width
+    for i in range(width):
+        name = first[i] if i < len(first) else ""
+        numeric = i > 0 and all(_figure(r[i]) for r in rows[1 if header else 0 :] if i < len(r))
+        table.add_column(name, justify="right" if numeric else "left", no_wrap=True)
+    for r in rows[1:] if header else rows:
+        table.add_row(*(list(r) + [""] * (width - len(r))))
+    buffer = io.StringIO()
+    Console(file=buffer, width=400, color_system=None, legacy_windows=False).print(table)
+    return "\n".join("  " + line.rstrip() for line in buffer.getvalue().splitlines())
+
+
+def _figure(text: str) -> bool:
+    stripped = text.replace(",", "").replace(".", "").replace("-", "").split(" ")[0]
+    return stripped.isdigit() or not text
+
+
+@contextlib.contextmanager
+def progress_bar(
+    description: str, stream: TextIO | None = None
+) -> Iterator[Callable[[int, int], None]]:
+    """A rich progress bar on stderr (drawn only on a terminal); yields ``update(done, total)``."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    console = Console(file=stream or sys.stderr)
+    columns = (BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(
+        *Progress.get_default_columns()[:1], *columns, console=console, transient=True
+    ) as bar:
+        task = bar.add_task(description, total=None)
+
+        def update(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        yield update
+
+
+# -- kvlog sweep ---------------------------------------------------------------------------
+def add_sweep(sub: Any) -> None:
+    p = sub.add_parser("sweep", help="what-if replays of logs under many policies, on Ray")
+    p.add_argument("logs", nargs="+", metavar="LOG")
+    p.add_argument("--out", required=True, help="directory for sweep.csv and sweep.png")
+    p.add_argument(
+        "--policy",
+        type=_list_of(str, "names"),
+        default=["seed", "tail", "budget"],
+        help="policies to try, from seed, tail, budget, off, recorded",
+    )
+    p.add_argument(
+        "--threshold",
+        type=_list_of(int, "integers"),
+        default=[8, 16, 32],
+        help="seed (and budget: the lowest) thresholds",
+    )
+    p.add_argument("--max-swaps", type=_list_of(int, "integers"), help="seed: caps per step")
+    p.add_argument(
+        "--ratio-limit",
+        type=_list_of(_ratio_pct, "ratios"),
+        default=[150],
+        help="tail: ratio limits, e.g. 1.25,1.5",
+    )
+    p.add_argument("--min-swaps", type=_list_of(int, "integers"), default=[4], help="tail")
+    p.add_argument(
+        "--budget",
+        type=_list_of(size_arg, "sizes"),
+        default=[64 << 20],
+        help="budget: bytes per step, e.g. 64MiB,256MiB",
+    )
+    p.add_argument("--address", help="an existing Ray cluster (default: a local Ray)")
+    p.add_argument("--num-cpus", type=int, help="local Ray: worker CPUs (default: all)")
+    p.add_argument("--serial", action="store_true", help="no Ray: run here, one by one")
+    add_cost_flags(p)
+
+
+def add_cost_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--hardware",
+        choices=sorted(HARDWARE),
+        default="gaudi2",
+        help="cost model preset (HBM bandwidth)",
+    )
+    p.add_argument("--hbm-tbps", type=float, help="override the HBM bandwidth, TB/s")
+    p.add_argument("--link-gbps", type=float, help="override the host link, GB/s each way")
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from kvlog.sweep import (
+        policy_grid,
+        run_sweep,
+        sweep_table,
+        write_sweep_csv,
+        write_sweep_plot,
+    )
+
+    cost = cost_model(args.hardware, args.hbm_tbps, args.link_gbps)
+    specs = policy_grid(
+        args.policy,
+        args.threshold,
+        args.max_swaps or [None],
+        args.ratio_limit,
+        args.min_swaps,
+        args.budget,
+    )
+    os.makedirs(args.out, exist_ok=True)
+    where = "here" if args.serial else (args.address or "a local Ray")
+    print(
+        f"kvlog sweep: {len(args.logs)} logs x {len(specs)} policies on {where}; {cost.describe()}"
+    )
+    started = time.perf_counter()
+    with progress_bar("what-ifs") as update:
+        rows = run_sweep(
+            args.logs,
+            specs,
+            cost,
+            use_ray=not args.serial,
+            address=args.address,
+            num_cpus=args.num_cpus,
+            progress=update,
+        )
+    print(render_table(sweep_table(rows), header=True))
+    csv_path, png_path = os.path.join(args.out, "sweep.csv"), os.path.join(args.out, "sweep.png")
+    write_sweep_csv(csv_path, rows)
+    write_sweep_plot(png_path, rows)
+    print(f"\nwrote {csv_path} and {png_path} ({time.perf_counter() - started:.1f} s)")
+    refused = [r for r in rows if r.rejected]
+    return 1 if refused else 0
+
+
+# -- kvlog replay --parallel ---------------------------------------------------------------
+def add_parallel_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--parallel",
+        action="store_true",
+        help="replay segments between snapshots in parallel on Ray",
+    )
+    p.add_argument("--address", help="--parallel on an existing Ray cluster")
+    p.add_argument("--num-cpus", type=int, help="--parallel on a local Ray with this many CPUs")
+
+
+def cmd_replay_parallel(args: argparse.Namespace, out: TextIO) -> int:
+    from kvlog.sweep import replay_segments
+
+    started = time.perf_counter()
+    with progress_bar("segments") as update:
+        result = replay_segments(
+            args.log, address=args.address, num_cpus=args.num_cpus, progress=update
+        )
+    rows: list[tuple[str, ...]] = [("segment", "records", "events", "verified", "digest", "")]
+    for s in result.segments:
+        stop = "end" if s.stop_seq < 0 else f"{s.stop_seq:,}"
+        rows.append(
+            (
+                str(s.index),
+                f"{s.start_seq:,}..{stop}",
+                f"{s.num_events:,}",
+                f"{s.num_verified:,}",
+                s.final_digest[:16],
+                s.divergence,
+            )
+        )
+    out.write(render_table(rows, header=True) + "\n")
+    out.write(
+        f"\n{len(result.segments)} segments, {result.num_events:,} events, "
+        f"{result.num_verified:,} checkpoints verified, final digest {result.final_digest} "
+        f"({time.perf_counter() - started:.2f} s)\n"
+    )
+    out.write("no divergence\n" if result.ok else f"DIVERGENCE: {result.divergence}\n")
+    return 0 if result.ok else 1

@@ -1,81 +1,102 @@
-"""Where vLLM is installed: the facades against vLLM's real offloading classes.
+"""kvlog's vLLM-facing classes against vLLM 0.33's real ones (the vLLM stage of CI).
 
-vLLM is no dependency of kvlog (and not installed in CI), so this module is skipped there;
-the fakes in ``test_integration_runner.py`` follow the same documented shapes. Two vLLM
-layouts exist: ``vllm.v1.kv_offload.base`` (``OffloadingWorker`` with ``submit_store`` /
-``submit_load``) and the older ``vllm.v1.kv_offload.worker.worker`` (``OffloadingHandler``
-with ``transfer_async``); each check runs on the ones this vLLM has.
+Every method vLLM calls on kvlog must have vLLM's signature: the offloading worker's
+(``submit_store``, ``submit_load(..., expedited=False)``, ``get_finished``, ``wait``,
+``shutdown``), the connector worker's (``register_kv_caches``, ``handle_preemptions``,
+``start_kv_transfers``, ``prepare_store_kv``, ``get_finished``), the connector's (every
+``KVConnectorBase_V1`` method vLLM's runners call). Real ``GPULoadStoreSpec`` /
+``CPULoadStoreSpec`` objects drive the worker. The whole flow under vLLM's scheduler is in
+``test_vllm_real.py``. Skipped (with this reason) only where vLLM is not installed: the main
+CI venv; the vLLM stage runs it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
 
+import numpy as np
 import pytest
 from seed_reference import make_hpu_caches
 
-from kvlog.integrations import OffloadingHandler, OffloadingWorker, OnlineDefragmenter
+pytest.importorskip("vllm", reason="vLLM is not installed: the vLLM stage of CI runs this")
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
+    OffloadingConnectorWorker,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+    OffloadingConnector,
+)
+from vllm.v1.kv_offload import base
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+from kvlog.integrations import OffloadingWorker, OnlineDefragmenter
 from kvlog.integrations import TransferResult as FacadeResult
-
-pytest.importorskip("vllm", reason="vLLM is not installed: its shapes are checked elsewhere")
-
-
-def _module(name: str) -> object | None:
-    try:
-        return importlib.import_module(name)
-    except ImportError:
-        return None
+from kvlog.integrations.vllm import (
+    KvlogConnectorWorker,
+    KvlogOffloadingConnector,
+)
 
 
-NEW = _module("vllm.v1.kv_offload.base")
-OLD = _module("vllm.v1.kv_offload.worker.worker")
-MEDIUMS = _module("vllm.v1.kv_offload.mediums") or NEW
+def _params(cls: type, name: str) -> list[tuple[str, object]]:
+    signature = inspect.signature(getattr(cls, name))
+    return [(p.name, p.default) for p in signature.parameters.values()]
 
 
-def _params(cls: type, name: str) -> list[str]:
-    return list(inspect.signature(getattr(cls, name)).parameters)
+@pytest.mark.parametrize(
+    "name", ["submit_store", "submit_load", "get_finished", "wait", "shutdown"]
+)
+def test_worker_methods_match_vllms_offloading_worker(name: str) -> None:
+    assert _params(OffloadingWorker, name) == _params(base.OffloadingWorker, name)
 
 
-def test_worker_methods_match_vllms_offloading_worker() -> None:
-    base = getattr(NEW, "OffloadingWorker", None)
-    if base is None or not hasattr(base, "submit_store"):
-        pytest.skip("this vLLM has no submit_store/submit_load OffloadingWorker")
-    for name in ("submit_store", "submit_load", "get_finished", "wait", "shutdown"):
-        assert _params(OffloadingWorker, name) == _params(base, name), name
+@pytest.mark.parametrize(
+    "name",
+    ["register_kv_caches", "handle_preemptions", "start_kv_transfers", "prepare_store_kv"],
+)
+def test_connector_worker_methods_match_vllms(name: str) -> None:
+    assert issubclass(KvlogConnectorWorker, OffloadingConnectorWorker)
+    assert [p for p, _ in _params(KvlogConnectorWorker, name)] == [
+        p for p, _ in _params(OffloadingConnectorWorker, name)
+    ]
 
 
-def test_handler_methods_match_vllms_offloading_handler() -> None:
-    base = getattr(OLD, "OffloadingHandler", None) or getattr(NEW, "OffloadingHandler", None)
-    if base is None:
-        pytest.skip("this vLLM has no OffloadingHandler")
-    for name in ("transfer_async", "get_finished", "wait"):
-        assert _params(OffloadingHandler, name)[:2] == _params(base, name)[:2], name
+def test_connector_is_vllms_offloading_connector_and_overrides_keep_signatures() -> None:
+    assert issubclass(KvlogOffloadingConnector, OffloadingConnector)
+    own = [
+        n
+        for n in vars(KvlogOffloadingConnector)
+        if inspect.isfunction(getattr(KvlogOffloadingConnector, n)) and not n.startswith("_")
+    ]
+    assert own == ["bind_connector_metadata"]
+    for name in own:
+        assert _params(KvlogOffloadingConnector, name) == _params(KVConnectorBase_V1, name)
+    assert _params(KvlogOffloadingConnector, "__init__") == _params(OffloadingConnector, "__init__")
 
 
 def test_transfer_result_fields_match() -> None:
-    real = getattr(NEW, "TransferResult", None) or getattr(OLD, "TransferResult", None)
-    if real is None or not dataclasses.is_dataclass(real):
-        pytest.skip("this vLLM's TransferResult is a plain tuple")
-    ours = set(FacadeResult.__struct_fields__)
-    assert {f.name for f in dataclasses.fields(real)} <= ours | {"transfer_type"}
+    real = {f.name for f in dataclasses.fields(base.TransferResult)}
+    assert real <= set(FacadeResult.__struct_fields__)
 
 
-def test_real_specs_drive_the_worker() -> None:
-    gpu_spec = getattr(MEDIUMS, "GPULoadStoreSpec", None)
-    cpu_spec = getattr(MEDIUMS, "CPULoadStoreSpec", None)
-    if gpu_spec is None or cpu_spec is None:
-        pytest.skip("this vLLM has no GPU/CPU LoadStoreSpec")
-    defrag = OnlineDefragmenter(environ={}, backend="cpu")
-    defrag.initialize(make_hpu_caches(16, 4), 4)
-    worker = OffloadingWorker(defrag, num_cpu_blocks=4)
-    defrag.update_state({"a": [3, 4]}, [])
-    try:
-        src = gpu_spec([3, 4], group_sizes=[2], block_indices=[0])
-    except TypeError:
-        src = gpu_spec([3, 4])
-    assert worker.submit_store(1, src, cpu_spec([0, 1]))
+def test_real_specs_with_groups_drive_the_worker() -> None:
+    defrag = OnlineDefragmenter(make_hpu_caches(16, 4), 4, environ={}, backend="cpu")
+    worker = OffloadingWorker(defrag, num_cpu_blocks=4, block_size_factor=2)
+    defrag.update_state({"a": [3, 4, 5]}, [])
+    src = base.GPULoadStoreSpec([3, 4, 5], group_sizes=[3], block_indices=[1])
+    assert worker.submit_store(1, src, CPULoadStoreSpec([0, 1]))
     worker.wait({1})
     (result,) = worker.get_finished()
-    assert result.job_id == 1 and result.success
+    assert (result.job_id, result.success) == (1, True)
+    assert result.transfer_size == 3 * defrag.engine.config.page_size_bytes
+    dst = base.GPULoadStoreSpec(np.array([7], dtype=np.int32), group_sizes=[1], block_indices=[3])
+    assert worker.submit_load(2, CPULoadStoreSpec([1]), dst, expedited=True)
+    worker.wait({2})
+    assert [r.job_id for r in worker.get_finished()] == [2]
+    executor = defrag.engine.executor
+    assert executor is not None
+    # block index 3 is sub-block 1 of its chunk: CPU block 1's second half, i.e. block 5
+    assert executor.read_gpu_block(defrag.resolve(7)) == executor.read_gpu_block(defrag.resolve(5))

@@ -9,6 +9,9 @@
 - :func:`expand_block_ids` and :func:`seed_transfer_pairs` restate the seed's
   ``expand_block_ids`` and the pair building of ``transfer_async`` (shared/seeds/
   offload_cpu_hpu.txt).
+- :func:`chunk_transfer_pairs` restates vLLM 0.33's pair building for specs with KV-cache
+  groups (``group_sizes`` / ``block_indices``), which the seed predates: each group starts
+  ``block_index % factor`` sub-blocks into its own run of CPU blocks.
 
 The tests compare kvlog's reducers to these, pair for pair. Nothing here is kvlog code.
 """
@@ -18,7 +21,13 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 
-__all__ = ["SEED_PAD_SIZES", "SeedDefragmenter", "expand_block_ids", "seed_transfer_pairs"]
+__all__ = [
+    "SEED_PAD_SIZES",
+    "SeedDefragmenter",
+    "chunk_transfer_pairs",
+    "expand_block_ids",
+    "seed_transfer_pairs",
+]
 
 SEED_PAD_SIZES = (8, 16, 32, 64, 128, 256, 512)
 
@@ -148,3 +157,35 @@ def seed_transfer_pairs(
     srcs = expand_block_ids(src, src_factor, skip)
     dsts = expand_block_ids(dst, dst_factor)
     return list(zip(srcs, dsts, strict=True))
+
+
+def chunk_transfer_pairs(
+    kind: str,
+    gpu_blocks: list[int],
+    cpu_blocks: list[int],
+    factor: int,
+    group_sizes: tuple[int, ...],
+    block_indices: tuple[int, ...],
+) -> list[tuple[int, int]] | None:
+    """vLLM 0.33's ``src_to_dst`` for a spec with KV-cache groups; None where vLLM's size
+    check would fail. Group ``g`` holds the next ``group_sizes[g]`` GPU blocks; its CPU
+    side starts ``block_indices[g] % factor`` sub-blocks into the next unused CPU block and
+    runs on for as many sub-blocks as the group has GPU blocks (an empty group uses none)."""
+    gpu_at = cpu_at = 0
+    gpu_subs: list[int] = []
+    cpu_subs: list[int] = []
+    for size, index in zip(group_sizes, block_indices, strict=True):
+        if size == 0:
+            continue
+        skip = index % factor
+        num_cpu = -(-(size + skip) // factor)
+        if cpu_at + num_cpu > len(cpu_blocks):
+            return None
+        cpu_subs += expand_block_ids(cpu_blocks[cpu_at : cpu_at + num_cpu], factor, skip)[:size]
+        gpu_subs += gpu_blocks[gpu_at : gpu_at + size]
+        gpu_at, cpu_at = gpu_at + size, cpu_at + num_cpu
+    if cpu_at != len(cpu_blocks) or gpu_at != len(gpu_blocks):
+        return None
+    if kind == "store":
+        return list(zip(gpu_subs, cpu_subs, strict=True))
+    return list(zip(cpu_subs, gpu_subs, strict=True))

@@ -1,11 +1,15 @@
 """The Engine (no executor) against the plain model of tests/model.py, as a state machine.
 
-Rules allocate (sharing blocks with prefix caching), finish, preempt, end steps, store, load,
-finish transfers in any order, snapshot and restore, and feed one-defect invalid events of
-every kind. After every rule the engine and the model agree on every resolved block, every
-plan (exact ``SwapPlan``/``TransferPlan`` equality), every rejection (the error is one of the
-model's classes and the digest does not move), and ``check_invariants`` holds. With a log, the
-teardown replays it and checks the digest.
+Rules allocate (sharing blocks with prefix caching, reusing blocks unfinished stores still
+read), finish, preempt, end steps, store, load (deferred or not, with KV-cache groups or
+not), submit deferred jobs, finish transfers in any order, snapshot and restore, and feed
+one-defect invalid events of every kind (loads' blocks allocated, CPU sub-blocks shared by
+a store and a load, deferred jobs finished early, bad group specs among them). After every
+rule the engine and the model agree on every resolved block, every plan (exact
+``SwapPlan``/``TransferPlan``/``FencePlan`` equality), every rejection (the error is one
+of the model's classes and the digest does not move), the deferred jobs not yet submitted,
+the quarantined blocks, and ``check_invariants`` holds. With a log, the teardown replays it
+and checks the digest.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from strategies import (
     draw_release,
     draw_step,
     draw_store,
+    draw_submit,
     draw_transfer_finished,
     machine_configs,
 )
@@ -49,6 +54,7 @@ from kvlog.events import (
     StepEnded,
     StoreRequested,
     TransferFinished,
+    TransferSubmitted,
 )
 
 
@@ -145,6 +151,10 @@ class EngineAgainstModel(RuleBasedStateMachine):
         self.apply(draw_load(data.draw, self.model))
 
     @rule(data=st.data())
+    def submit(self, data: st.DataObject) -> None:
+        self.apply(draw_submit(data.draw, self.model))
+
+    @rule(data=st.data())
     def finish_transfer(self, data: st.DataObject) -> None:
         self.apply(draw_transfer_finished(data.draw, self.model))
 
@@ -193,6 +203,9 @@ class EngineAgainstModel(RuleBasedStateMachine):
         assert state.num_used == len(used)
         assert state.max_used == max(used, default=-1)
         assert state.jobs_in_flight() == sorted(model.jobs)
+        waiting = [j for j in state.jobs_in_flight() if not state.job(j).submitted]
+        assert waiting == model.unsubmitted()
+        assert state.quarantined == model.quarantined
         pinned = {b for b, n in model.pins().items() if n > 0}
         assert [b for b in everything if state.is_pinned(b)] == sorted(pinned)
         assert state.step == model.step
@@ -227,6 +240,7 @@ TestEngineAgainstModel = EngineAgainstModel.TestCase
         StoreRequested(job_id=0, gpu_block_ids=[1], cpu_block_ids=[0]),
         LoadRequested(job_id=0, cpu_block_ids=[0], gpu_block_ids=[1]),
         TransferFinished(job_id=0, success=True),
+        TransferSubmitted(job_id=0),
     ],
 )
 def test_every_event_before_cache_configured_is_refused(event: Event) -> None:

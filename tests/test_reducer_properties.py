@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import given
@@ -31,6 +32,7 @@ from kvlog.events import (
     LoadRequested,
     StoreRequested,
     TransferFinished,
+    TransferSubmitted,
 )
 from kvlog.reducers import (
     State,
@@ -84,6 +86,63 @@ def planted_defects(state: State, rng: random.Random) -> list[tuple[Event, type[
     if config.block_size_factor > 1 and config.num_cpu_blocks:
         bad_size = StoreRequested(job_id=last + 1, gpu_block_ids=[1], cpu_block_ids=[0])
         out.append((bad_size, errors.TransferSizeMismatch))
+    if config.num_cpu_blocks > 1 and config.block_size_factor > 1 and n > 2:
+        # one group of 2 GPU blocks from block index 0 fills one CPU block, not two
+        too_many = LoadRequested(
+            job_id=last + 1,
+            cpu_block_ids=[0, 1],
+            gpu_block_ids=[1, 2],
+            group_sizes=(2,),
+            block_indices=(0,),
+        )
+        out.append((too_many, errors.TransferSizeMismatch))
+    if n > 2:  # group sizes that do not add up to the GPU blocks
+        bad_sum = StoreRequested(
+            job_id=last + 1,
+            gpu_block_ids=[1, 2],
+            cpu_block_ids=[0],
+            group_sizes=(1, 2),
+            block_indices=(0, 0),
+        )
+        out.append((bad_sum, errors.InvalidEvent))
+    out.extend(_new_rule_defects(state, rng))
+    return out
+
+
+def _new_rule_defects(state: State, rng: random.Random) -> list[tuple[Event, type[Exception]]]:
+    """Refusals of the rules of deferred jobs and of the two transfer directions."""
+    config = state.config
+    assert config is not None
+    f, last = config.block_size_factor, state.last_job_id
+    out: list[tuple[Event, type[Exception]]] = [
+        (TransferSubmitted(job_id=last + 1 + rng.randrange(3)), errors.UnknownJob)
+    ]
+    waiting = [j for j, job in {**state.store_jobs, **state.load_jobs}.items() if not job.submitted]
+    if waiting:
+        out.append((TransferFinished(job_id=rng.choice(waiting), success=True), errors.UnknownJob))
+    if state.load_jobs:
+        load = state.load_jobs[rng.choice(sorted(state.load_jobs))]
+        block = state.unresolve(int(rng.choice(load.gpu_block_ids.tolist())))
+        out.append((BlocksAllocated(req_id="bad", block_ids=[block]), errors.BlockInUse))
+        assert load.pairs is not None
+        sub = int(rng.choice(load.pairs[0].tolist()))
+        loading = state.load_pins > 0
+        readable = [state.unresolve(p) for p in range(state.num_gpu_blocks) if not loading[p]]
+        if len(readable) >= f:
+            store = StoreRequested(
+                job_id=last + 1, gpu_block_ids=readable[:f], cpu_block_ids=[sub // f]
+            )
+            out.append((store, errors.BlockInUse))
+    if state.store_jobs:
+        store_job = state.store_jobs[rng.choice(sorted(state.store_jobs))]
+        assert store_job.pairs is not None
+        sub = int(rng.choice(store_job.pairs[1].tolist()))
+        free = [state.unresolve(p) for p in range(state.num_gpu_blocks) if not state.is_pinned(p)]
+        if len(free) >= f:
+            load_event = LoadRequested(
+                job_id=last + 1, cpu_block_ids=[sub // f], gpu_block_ids=free[:f]
+            )
+            out.append((load_event, errors.BlockInUse))
     return out
 
 
@@ -147,8 +206,13 @@ CONFIG = CacheConfigured(
     pad_sizes=(2, 8),
     page_size_bytes=256,
 )
-PINNED_DIGEST = "b91aa0f37fc4f3be46b9d24f4f9c5ba28a52e11ac96c57aef710f1c186c3feb9"
-"""Recorded when the canonical encoding was fixed: a change here is a format change."""
+PINNED_DIGEST = "00680cb767ea2f5b18d351be1cd654e4792c4ec4bfe65e0e92a2601f4ac164e8"
+"""A change here is a format change (re-recorded once when ``random_program`` learned the
+transfer rules of deferred stores, chunks and CPU conflicts, which changed the program)."""
+PINNED_DIGEST_GROWN = "550a19dc380ae520b5129642af45c54c2990894c3bb61779083babf10903fada"
+"""The same for a state holding what schema 1 did not know: a non-default config field
+(``quarantine_released``), quarantined blocks, deferred jobs not yet submitted, and jobs
+whose CPU sub-blocks follow vLLM's chunk rule."""
 
 
 def _fixed_digest() -> str:
@@ -158,6 +222,23 @@ def _fixed_digest() -> str:
 
 def test_digest_is_pinned_for_a_fixed_program() -> None:
     assert _fixed_digest() == PINNED_DIGEST
+
+
+def test_digest_is_pinned_for_a_state_with_the_grown_fields() -> None:
+    config = msgspec.structs.replace(CONFIG, quarantine_released=True, prefix_caching=False)
+    state, _ = apply_all(random_program(random.Random(7), config, 381))
+    jobs = [*state.store_jobs.values(), *state.load_jobs.values()]
+    assert state.quarantined and any(not job.submitted for job in jobs)
+    f = config.block_size_factor
+    chunked = [
+        job
+        for job in jobs
+        if job.kind == "load"
+        and job.pairs is not None
+        and job.pairs[0][0] % f != (-job.gpu_block_ids.size) % f
+    ]
+    assert chunked, "a load whose first sub-block is not the seed's"
+    assert digest(state) == PINNED_DIGEST_GROWN
 
 
 def test_digest_does_not_depend_on_the_process() -> None:

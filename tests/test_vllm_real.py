@@ -46,7 +46,7 @@ def test_kvlog_in_real_vllm(cfg: harness.RunConfig, tmp_path: pytest.TempPathFac
     assert (res.loads_sync > 0) == cfg.sync_loads
     assert res.replay_ok is True
     if cfg.defrag:
-        assert res.swap_steps >= res.steps // 4, f"defrag fired on {res.swap_steps} steps"
+        assert res.swap_steps >= res.steps // 5, f"defrag fired on {res.swap_steps} steps"
         assert res.table_checks > 0
 
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import inspect
 import os
 import random
@@ -81,12 +82,16 @@ class RunConfig:
     defrag: bool = True
     pass_preempted: bool = False  # update_state(..., preempted_req_ids) (the runner does not)
     gaudi_warmup: bool = True  # build, warm up, then rebuild the defragmenter like the runner
-    connector: str = "kvlog"  # "kvlog" | "reference" (a plain vLLM-semantics worker, no kvlog)
+    # "kvlog"; "reference": a plain vLLM-semantics worker, no kvlog; "none": no offloading
+    connector: str = "kvlog"
     reference_resolve: bool = False  # the reference worker resolves ids at submit (seed-like)
+    # kvlog's executor backend: "cpu" runs transfers at submit; "fake" is an asynchronous
+    # device whose transfers run 1-4 polls later, reading their source bytes only then
+    backend: str = "cpu"
     num_requests: int = 160
     num_gpu_blocks: int = 96
     block_size: int = 16
-    threshold: int = 3
+    threshold: int = 1
     max_num_seqs: int = 24
     max_num_batched_tokens: int = 128
     num_layers: int = 2
@@ -95,6 +100,8 @@ class RunConfig:
     cpu_chunks: int = 384
     max_output: int = 96
     max_waiting: int = 12
+    wave: int = 10**6  # requests per arrival wave (default: one endless wave)
+    wave_low: int = 4  # a new wave starts when this few requests are left
     seed: int = 1
 
     def describe(self) -> str:
@@ -109,6 +116,8 @@ class RunConfig:
         ]
         if self.pass_preempted:
             bits.append("preempted-ids")
+        if self.backend != "cpu":
+            bits.append(f"backend={self.backend}")
         if self.connector != "kvlog":
             bits.append(f"connector={self.connector}")
         return " ".join(bits)
@@ -125,6 +134,7 @@ def _matrix() -> list[RunConfig]:
             for sync in (False, True):
                 v2 = i % 2 == 1
                 async_sched = (i // 2) % 2 == 1
+                backend = "fake" if (i + i // 2) % 2 else "cpu"
                 name = f"{'pc' if pc else 'nopc'}-bpc{bpc}-{'sync' if sync else 'async'}"
                 out.append(
                     RunConfig(
@@ -134,14 +144,35 @@ def _matrix() -> list[RunConfig]:
                         sync_loads=sync,
                         v2_runner=v2,
                         async_scheduling=async_sched,
+                        backend=backend,
                         seed=1 + i,
                     )
                 )
                 i += 1
     out += [
         RunConfig("gpu-order-nopc-bpc2", False, 2, False, False, True, order="gpu", seed=41),
-        RunConfig("gpu-order-pc-bpc4-sync", True, 4, True, True, False, order="gpu", seed=42),
-        RunConfig("preempt-ids-nopc-bpc2", False, 2, True, False, False, pass_preempted=True),
+        RunConfig(
+            "gpu-order-pc-bpc4-sync",
+            True,
+            4,
+            True,
+            True,
+            False,
+            order="gpu",
+            backend="fake",
+            seed=42,
+        ),
+        RunConfig(
+            "preempt-ids-nopc-bpc2",
+            False,
+            2,
+            True,
+            False,
+            False,
+            pass_preempted=True,
+            backend="fake",
+            seed=43,
+        ),
         RunConfig("defrag-off-nopc-bpc2", False, 2, False, False, False, defrag=False, seed=44),
     ]
     return out
@@ -157,7 +188,23 @@ REFERENCE_CLEAN = RunConfig(
 REFERENCE_UNAWARE = RunConfig(
     "reference-unaware-defrag-on", False, 2, False, False, False, connector="reference"
 )
-for _c in (REFERENCE_CLEAN, REFERENCE_UNAWARE):
+# The defragmenter alone (no offloading connector), as the HPU runner calls it.
+DEFRAG_ONLY = [
+    RunConfig(
+        f"defrag-only-{'pc' if pc else 'nopc'}-{'V2' if v2 else 'V1'}-{'async' if a else 'sync'}",
+        pc,
+        1,
+        False,
+        v2,
+        a,
+        connector="none",
+        seed=60 + 4 * pc + 2 * v2 + a,
+    )
+    for pc in (False, True)
+    for v2 in (False, True)
+    for a in (False, True)
+]
+for _c in (REFERENCE_CLEAN, REFERENCE_UNAWARE, *DEFRAG_ONLY):
     CONFIGS[_c.name] = _c
 
 
@@ -486,6 +533,8 @@ def build_vllm(cfg: RunConfig) -> tuple[Any, Any, Any]:
         "cpu_bytes_to_use": cfg.cpu_chunks * chunk_bytes,
         "blocks_per_chunk": bpc,
     }
+    if cfg.connector == "kvlog":
+        extra["kvlog_backend"] = cfg.backend
     if cfg.sync_loads:
         extra["sync_load_budget_bytes"] = 1 << 20
     name, module = KVLOG_CONNECTOR if cfg.connector == "kvlog" else ("OffloadingConnector", None)
@@ -495,6 +544,8 @@ def build_vllm(cfg: RunConfig) -> tuple[Any, Any, Any]:
         kv_role="kv_both",
         kv_connector_extra_config=extra,
     )
+    if cfg.connector == "none":
+        kv_transfer = None
     scheduler_config = SchedulerConfig(
         max_model_len=max_model_len,
         is_encoder_decoder=False,
@@ -580,7 +631,7 @@ def make_defragmenter(kv: KvCache, cfg: RunConfig, log_path: str | None) -> Any:
         "prefix_caching": cfg.prefix_caching,
         "threshold": cfg.threshold,
         "defrag": cfg.defrag,
-        "backend": "cpu",
+        "backend": cfg.backend,
         "log_path": log_path,
     }
     params = inspect.signature(OnlineDefragmenter).parameters
@@ -622,12 +673,14 @@ class RunResult:
     table_checks: int = 0
     table_mismatches: int = 0
     missed_blocks: int = 0
-    stale_tables: int = 0
+    stale_tables: int = 0  # (info) kvlog tables of requests vLLM no longer runs, per step
+    lagging_tables: int = 0  # (info) kvlog tables that differ from vLLM's but miss nothing
     token_mismatches: int = 0
     harness_errors: int = 0
     skipped_first: int = 0  # transfers whose first chunk is entered at block_indices % bpc
     partial_last: int = 0  # transfers whose last chunk is partial
-    kvlog_s: float = 0.0
+    kvlog_s: float = 0.0  # every kvlog call: the defragmenter's and the connector's
+    defrag_s: float = 0.0  # update_state + defragment
     sched_s: float = 0.0
     wall_s: float = 0.0
     replay_ok: bool | None = None
@@ -680,7 +733,7 @@ COLUMNS = [
         lambda r: (
             ("V2" if r.cfg.v2_runner else "V1")
             + ("/async" if r.cfg.async_scheduling else "/sync")
-            + f"/{r.cfg.order}"
+            + f"/{r.cfg.order}/{r.cfg.backend}"
         ),
     ),
     ("steps", lambda r: r.steps),
@@ -693,11 +746,13 @@ COLUMNS = [
     ("bad live", lambda r: r.live_bad_slots),
     ("bad store", lambda r: f"{r.store_bad_blocks}/{r.store_blocks_checked}"),
     ("bad load", lambda r: f"{r.load_bad_blocks}/{r.load_blocks_checked}"),
-    ("tables", lambda r: f"{r.table_mismatches}+{r.missed_blocks}m"),
+    ("tables bad/missed", lambda r: f"{r.table_mismatches}/{r.missed_blocks}"),
+    ("lag/stale", lambda r: f"{r.lagging_tables}/{r.stale_tables}"),
     ("skip/part", lambda r: f"{r.skipped_first}/{r.partial_last}"),
     ("errors", lambda r: len(r.errors)),
     ("replay", lambda r: {None: "-", True: "ok", False: "FAIL"}[r.replay_ok]),
     ("kvlog us/step", lambda r: f"{r.per_step_us(r.kvlog_s):.0f}"),
+    ("of it defrag", lambda r: f"{r.per_step_us(r.defrag_s):.0f}"),
     ("vLLM sched us/step", lambda r: f"{r.per_step_us(r.sched_s):.0f}"),
     ("wall s", lambda r: f"{r.wall_s:.1f}"),
 ]
@@ -748,7 +803,7 @@ class Run:
         self.step = 0
         self.tables: dict[str, list[int]] = {}  # last vLLM table seen per request
         self.computed: dict[str, int] = {}  # tokens whose KV is written once this step ran
-        self.exposed: set[str] = set()  # requests the runner was told about (blocks known)
+        self.loaded_waiting: dict[str, list[int]] = {}  # loaded, not scheduled yet: blocks
         self.preempted_ever: set[str] = set()
         self.store_jobs: dict[int, _StoreJob] = {}
         self.load_jobs: dict[int, _LoadJob] = {}
@@ -776,19 +831,20 @@ class Run:
         from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 
         cfg = self.cfg
+        self.connector: Any = None
         with _env("VLLM_USE_V2_MODEL_RUNNER", "1" if cfg.v2_runner else "0"):
             self.vllm_config, self.kv_cache_config, self.scheduler = build_vllm(cfg)
-            self.connector = KVConnectorFactory.create_connector(
-                self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config
-            )
-        spec = self.connector.connector_worker.spec
-        num_chunks = int(spec.num_chunks)
+            if cfg.connector != "none":
+                self.connector = KVConnectorFactory.create_connector(
+                    self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config
+                )
         if cfg.connector == "kvlog":
-            # vllm-gaudi: initialize_kv_cache registers the caches with the connector, then
-            # warmup_model builds the defragmenter, warms it up and builds it again.
+            # vllm-gaudi's initialize_kv_cache registers the caches with the connector first
             self._kvlog(
                 "register_kv_caches", self.connector.register_kv_caches, self.kv.kv_caches_4d()
             )
+        if cfg.connector == "kvlog" or cfg.defrag:
+            # then warmup_model builds the defragmenter, warms it up, and builds it again
             if cfg.gaudi_warmup:
                 first = self._kvlog(
                     "OnlineDefragmenter()", make_defragmenter, self.kv, cfg, self.log_path
@@ -797,14 +853,19 @@ class Run:
             self.defrag = self._kvlog(
                 "OnlineDefragmenter()", make_defragmenter, self.kv, cfg, self.log_path
             )
-        else:
-            if cfg.defrag:
-                self.defrag = make_defragmenter(self.kv, cfg, self.log_path)
+        if cfg.connector == "kvlog":
+            ours, theirs = self.defrag.engine, self._kvlog("connector.engine", self._conn_engine)
+            if ours is not theirs:
+                raise AssertionError("the defragmenter and the connector do not share an Engine")
+        if cfg.connector == "reference":
+            num_chunks = int(self.connector.connector_worker.spec.num_chunks)
             resolve = self.defrag.resolve if (cfg.reference_resolve and self.defrag) else None
             worker = ReferenceWorker(self.kv, cfg.blocks_per_chunk, num_chunks, resolve)
             self.connector.connector_worker.worker = worker
             self.cpu_reader = worker.reader
-        self.num_chunks = num_chunks
+
+    def _conn_engine(self) -> Any:
+        return self.connector.engine
 
     def _engine(self) -> Any:
         return None if self.defrag is None else self.defrag.engine
@@ -842,13 +903,19 @@ class Run:
         pending = [self.seqs[k] for k in self.seqs]
         pending.reverse()
         prev: tuple[Any, Any] | None = None
+        burst = 0
         max_steps = 40 * cfg.num_requests + 2000
         while True:
+            # arrivals in waves: a burst overfills the pool (preemptions), then it drains
+            # (holes every step, so defrag fires)
             waiting = len(self.scheduler.waiting)
-            while pending and waiting < cfg.max_waiting:
+            if burst == 0 and len(self.scheduler.running) + waiting <= cfg.wave_low:
+                burst = cfg.wave
+            while pending and burst > 0 and waiting < cfg.max_waiting:
                 seq = pending.pop()
                 self.scheduler.add_request(make_request(seq, self.bs))
                 waiting += 1
+                burst -= 1
             if not pending and not self.scheduler.has_requests() and prev is None:
                 break
             t0 = time.perf_counter()
@@ -881,13 +948,17 @@ class Run:
 
     # -- one worker step ---------------------------------------------------------------------
     def _worker_step(self, so: Any) -> Any:
-        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+        from vllm.v1.outputs import KVConnectorOutput
 
         cfg = self.cfg
         self._observe_schedule(so)
         if self.defrag is not None and cfg.defrag:
             self._run_defragmenter(so)
             self._check_tables(so)
+        if self.connector is None:
+            self._check_live(so)
+            sampled = self._forward(so)
+            return self._runner_output(so, sampled, None)
         meta = so.kv_connector_metadata
         self._record_jobs(meta)
         if cfg.order == "gpu":
@@ -910,16 +981,23 @@ class Run:
         self._kvlog("clear_connector_metadata", self.connector.clear_connector_metadata)
         if worker_meta is not None:
             self._check_completed(worker_meta.completed_jobs)
+        output = KVConnectorOutput(
+            finished_sending=sending or set(),
+            finished_recving=recving or set(),
+            kv_connector_worker_meta=worker_meta,
+        )
+        return self._runner_output(so, sampled, output)
+
+    @staticmethod
+    def _runner_output(so: Any, sampled: dict[str, list[int]], kv_output: Any) -> Any:
+        from vllm.v1.outputs import ModelRunnerOutput
+
         req_ids = list(so.num_scheduled_tokens)
         return ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=[sampled.get(r, []) for r in req_ids],
-            kv_connector_output=KVConnectorOutput(
-                finished_sending=sending or set(),
-                finished_recving=recving or set(),
-                kv_connector_worker_meta=worker_meta,
-            ),
+            kv_connector_output=kv_output,
         )
 
     def _observe_schedule(self, so: Any) -> None:
@@ -927,11 +1005,9 @@ class Run:
         self.result.preemptions += len(so.preempted_req_ids or ())
         for r in so.preempted_req_ids or ():
             self.preempted_ever.add(r)
-            self.exposed.discard(r)
-        for r in so.finished_req_ids:
-            self.exposed.discard(r)
+        for r in (*so.finished_req_ids, *so.num_scheduled_tokens):
+            self.loaded_waiting.pop(r, None)
         for r in so.num_scheduled_tokens:
-            self.exposed.add(r)
             self.computed[r] = self.scheduler.requests[r].num_computed_tokens
         for r, req in self.scheduler.requests.items():
             ids = manager.get_block_ids(r)
@@ -953,11 +1029,18 @@ class Run:
             for req_id, blocks in zip(cached_reqs.req_ids, cached_reqs.new_block_ids, strict=True)
             if blocks
         }
-        args: tuple[Any, ...] = (new | cached, so.finished_req_ids)
-        if self.cfg.pass_preempted:
-            args += (set(so.preempted_req_ids or ()),)
-        self._kvlog("update_state", self.defrag.update_state, *args)
+        kwargs: dict[str, Any] = {}
+        if self.cfg.pass_preempted:  # what a runner that knows them could pass
+            kwargs["preempted_reqs"] = set(so.preempted_req_ids or ())
+            if cached_reqs.resumed_req_ids:
+                kwargs["resumed_reqs"] = set(cached_reqs.resumed_req_ids)
+        t0 = time.perf_counter()
+        self._kvlog(
+            "update_state",
+            lambda: self.defrag.update_state(new | cached, so.finished_req_ids, **kwargs),
+        )
         self._kvlog("defragment", self.defrag.defragment)
+        self.result.defrag_s += time.perf_counter() - t0
         plan = getattr(self.defrag, "last_swap", None)
         if plan is not None and plan.pairs:
             self.result.swaps += len(plan.pairs)
@@ -965,8 +1048,20 @@ class Run:
 
     # -- (d) tables --------------------------------------------------------------------------
     def _check_tables(self, so: Any) -> None:
+        """vLLM's block ids of every running request against kvlog's table for it: equal
+        where kvlog can know (never preempted, or preemption ids passed); otherwise at
+        least every block vLLM holds is in use in kvlog. Loaded blocks of requests that
+        vLLM has not scheduled yet must be in use (held) too."""
         kvlog_tables = self._kvlog("req_blocks", lambda: self.defrag.req_blocks)
-        used = {b for t in kvlog_tables.values() for b in t}
+        state = self.defrag.engine.state
+
+        def in_use(blocks: list[int]) -> list[bool]:
+            """Referenced in kvlog (by a request or a load's hold), at its physical id."""
+            if not blocks:
+                return []
+            phys = state.resolve_array(np.asarray(blocks, dtype=np.int64))
+            return [bool(x) for x in np.asarray(state.refs)[phys] > 0]
+
         known = set(self.seqs)
         vllm_live: set[str] = set()
         for req in self.scheduler.running:
@@ -976,20 +1071,32 @@ class Run:
             got = kvlog_tables.get(r)
             self.result.table_checks += 1
             strict = self.cfg.pass_preempted or r not in self.preempted_ever
-            if strict and got != want:
-                self.result.table_mismatches += 1
-                self.result.note(
-                    "table",
-                    f"step {self.step} {r}: vLLM {want} kvlog {got}"
-                    f"{' (preempted before)' if r in self.preempted_ever else ''}",
-                )
-            missed = [b for b in want if b not in used]
+            if got != want:
+                if strict:
+                    self.result.table_mismatches += 1
+                    self.result.note(
+                        "table",
+                        f"step {self.step} {r}: vLLM {want} kvlog {got}"
+                        f"{' (preempted before)' if r in self.preempted_ever else ''}",
+                    )
+                else:
+                    self.result.lagging_tables += 1
+            missed = [b for b, ok in zip(want, in_use(want), strict=True) if not ok]
             if missed:
                 self.result.missed_blocks += len(missed)
                 self.result.note(
                     "missed",
-                    f"step {self.step} {r}: vLLM-live {missed} not "
-                    f"used in kvlog (kvlog table {got})",
+                    f"step {self.step} {r}: vLLM-live {missed} not used in kvlog (vLLM "
+                    f"table {want}, kvlog table {got})",
+                )
+        for r, blocks in self.loaded_waiting.items():
+            missed = [b for b, ok in zip(blocks, in_use(blocks), strict=True) if not ok]
+            if missed:
+                self.result.missed_blocks += len(missed)
+                self.result.note(
+                    "missed",
+                    f"step {self.step} {r}: loaded blocks {missed} of a request vLLM has not "
+                    "scheduled yet are not held in kvlog",
                 )
         for r in kvlog_tables:
             if not _internal_id(r, known) and r not in vllm_live:
@@ -1149,6 +1256,8 @@ class Run:
 
     def _check_load(self, job_id: int, job: _LoadJob) -> None:
         self.result.loads_done += 1
+        if not job.sync:
+            self.loaded_waiting[job.req_id] = [gpu for gpu, *_ in job.pairs]
         seq = self.seqs[job.req_id]
         phys = self._resolve_tables([[gpu for gpu, *_ in job.pairs]])[0]
         for (gpu, chunk, sub, k), p in zip(job.pairs, phys, strict=True):
@@ -1202,7 +1311,8 @@ class Run:
                 )
         for job_id in list(self.store_jobs) + list(self.load_jobs):
             r.note("harness", f"job {job_id} never reported complete")
-        self._kvlog("connector.shutdown", self.connector.shutdown)
+        if self.connector is not None:
+            self._kvlog("connector.shutdown", self.connector.shutdown)
         engine = self._engine()
         if engine is None:
             return
@@ -1222,10 +1332,15 @@ class Run:
 
 
 def run_config(cfg: RunConfig, workdir: str | None = None) -> RunResult:
-    if workdir is None:
-        with tempfile.TemporaryDirectory(prefix="kvlog-vllm-") as tmp:
-            return Run(cfg, tmp).execute()
-    return Run(cfg, workdir).execute()
+    try:
+        if workdir is None:
+            with tempfile.TemporaryDirectory(prefix="kvlog-vllm-") as tmp:
+                return Run(cfg, tmp).execute()
+        return Run(cfg, workdir).execute()
+    finally:
+        # kvlog finds a session by its tensors' storage: let the last run's objects go before
+        # the next run's tensors can land at the same addresses
+        gc.collect()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1235,6 +1350,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--list", action="store_true", help="list the configurations")
     parser.add_argument(
         "--self-test", action="store_true", help="also run the reference-worker self-tests"
+    )
+    parser.add_argument(
+        "--defrag-only", action="store_true", help="also run the defragmenter-only family"
     )
     parser.add_argument("--keep", metavar="DIR", help="keep the logs in DIR")
     args = parser.parse_args(argv)
@@ -1247,8 +1365,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         chosen += CI_MATRIX
     if args.self_test:
         chosen += [REFERENCE_CLEAN, REFERENCE_UNAWARE]
+    if args.defrag_only:
+        chosen += DEFRAG_ONLY
     if not chosen:
-        parser.error("give --matrix, --config NAME or --self-test")
+        parser.error("give --matrix, --config NAME, --self-test or --defrag-only")
     t0 = time.perf_counter()
     results = []
     for cfg in chosen:

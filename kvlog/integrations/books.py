@@ -95,6 +95,17 @@ class RequestBooks:
         self._pending = planner.changes
         return planner.steps
 
+    def evict(self, state: State, block_ids: list[int]) -> list[Step]:
+        """The releases that giving ``block_ids`` to a load proves (without prefix caching:
+        their holders were preempted); ``commit`` once they ran."""
+        assert state.config is not None, "the session starts the Engine configured"
+        planner = _Planner(self, state, state.config.prefix_caching)
+        if not planner.prefix_caching:
+            planner._evict_stale_owners("", block_ids)
+        planner.check()
+        self._pending = planner.changes
+        return planner.steps
+
     def commit(self) -> None:
         """Keep the books of the last ``plan`` (its steps ran)."""
         for kind, req_id, block_ids in self._pending:
@@ -178,8 +189,8 @@ class _Planner:
         for b in block_ids:
             if b in self.taken and not self.prefix_caching:
                 event = BlocksAllocated(req_id=req_id, block_ids=block_ids)
-                owner = self.taken[b]
-                raise BlockInUse(f"block {b} is given to {owner!r} and {req_id!r} at once", event)
+                other = self.taken[b]
+                raise BlockInUse(f"block {b} is given to {other!r} and {req_id!r} at once", event)
             own = self._old(req_id)
             if own is not None and b in own.batch_of:
                 cut[req_id] = max(cut.get(req_id, -1), own.batch_of[b])

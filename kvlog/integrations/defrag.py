@@ -28,7 +28,7 @@ from kvlog.errors import ConfigError
 from kvlog.events import DEFAULT_PAD_SIZES, StepEnded, SwapPlan
 from kvlog.executors import Executor
 from kvlog.executors.layouts import KVCaches
-from kvlog.integrations.books import Claim, RequestBooks
+from kvlog.integrations.books import Claim
 from kvlog.integrations.config import FacadeConfig, config_from_env
 from kvlog.integrations.session import (
     HOLD_PREFIX,
@@ -140,7 +140,6 @@ class OnlineDefragmenter:
             pad_sizes=self.to_swap_pad_thresholds,
             executor_options=executor_options,
         )
-        self._books = RequestBooks()
         self.cache_utils: CacheSwapHandle | None = None
         self.last_swap: SwapPlan | None = None
         self.debug = None
@@ -205,7 +204,8 @@ class OnlineDefragmenter:
         (module ``kvlog.integrations.books``). All or nothing: a bad input raises before
         any event is applied."""
         engine = self.session.engine
-        plan = self._books.plan(
+        books = self.session.books
+        plan = books.plan(
             engine.state,
             {str(r): _ids(b) for r, b in new_blocks.items()},
             [str(r) for r in finished_reqs],
@@ -217,13 +217,11 @@ class OnlineDefragmenter:
                 self.session.claim(step.block_ids)
             else:
                 self.session.apply(step)
-        self._books.commit()
+        books.commit()
 
     def defragment(self) -> None:
-        """End the step: collect finished transfers, hold loaded blocks no request holds
-        any more, then ``StepEnded`` (swaps run now)."""
+        """End the step: collect finished transfers, then ``StepEnded`` (swaps run now)."""
         self.session.poll()
-        self.session.rehold(f"{HOLD_PREFIX}step-{self.session.step}")
         plans = self.session.apply(StepEnded(step=self.session.step))
         self.session.step += 1
         swaps = [p for p in plans if isinstance(p, SwapPlan)]

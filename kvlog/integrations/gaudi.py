@@ -103,11 +103,11 @@ def install(module_names: Iterable[str] | None = None) -> list[str]:
                 _log.warning("kvlog: cannot patch %s: %s", name, error)
                 continue
         if hasattr(module, "OnlineDefragmenter"):
-            module.OnlineDefragmenter = GaudiDefragmenter
+            setattr(module, "OnlineDefragmenter", GaudiDefragmenter)  # noqa: B010
             patched.append(name)
         for value in list(vars(module).values()):
             if isinstance(value, type) and "run_defragmenter" in vars(value):
-                value.run_defragmenter = run_defragmenter
+                setattr(value, "run_defragmenter", run_defragmenter)  # noqa: B010
                 patched.append(f"{name}.{value.__name__}.run_defragmenter")
     return patched
 

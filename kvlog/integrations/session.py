@@ -18,7 +18,6 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
-import numpy as np
 import torch
 
 from kvlog.engine import Engine
@@ -33,6 +32,7 @@ from kvlog.events import (
 )
 from kvlog.executors import TransferResult, make_executor
 from kvlog.executors.layouts import KVCaches, register_layout
+from kvlog.integrations.books import Claim, RequestBooks
 from kvlog.integrations.config import FacadeConfig
 
 __all__ = [
@@ -134,7 +134,9 @@ class KvCacheSession:
         self._kinds: dict[int, JobKind] = {}
         self._finished: dict[JobKind, list[TransferResult]] = {"store": [], "load": []}
         self._holds: dict[int, str] = {}
-        self._claims: set[int] = set()
+        self._num_holds = 0
+        self.books = RequestBooks()
+        """The runner's request tables as the defragmenter facade gave them (see books.py)."""
         self.step = 0
 
     # -- start-up ------------------------------------------------------------------------
@@ -295,56 +297,40 @@ class KvCacheSession:
 
         vLLM allocates a request's blocks, loads into them, and reports the request to the
         runner only when it is scheduled, possibly steps after the load ended. Until then
-        the blocks must count as used, or defrag would move other blocks into them. Blocks
-        no request holds go to a placeholder request now (call this BEFORE the load's
-        event: a block an unfinished load writes cannot be allocated); blocks a stale
-        request still holds (one the scheduler preempted without saying so) are claimed,
-        and held as soon as that request lets them go (``rehold``).
+        the blocks must count as used, or defrag would move other blocks into them: a
+        placeholder request holds them. Call this BEFORE the load's event (a block an
+        unfinished load writes cannot be allocated). Without prefix caching, a request that
+        kvlog still thinks holds one of them was preempted (the scheduler gave the block
+        away): ``books.evict`` releases what that proves.
         """
-        state = self.engine.state
-        physical = state.resolve_array(np.asarray(gpu_block_ids, dtype=np.int64)).tolist()
-        unowned: list[int] = []
-        for b, p in zip(gpu_block_ids, physical, strict=True):
-            if b in self._holds:
-                continue
-            if state.refs[p] == 0:
-                unowned.append(b)
-            else:
-                self._claims.add(b)
-        self._hold(f"{HOLD_PREFIX}{job_id}", unowned)
+        blocks = [b for b in gpu_block_ids if b not in self._holds]
+        if not blocks:
+            return
+        engine = self.engine
+        for step in self.books.evict(engine.state, blocks):
+            assert not isinstance(step, Claim), "evict only releases"
+            engine.apply(step)
+        self.books.commit()
+        self._hold(f"{HOLD_PREFIX}{job_id}", blocks)
 
     def _hold(self, hold_id: str, block_ids: list[int]) -> None:
-        if block_ids:
-            self.apply(BlocksAllocated(req_id=hold_id, block_ids=block_ids))
-            self._holds.update(dict.fromkeys(block_ids, hold_id))
-            self._claims.difference_update(block_ids)
-
-    def rehold(self, hold_id: str) -> None:
-        """Hold the claimed blocks that no request holds any more (after releases). One a
-        load still writes is pinned anyway; it is held at a later call, once unpinned."""
-        if not self._claims:
-            return
-        state = self.engine.state
-        free = sorted(
-            b
-            for b in self._claims
-            if not state.refs[state.resolve(b)] and not state.load_pins[state.resolve(b)]
-        )
-        self._hold(hold_id, free)
+        self.apply(BlocksAllocated(req_id=hold_id, block_ids=block_ids))
+        self._holds.update(dict.fromkeys(block_ids, hold_id))
 
     def claim(self, block_ids: Iterable[int]) -> None:
-        """A request is being given these blocks: release the placeholders that hold any of
-        them, and forget their claims."""
-        wanted = list(block_ids)
-        self._claims.difference_update(wanted)
+        """A request is being given these blocks: the placeholders that hold any of them
+        let go, and hold on to the rest of their blocks under a new name."""
         if not self._holds:
             return
+        wanted = set(block_ids)
         hold_ids = sorted({self._holds[b] for b in wanted if b in self._holds})
         for hold_id in hold_ids:
+            rest = [b for b, h in self._holds.items() if h == hold_id and b not in wanted]
             self.apply(RequestFinished(req_id=hold_id))
-        if hold_ids:
-            released = set(hold_ids)
-            self._holds = {b: h for b, h in self._holds.items() if h not in released}
+            self._holds = {b: h for b, h in self._holds.items() if h != hold_id}
+            if rest:
+                self._num_holds += 1
+                self._hold(f"{hold_id}.{self._num_holds}", rest)
 
     release_holds = claim
 

@@ -33,7 +33,7 @@ _PATH = os.path.join(_TMP, "input.kvlog")
 
 def _valid_header() -> bytes:
     path = os.path.join(_TMP, "header.kvlog")
-    LogWriter(path, sync="none").close()
+    LogWriter(path, sync="none").abandon()  # the header alone: close() adds a LogEnd
     with open(path, "rb") as file:
         return file.read()
 

@@ -20,6 +20,7 @@ small CPU tensors filled with canary bytes and checks every live block at the en
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -30,7 +31,8 @@ import msgspec
 
 from kvlog import reducers
 from kvlog.canary import CanaryReport, CanaryTracker, make_canary_executor
-from kvlog.errors import CorruptLogError, InvalidEvent
+from kvlog.engine import check_state_memory
+from kvlog.errors import CorruptLogError, InvalidEvent, NotConfigured
 from kvlog.events import (
     CacheConfigured,
     Checkpoint,
@@ -355,6 +357,8 @@ class _Replayer:
     # -- setup ---------------------------------------------------------------------------
     def _start(self, config: CacheConfigured) -> None:
         self.result.recorded_config = config
+        if type(config.num_gpu_blocks) is int:  # a bad one is refused by the reducers
+            check_state_memory(config)
         self.recorded = _Run("recorded", config, self.series)
         if self.overrides:
             whatif_config = msgspec.structs.replace(config, **self.overrides)
@@ -371,7 +375,10 @@ class _Replayer:
         if checkpoint is None:
             return 0
         state = reducers.restore(checkpoint.snapshot)
-        assert state.config is not None, "a checkpoint snapshot without a config"
+        if state.config is None:
+            raise CorruptLogError(
+                "a checkpoint snapshot without a configuration", path=self.reader.path, seq=seq
+            )
         self.result.recorded_config = state.config
         self.recorded = _Run("recorded", state.config, self.series)
         self.recorded.state = state
@@ -544,8 +551,18 @@ class _Other:
 
     def __init__(self, path: str, series: bool) -> None:
         self.path = path
-        self.events: Iterator[tuple[int, Event]] = (
+        events = (
             (seq, r) for seq, r in LogReader(path).records() if not isinstance(r, Checkpoint)
+        )
+        first = next(events, None)
+        if first is not None and type(first[1]) is not CacheConfigured:
+            raise NotConfigured(
+                f"{path} does not start with CacheConfigured (seq {first[0]} is a "
+                f"{type(first[1]).__name__}): it is not a log to compare against",
+                first[1],
+            )
+        self.events: Iterator[tuple[int, Event]] = itertools.chain(
+            [] if first is None else [first], events
         )
         self.run: _Run | None = None
         self.done = False
@@ -569,9 +586,8 @@ class _Other:
             return
         other_seq, other_event = nxt
         if self.run is None:
-            assert type(other_event) is CacheConfigured, (
-                f"{self.path} does not start with CacheConfigured"
-            )
+            assert type(other_event) is CacheConfigured, "checked when the log was opened"
+            check_state_memory(other_event)
             self.run = _Run("against", other_event, series=False)
         try:
             other_plans = self.run.apply(other_event)

@@ -13,13 +13,15 @@ skipped, so sequence numbers of yielded records can have gaps.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 from collections.abc import Iterator
+from typing import BinaryIO
 
 import msgspec
 
-from kvlog.errors import CorruptLogError
+from kvlog.errors import CorruptLogError, LogNotFound
 from kvlog.events import Checkpoint, Record
 from kvlog.log.format import (
     FLAG_CLOSED,
@@ -34,6 +36,7 @@ from kvlog.log.format import (
     record_seed,
 )
 from kvlog.log.scan import FrameScanner
+from kvlog.log.writer import check_kind, path_error
 
 __all__ = ["LogReader", "read_header", "read_log"]
 
@@ -46,7 +49,7 @@ class LogReader:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
-        with open(self.path, "rb", buffering=0) as file:
+        with _open(self.path) as file:
             info = read_header_info(file, self.path)
         self.header, self._data_offset, self.flags = info.header, info.data_offset, info.flags
         self.tail: Recovery | None = None
@@ -73,7 +76,7 @@ class LogReader:
         """
         if start_seq < 0:
             raise ValueError(f"start_seq must be >= 0, not {start_seq}")
-        with open(self.path, "rb", buffering=0) as file:
+        with _open(self.path) as file:
             size = os.fstat(file.fileno()).st_size
             seed = record_seed(self.header.file_id)
             scanner = FrameScanner(
@@ -87,6 +90,17 @@ class LogReader:
 
     def __iter__(self) -> Iterator[tuple[int, Record]]:
         return self.records()
+
+
+def _open(path: str) -> BinaryIO:
+    """The log file, opened for reading: ``LogNotFound`` when it is not there,
+    ``LogPathError`` for anything but a regular file (a FIFO is never opened)."""
+    if check_kind(path) is None:
+        raise LogNotFound(errno.ENOENT, f"{path}: no such log")
+    try:
+        return open(path, "rb", buffering=0)  # noqa: SIM115 (the caller closes it)
+    except OSError as exc:
+        raise path_error(path, "cannot open the log", exc) from exc
 
 
 class _Assembler:

@@ -326,12 +326,12 @@ def _new_header(meta: dict[str, str] | None, file_id: int | None) -> LogHeader:
 def _open_locked(path: str, header: LogHeader) -> int:
     """The fd of the log file, opened read-write and locked; an absent file is created
     (atomically) and an empty one gets its header, under the lock."""
-    if _check_kind(path) is None:
+    if check_kind(path) is None:
         _create(path, header)
     try:
         fd = os.open(path, _OPEN_FLAGS)
     except OSError as exc:
-        raise _path_error(path, "cannot open the log", exc) from exc
+        raise path_error(path, "cannot open the log", exc) from exc
     try:
         _check_regular(os.fstat(fd).st_mode, path)  # the checked path may have changed
         _lock(fd, path)
@@ -343,7 +343,7 @@ def _open_locked(path: str, header: LogHeader) -> int:
     return fd
 
 
-def _check_kind(path: str) -> os.stat_result | None:
+def check_kind(path: str) -> os.stat_result | None:
     """The stat of what ``path`` names (through a symlink), None when nothing is there;
     ``LogPathError`` for anything but a regular file, and for a dangling symlink."""
     try:
@@ -361,7 +361,7 @@ def _check_kind(path: str) -> os.stat_result | None:
     except LogPathError:
         raise
     except OSError as exc:
-        raise _path_error(path, "cannot stat the log path", exc) from exc
+        raise path_error(path, "cannot stat the log path", exc) from exc
     _check_regular(st.st_mode, path)
     return st
 
@@ -376,7 +376,7 @@ def _check_regular(mode: int, path: str) -> None:
     raise LogPathError(code, f"{path} is a {kind}, not a regular file: refused, left as it is")
 
 
-def _path_error(path: str, what: str, exc: OSError) -> LogPathError:
+def path_error(path: str, what: str, exc: OSError) -> LogPathError:
     code = exc.errno if exc.errno is not None else errno.EIO
     return LogPathError(code, f"{path}: {what}: {exc.strerror or exc}")
 
@@ -388,7 +388,7 @@ def _write_header_in_place(fd: int, path: str, header: LogHeader) -> None:
     except OSError as exc:
         with contextlib.suppress(OSError):
             os.ftruncate(fd, 0)  # leave the file empty, as it was
-        raise _path_error(path, "cannot write the log header", exc) from exc
+        raise path_error(path, "cannot write the log header", exc) from exc
 
 
 def _create(path: str, header: LogHeader) -> None:
@@ -400,7 +400,7 @@ def _create(path: str, header: LogHeader) -> None:
             prefix=f".{os.path.basename(path)}.", suffix=".kvlog.tmp", dir=directory
         )
     except OSError as exc:
-        raise _path_error(path, "cannot create the log", exc) from exc
+        raise path_error(path, "cannot create the log", exc) from exc
     try:
         try:
             _write_all(fd, encode_header(header))
@@ -411,7 +411,7 @@ def _create(path: str, header: LogHeader) -> None:
             os.link(tmp_path, path)  # never replaces anything
         _fsync_directory(directory)
     except OSError as exc:
-        raise _path_error(path, "cannot create the log", exc) from exc
+        raise path_error(path, "cannot create the log", exc) from exc
     finally:
         with contextlib.suppress(OSError):
             os.unlink(tmp_path)

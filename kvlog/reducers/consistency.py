@@ -2,11 +2,12 @@
 with typed errors.
 
 ``check_invariants`` asserts (a broken invariant there is a kvlog bug, and ``python -O``
-drops it); a snapshot is input, so ``restore`` checks it here with ``CorruptLogError``:
-the mapping is a permutation and its inverse, ref counts are those of the live tables, pin
-counts those of the unfinished jobs, and every id is in range. O(num_gpu_blocks),
-vectorized. ``check_invariants`` then runs as well (where asserts are on) for the derived
-data.
+drops it); a snapshot is input, so ``restore`` checks it with ``CorruptLogError``. Where
+asserts are on, ``check_invariants`` does it (it checks all of the below and the derived
+data; its ``AssertionError`` becomes ``CorruptLogError``); where they are off, the checks
+here run instead: the mapping is a permutation and its inverse, ref counts are those of
+the live tables, pin counts those of the unfinished jobs, and every id is in range.
+O(num_gpu_blocks), vectorized.
 """
 
 from __future__ import annotations
@@ -37,15 +38,20 @@ def check_consistent(state: State) -> None:
         return
     n = state.num_gpu_blocks
     _require(n == config.num_gpu_blocks, "arrays are not sized num_gpu_blocks")
-    fwd, bwd = state.fwd.astype(np.int64), state.bwd.astype(np.int64)
-    _require(bool(((fwd >= 0) & (fwd < n)).all() and ((bwd >= 0) & (bwd < n)).all()), "mapping")
-    _require(np.array_equal(bwd[fwd], np.arange(n)), "bwd is not the inverse of fwd")
+    if __debug__:
+        try:
+            check_invariants(state)
+        except AssertionError as exc:
+            raise CorruptLogError(f"bad state snapshot: {exc}") from exc
+        return
+    fwd, bwd = state.fwd, state.bwd
+    in_range = n == 0 or (
+        int(min(fwd.min(), bwd.min())) >= 0 and int(max(fwd.max(), bwd.max())) < n
+    )
+    _require(in_range, "the mapping leaves the pool")
+    _require(np.array_equal(bwd[fwd], np.arange(n, dtype=np.int32)), "bwd is not fwd's inverse")
     _check_tables(state, fwd)
     _check_jobs(state)
-    try:
-        check_invariants(state)  # the derived data, where asserts are on
-    except AssertionError as exc:
-        raise CorruptLogError(f"bad state snapshot: {exc}") from exc
 
 
 def _check_tables(state: State, fwd: np.ndarray) -> None:

@@ -10,8 +10,9 @@ from the state's buffers), so it never holds a copy of the arrays.
 
 A snapshot (format 2) is ``SNAPSHOT_MAGIC | crc32c u32 | body``, the body msgpack of
 ``[digest, zlib(canonical without the arrays), arrays, last_swap]``; each array is stored
-as ``[codec, bytes]``: fwd and bwd as their difference from the identity, then zlib when
-at most half of it is nonzero, raw otherwise. ``restore`` checks the CRC, rebuilds, checks
+as ``[codec, bytes...]``: fwd and bwd as their difference from the identity, then as the
+positions and values of its nonzero entries when at most 1/16 are nonzero, zlib when at
+most half are, raw otherwise. ``restore`` checks the CRC, rebuilds, checks
 every invariant with typed errors (``kvlog.reducers.consistency``, no asserts) and that the
 rebuilt state has the recorded digest. Format 1 snapshots (msgpack ``[magic, canonical,
 last_swap]``, no checksum), as in older logs, still restore, with the same checks.
@@ -50,7 +51,7 @@ _ARRAYS_AT = 4  # index of the arrays in the canonical list
 _MAPPINGS = frozenset({"fwd", "bwd"})  # stored as their difference from the identity
 SNAPSHOT_MAGIC = b"\x89KVSNAP\x02"
 """First bytes of a format-2 snapshot (a format-1 one starts with a msgpack array)."""
-_RAW, _ZLIB = 0, 1
+_RAW, _ZLIB, _SPARSE = 0, 1, 2
 
 
 _SCHEMA1_CONFIG = frozenset(CacheConfigured.__struct_fields__[:10])
@@ -175,23 +176,36 @@ def digest_and_snapshot(state: State) -> tuple[str, bytes]:
 
 
 def _pack_array(name: str, state: State) -> list[Any]:
-    """``[codec, bytes]`` of one per-block array (see the module docstring)."""
+    """``[codec, bytes...]`` of one per-block array (see the module docstring)."""
     array = getattr(state, name)
     if name in _MAPPINGS:
         array = array - np.arange(array.size, dtype=np.int32)
-    if np.count_nonzero(array) * 2 <= array.size:
+    nonzero = np.flatnonzero(array)
+    if nonzero.size * 16 <= array.size:  # sparse: positions and values
+        return [_SPARSE, _le_bytes(nonzero.astype(np.int32)), _le_bytes(array[nonzero])]
+    if nonzero.size * 2 <= array.size:
         return [_ZLIB, zlib.compress(_le_bytes(array), 1)]
     return [_RAW, _le_bytes(array)]
 
 
-def _unpack_array(name: str, packed: list[Any], size: int) -> bytes:
-    codec, data = packed
-    raw = zlib.decompress(data) if codec == _ZLIB else bytes(data)
-    if codec not in (_RAW, _ZLIB) or len(raw) != 4 * size:
-        raise ValueError(f"{name}: codec {codec!r} with {len(raw)} bytes for {size} blocks")
-    if name not in _MAPPINGS:
-        return raw
-    return (np.frombuffer(raw, "<i4") + np.arange(size, dtype=np.int32)).astype("<i4").tobytes()
+def _unpack_array(name: str, packed: list[Any], size: int) -> np.ndarray:
+    """One per-block array back from ``[codec, bytes...]``."""
+    codec, data, *more = packed
+    if codec == _SPARSE:
+        array = np.zeros(size, dtype=np.int32)
+        positions, values = np.frombuffer(data, "<i4"), np.frombuffer(more[0], "<i4")
+        inside = int(positions.min(initial=0)) >= 0 and int(positions.max(initial=0)) < size
+        if positions.size != values.size or not (inside or positions.size == 0):
+            raise ValueError(f"{name}: bad sparse positions")
+        array[positions] = values
+    elif codec in (_RAW, _ZLIB):
+        raw = zlib.decompress(data) if codec == _ZLIB else data
+        if len(raw) != 4 * size:
+            raise ValueError(f"{name}: {len(raw)} bytes for {size} blocks")
+        array = np.frombuffer(raw, "<i4")
+    else:
+        raise ValueError(f"{name}: unknown codec {codec!r}")
+    return array + np.arange(size, dtype=np.int32) if name in _MAPPINGS else array
 
 
 def restore(blob: bytes) -> State:
@@ -220,9 +234,9 @@ def _restore_v2(blob: bytes) -> State:
     canonical = msgspec.msgpack.decode(zlib.decompress(packed_rest))
     config = canonical[1]
     size = int(config["num_gpu_blocks"]) if config is not None else 0
-    canonical[_ARRAYS_AT] = [
+    canonical[_ARRAYS_AT] = (  # unpacked one at a time, as _rebuild copies them in
         _unpack_array(name, packed, size) for name, packed in zip(_ARRAYS, arrays, strict=True)
-    ]
+    )
     state = _finish(_rebuild(canonical), last_swap)
     if digest(state) != hexdigest:
         raise CorruptLogError("bad state snapshot: the rebuilt state has another digest")
@@ -246,7 +260,7 @@ def _rebuild(canonical: list[Any]) -> State:
     if config is not None:
         state.configure(_checked_config(config))
     for name, raw in zip(_ARRAYS, arrays, strict=True):
-        array = np.frombuffer(raw, dtype="<i4").astype(np.int32)
+        array = raw if isinstance(raw, np.ndarray) else np.frombuffer(raw, dtype="<i4")
         if array.size != state.num_gpu_blocks:
             raise ValueError(f"{name} holds {array.size} blocks, not {state.num_gpu_blocks}")
         getattr(state, name)[:] = array  # into the buffer the State's loops index

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 
+from kvlog.errors import ConfigError
+
 __all__ = ["BlockPool", "CpuCache"]
 
 
@@ -20,7 +22,10 @@ class BlockPool:
     """GPU blocks: FIFO free queue, ref counts, prefix cache (hash -> block)."""
 
     def __init__(self, num_gpu_blocks: int, prefix_caching: bool) -> None:
-        assert num_gpu_blocks >= 2, "a pool needs the null block and at least one more"
+        if type(num_gpu_blocks) is not int or num_gpu_blocks < 2:
+            raise ConfigError(
+                "num_gpu_blocks", num_gpu_blocks, "an int >= 2 (the null block and one more)"
+            )
         self.num_gpu_blocks = num_gpu_blocks
         self.prefix_caching = prefix_caching
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_gpu_blocks))

@@ -164,3 +164,13 @@ def test_a_stale_table_never_releases_a_resumed_requests_live_blocks() -> None:
     assert defrag.req_blocks == {"r": [20, 21, 12]}
     used = defrag.used_blocks
     assert all(used.get(defrag.resolve(b)) for b in (20, 21, 12))
+
+
+def test_a_request_cut_earlier_in_the_same_call_can_be_given_its_kept_block() -> None:
+    """Seen under the real scheduler (nopc, bpc 4): S takes a stale block of R, which keeps
+    its later batch; R then gets a block of that kept batch back in the same call."""
+    defrag = OnlineDefragmenter(make_hpu_caches(32, BS), BS, environ={}, backend="cpu")
+    defrag.update_state({"r": [1, 2]}, [])
+    defrag.update_state({"r": [3]}, [])
+    defrag.update_state({"s": [1], "r": [3, 4]}, [])
+    assert defrag.req_blocks == {"r": [3, 4], "s": [1]}

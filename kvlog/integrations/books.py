@@ -132,16 +132,27 @@ class _Planner:
         self.dropped: set[str] = set()
         self.added: dict[str, list[list[int]]] = {}
         self.taken: dict[int, str] = {}
+        self.given: dict[int, str] = {}  # blocks the runner gave in this call, to whom
 
     # -- the view -------------------------------------------------------------------------
     def _old(self, req_id: str) -> _Table | None:
         return None if req_id in self.dropped else self.books._tables.get(req_id)
 
-    def _holds(self, req_id: str, block_id: int) -> bool:
-        table = self._old(req_id)
-        if table is not None and block_id in table.batch_of:
-            return True
-        return any(block_id in batch for batch in self.added.get(req_id, ()))
+    def _batches(self, req_id: str) -> list[list[int]]:
+        """The request's batches now: its old ones (unless released) and this call's."""
+        old = self._old(req_id)
+        return (old.batches if old is not None else []) + self.added.get(req_id, [])
+
+    def _batch_of(self, req_id: str, block_id: int) -> int | None:
+        """Which of ``_batches(req_id)`` holds the block (None: none of them)."""
+        old = self._old(req_id)
+        if old is not None and block_id in old.batch_of:
+            return old.batch_of[block_id]
+        base = len(old.batches) if old is not None else 0
+        for i, batch in enumerate(self.added.get(req_id, [])):
+            if block_id in batch:
+                return base + i
+        return None
 
     def _owner(self, block_id: int) -> str | None:
         owner = self.taken.get(block_id)
@@ -172,6 +183,7 @@ class _Planner:
         self._evict_stale_owners(req_id, block_ids)
         self.steps.append(Claim(block_ids))
         self._add(req_id, block_ids)
+        self.given.update(dict.fromkeys(block_ids, req_id))
 
     def _add(self, req_id: str, block_ids: list[int]) -> None:
         """One batch for ``req_id`` (after a release, a fresh table: ``dropped`` keeps
@@ -182,29 +194,25 @@ class _Planner:
         self.changes.append(("add", req_id, block_ids))
 
     def _evict_stale_owners(self, req_id: str, block_ids: list[int]) -> None:
-        """Facts 1 and 2: a block being given away was freed, so its holder (``req_id``
-        itself, or without prefix caching any request) was preempted after the batch that
-        brought it: release the holder's batches up to the last such one."""
+        """A block being given away was freed, so its holder (``req_id`` itself, or without
+        prefix caching any request) was preempted after the batch that brought it: release
+        the holder's batches up to the last such one, and give it back the later ones."""
         cut: dict[str, int] = {}
         for b in block_ids:
-            if b in self.taken and not self.prefix_caching:
+            other = self.given.get(b)
+            if other is not None and other != req_id and not self.prefix_caching:
                 event = BlocksAllocated(req_id=req_id, block_ids=block_ids)
-                other = self.taken[b]
                 raise BlockInUse(f"block {b} is given to {other!r} and {req_id!r} at once", event)
-            own = self._old(req_id)
-            if own is not None and b in own.batch_of:
-                cut[req_id] = max(cut.get(req_id, -1), own.batch_of[b])
-                continue
-            owner = None if self.prefix_caching else self._owner(b)
-            if owner is None or owner == req_id:
-                continue
-            table = self._old(owner)
-            assert table is not None, "an owner from the books has a table"
-            cut[owner] = max(cut.get(owner, -1), table.batch_of[b])
+            index = self._batch_of(req_id, b)
+            owner = req_id
+            if index is None and not self.prefix_caching:
+                found = self._owner(b)
+                if found is not None:
+                    owner, index = found, self._batch_of(found, b)
+            if index is not None:
+                cut[owner] = max(cut.get(owner, -1), index)
         for owner, index in sorted(cut.items()):
-            table = self._old(owner)
-            assert table is not None, "checked above"
-            keep = table.batches[index + 1 :] + self.added.get(owner, [])
+            keep = self._batches(owner)[index + 1 :]
             self.release(RequestPreempted(req_id=owner))
             for batch in keep:  # batch by batch, so later evidence can cut again
                 self._add(owner, batch)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from seed_reference import SeedDefragmenter, make_hpu_caches, read_tags, write_canary
 
 from kvlog.errors import (
@@ -313,3 +314,36 @@ def test_disabled_defrag_still_records_and_never_swaps(tmp_path: Path) -> None:
     assert not defrag.enabled and defrag.last_swap is None and defrag.resolve(40) == 40
     defrag.close()
     assert len(events(log)) == 3
+
+
+def test_the_runner_constructor_warmup_swap_and_cache_utils() -> None:
+    """vllm-gaudi builds ``OnlineDefragmenter(kv_caches, block_size)``, warms it up, and its
+    ``_swap`` calls ``cache_utils(srcs, dsts, caches, block_size)`` with -1 padding."""
+    caches = make_hpu_caches(16, BS)
+    defrag = OnlineDefragmenter(caches, BS, environ={}, backend="cpu")
+    for block in range(17):
+        write_canary(caches, BS, block, 100 + block)  # type: ignore[arg-type]
+    defrag.warmup()
+    assert [read_tags(caches, BS, b) for b in range(17)] == [{100 + b} for b in range(17)]  # type: ignore[arg-type]
+    defrag._swap([(5, 2)], 8)  # move mode: 5's bytes now also at 2
+    assert read_tags(caches, BS, 2) == {105}  # type: ignore[arg-type]
+    assert defrag.cache_utils is not None
+    keys = [layer[0] for layer in caches]
+    defrag.cache_utils(torch.tensor([6, -1]), torch.tensor([3, -1]), keys, BS)
+    assert read_tags([(k, None) for k in keys], BS, 3) == {106}  # type: ignore[arg-type]
+    defrag.update_state({"a": [1]}, [])
+    with pytest.raises(ConfigError):  # no bookkeeping: never while a block is live
+        defrag._swap([(5, 2)], 8)
+
+
+def test_expedited_loads_and_the_0_33_handler_shape() -> None:
+    defrag = make(backend="fake")
+    handlers = OffloadingHandlers(defrag, num_cpu_blocks=4)
+    worker = handlers.worker
+    defrag.update_state({"a": [5]}, [])
+    assert worker.submit_load(1, [0], [6], expedited=True)  # vLLM's sync loads
+    worker.wait({1})
+    assert handlers.gpu_to_cpu_handler.transfer_async(2, [5], [1])  # 0.33: src, dst
+    assert handlers.gpu_to_cpu_handler.transfer_async(3, ([5], [2]))  # older: (src, dst)
+    worker.wait(None)
+    assert sorted(r.job_id for r in worker.get_finished()) == [1, 2, 3]

@@ -213,9 +213,11 @@ class OffloadingHandler:
         self.gpu_to_cpu = kind == "store"
         self.transfer_type = _TYPES[kind]
 
-    def transfer_async(self, job_id: int, spec: tuple[Any, Any]) -> bool:
-        """Submit ``spec = (src_spec, dst_spec)`` in this handler's direction."""
-        src_spec, dst_spec = spec
+    def transfer_async(self, job_id: int, src_spec: Any, dst_spec: Any = None) -> bool:
+        """Submit a job in this handler's direction: ``(job_id, src_spec, dst_spec)`` as
+        vLLM 0.33's handlers take it, or ``(job_id, (src_spec, dst_spec))`` as older ones."""
+        if dst_spec is None:
+            src_spec, dst_spec = src_spec
         if self.gpu_to_cpu:
             return self.worker.submit_store(job_id, src_spec, dst_spec)
         return self.worker.submit_load(job_id, src_spec, dst_spec)

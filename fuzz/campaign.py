@@ -226,12 +226,15 @@ def _damage_loop(
     try:
         for index, (what, position, patch) in enumerate(trials):
             os.pwrite(fd, patch, position)
-            frames = (log.frame_of(position), log.frame_of(position + len(patch) - 1))
+            original = log.data[position : position + len(patch)]
+            changed = [i for i, (a, b) in enumerate(zip(original, patch, strict=True)) if a != b]
+            first, last = position + changed[0], position + changed[-1]
+            frames = (log.frame_of(first), log.frame_of(last))
             kind, failure = judge(path, log, what, allowed, frames)
             if not failure and writer_every and index % writer_every == 0:
                 failure = _writer_check(path, kind, what)
             outcome.add(kind, failure)
-            os.pwrite(fd, log.data[position : position + len(patch)], position)
+            os.pwrite(fd, original, position)
             if os.fstat(fd).st_size != len(log.data):  # a writer cut or closed it
                 path.write_bytes(log.data)
     finally:
@@ -266,13 +269,14 @@ def zero_campaign(
     log: WrittenLog,
     *,
     lengths: tuple[int, ...] = (1, 8, 16, 100, 4096),
+    min_step: int = 1,
     writer_every: int = 50,
 ) -> dict[str, Any]:
-    """Zeroed ranges of each length, at offsets every half length (at least 3 bytes)."""
+    """Zeroed ranges of each length, at offsets every half length (at least ``min_step``)."""
 
     def trials() -> Iterator[tuple[str, int, bytes]]:
         for length in lengths:
-            for position in range(0, len(log.data) - 1, max(3, length // 2)):
+            for position in range(0, len(log.data) - 1, max(min_step, length // 2)):
                 size = min(length, len(log.data) - position)
                 if log.data[position : position + size] != bytes(size):
                     yield f"zero {size} bytes at {position}", position, bytes(size)
@@ -568,7 +572,10 @@ def _damage_campaigns(tmp: Path, name: str, quick: bool) -> dict[str, Any]:
             counts = truncate_campaign(tmp, log, stride=stride)
         else:
             counts = zero_campaign(
-                tmp, log, lengths=(1, 16, 4096) if quick else (1, 8, 16, 100, 4096)
+                tmp,
+                log,
+                lengths=(1, 16, 4096) if quick else (1, 8, 16, 100, 4096),
+                min_step=13 if quick else 1,
             )
         out[label] = {**sizes, **counts}
     return out

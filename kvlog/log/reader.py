@@ -98,7 +98,7 @@ def _open(path: str) -> BinaryIO:
     if check_kind(path) is None:
         raise LogNotFound(errno.ENOENT, f"{path}: no such log")
     try:
-        return open(path, "rb", buffering=0)  # noqa: SIM115 (the caller closes it)
+        return open(path, "rb", buffering=0)
     except OSError as exc:
         raise path_error(path, "cannot open the log", exc) from exc
 

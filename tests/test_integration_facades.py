@@ -347,3 +347,22 @@ def test_expedited_loads_and_the_0_33_handler_shape() -> None:
     assert handlers.gpu_to_cpu_handler.transfer_async(3, ([5], [2]))  # older: (src, dst)
     worker.wait(None)
     assert sorted(r.job_id for r in worker.get_finished()) == [1, 2, 3]
+
+
+def test_a_sync_load_into_its_own_requests_blocks_releases_nothing() -> None:
+    """vLLM's sync loads: the request is scheduled (and its blocks allocated) in the same step
+    as its load. Found under the real scheduler: treating the load's blocks as 'given away'
+    released the live request."""
+    defrag = make(backend="fake")
+    worker = OffloadingWorker(defrag, num_cpu_blocks=4)
+    defrag.update_state({"r": [21, 22, 23, 24], "s": [30]}, [])
+    worker.declare("load", 1, [2, 3], [21, 22], req_id="r")
+    assert defrag.req_blocks == {"r": [21, 22, 23, 24], "s": [30]}
+    assert defrag.session.held_blocks == {}
+    # another request's load into s's block proves s was preempted (no prefix caching)
+    worker.declare("load", 2, [0], [30], req_id="q")
+    assert defrag.req_blocks == {"r": [21, 22, 23, 24]}
+    assert defrag.session.held_blocks == {30: "kvlog-load-hold-2"}
+    assert worker.submit_load(1, [2, 3], [21, 22]) and worker.submit_load(2, [0], [30])
+    worker.wait(None)
+    assert sorted(r.job_id for r in worker.get_finished()) == [1, 2]

@@ -95,9 +95,14 @@ class RequestBooks:
         self._pending = planner.changes
         return planner.steps
 
+    def holds(self, req_id: str, block_id: int) -> bool:
+        """Whether the runner gave ``block_id`` to ``req_id`` (as far as the books know)."""
+        table = self._tables.get(req_id)
+        return table is not None and block_id in table.batch_of
+
     def evict(self, state: State, block_ids: list[int]) -> list[Step]:
-        """The releases that giving ``block_ids`` to a load proves (without prefix caching:
-        their holders were preempted); ``commit`` once they ran."""
+        """The releases that giving ``block_ids`` to another request's load proves (without
+        prefix caching: their holders were preempted); ``commit`` once they ran."""
         assert state.config is not None, "the session starts the Engine configured"
         planner = _Planner(self, state, state.config.prefix_caching)
         if not planner.prefix_caching:

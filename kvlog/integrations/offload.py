@@ -144,9 +144,17 @@ class OffloadingWorker:
         self.session.attach_offload(num_cpu_blocks, block_size_factor, quarantine=quarantine)
         self._shut_down = False
 
-    def declare(self, kind: JobKind, job_id: int, src_spec: Any, dst_spec: Any) -> None:
-        """Pin a job the scheduler decided, before its ``submit_*`` runs it."""
-        self._submit(transfer_event(kind, job_id, src_spec, dst_spec, deferred=True))
+    def declare(
+        self,
+        kind: JobKind,
+        job_id: int,
+        src_spec: Any,
+        dst_spec: Any,
+        req_id: str | None = None,
+    ) -> None:
+        """Pin a job the scheduler decided for request ``req_id``, before its ``submit_*``
+        runs it."""
+        self._submit(transfer_event(kind, job_id, src_spec, dst_spec, deferred=True), req_id)
 
     def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
         """GPU (logical ids) -> CPU; True once submitted."""
@@ -175,12 +183,12 @@ class OffloadingWorker:
         # else: a declared store already flushed (running or done): nothing to do
         return True
 
-    def _submit(self, event: StoreRequested | LoadRequested) -> None:
+    def _submit(self, event: StoreRequested | LoadRequested, req_id: str | None = None) -> None:
         if self._shut_down:
             raise TransferSpecError("the offloading worker was shut down")
         kind: JobKind = "store" if isinstance(event, StoreRequested) else "load"
         if kind == "load":
-            self.session.hold(event.job_id, event.gpu_block_ids)
+            self.session.hold(event.job_id, event.gpu_block_ids, req_id)
         self.session.apply(event)
         self.session.submitted(event.job_id, kind)
 

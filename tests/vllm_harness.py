@@ -100,8 +100,8 @@ class RunConfig:
     cpu_chunks: int = 384
     max_output: int = 96
     max_waiting: int = 12
-    wave: int = 10**6  # requests per arrival wave (default: one endless wave)
-    wave_low: int = 4  # a new wave starts when this few requests are left
+    wave: int = 32  # requests per arrival wave
+    wave_low: int = 3  # a new wave starts when this few requests are left
     seed: int = 1
 
     def describe(self) -> str:

@@ -185,9 +185,12 @@ def judge(
     except Exception as exc:
         return "untyped", f"{what}: untyped {exc!r}"
     if kind == "refused":
-        if first >= 0 and info.offset > log.starts[first]:
+        if first < 0:
+            return "refused-header", ""
+        if info.offset > log.starts[first]:
             return kind, f"{what}: refused at {info.offset}, after the damaged frame"
-        return kind, ""
+        exact = (info.offset, info.seq) == (log.starts[first], first)
+        return "refused-at-frame" if exact else "refused-before-frame", ""
     if got != log.records[: len(got)]:
         return "misread", f"{what}: misread records"
     if kind == "whole":

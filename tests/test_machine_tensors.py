@@ -3,19 +3,27 @@
 Every block gets fresh canary bytes when it is allocated (or the bytes a load brings); the
 machine tracks what each LOGICAL block must hold, independently of the engine, and after
 every rule reads each one through ``engine.resolve`` and ``executor.read_gpu_block``. Each
-finished store must hold, in its CPU sub-blocks, the bytes its GPU blocks held at submit
-time. The fake backend defers every copy until a late, seeded completion and reads the
-source only then, so a missing pin (defrag moving a block a transfer has yet to read, or
-moving something into a block a load has yet to write) shows up as wrong bytes.
+finished store must hold, in its CPU sub-blocks, the bytes its GPU blocks held when its
+plan was handed out: at ``StoreRequested``, or for a deferred store at ``TransferSubmitted``
+or at the flush of an allocation that reuses one of its blocks. Between a deferred store's
+request and its submission the ``compute`` rule writes new bytes into its blocks (the KV it
+waits for), so a store that read its blocks too early shows up. The fake backend defers
+every copy until a late, seeded completion and reads the source only then, so a missing pin
+(defrag moving a block a transfer has yet to read, or moving something into a block a load
+has yet to write) or a missing fence (a reused block overwritten by its new owner before a
+store read it: the store must read the old bytes) shows up as wrong bytes.
 
-What a block must hold: without prefix caching (``"move"`` swaps) only blocks of live
-requests keep their bytes; with prefix caching (``"swap"``) every block does, free ones
-included (they may be cached prefixes), which the machine checks too.
+What a block must hold: without prefix caching (``"move"`` swaps) the blocks of live
+requests and the blocks unfinished stores read keep their bytes; with prefix caching
+(``"swap"``) every block does, free ones included (they may be cached prefixes), which the
+machine checks too.
 """
 
 from __future__ import annotations
 
 import random
+from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -23,23 +31,31 @@ import torch
 from hypothesis import event as note_event
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
-from model import PlainModel
+from model import PlainModel, cpu_sub_blocks
 from strategies import (
+    MACHINE_REQ_IDS,
     draw_allocation,
     draw_load,
     draw_release,
     draw_step,
     draw_store,
+    draw_submit,
     machine_configs,
 )
 
 from kvlog import Engine, reducers
 from kvlog.events import (
+    BlocksAllocated,
     CacheConfigured,
     Event,
+    FencePlan,
     LoadRequested,
+    Plan,
+    RequestFinished,
+    RequestPreempted,
     StoreRequested,
     TransferFinished,
+    TransferPlan,
 )
 from kvlog.executors import make_executor
 
@@ -63,6 +79,15 @@ def make_kv_caches(layout: str, config: CacheConfigured) -> list[Any]:
     ]
 
 
+@dataclass
+class JobRecord:
+    """A transfer the machine requested; ``captured`` is what a store must deliver, set
+    when its plan is handed out (None until then)."""
+
+    event: StoreRequested | LoadRequested
+    captured: list[bytes | None] | None = None
+
+
 class EngineOnTensors(RuleBasedStateMachine):
     """An Engine with a cpu or fake executor; the model generates and checks the events."""
 
@@ -73,7 +98,7 @@ class EngineOnTensors(RuleBasedStateMachine):
         self.executor: Any = None
         self.expected: dict[int, bytes | None] = {}  # logical GPU block -> its bytes
         self.cpu_expected: dict[int, bytes | None] = {}  # CPU sub-block -> its bytes
-        self.jobs: dict[int, tuple[Event, list[bytes | None]]] = {}
+        self.jobs: dict[int, JobRecord] = {}
         self.num_canaries = 0
 
     @initialize(
@@ -121,64 +146,112 @@ class EngineOnTensors(RuleBasedStateMachine):
     def swap_mode(self) -> bool:
         return bool(self.model.config.prefix_caching)
 
-    def apply(self, event: Event | None) -> bool:
+    def apply(self, event: Event | None) -> list[Plan] | None:
+        """Apply a generated (valid) event to the model and the engine; record a transfer
+        and capture what each store plan handed out now must deliver. None: no event."""
         if event is None:
-            return False
+            return None
         expected = self.model.apply(event)  # generated events are valid: the model agrees
         plans = self.engine.apply(event)
         assert plans == expected, f"{event!r}: engine planned {plans!r}, model {expected!r}"
+        if isinstance(event, (StoreRequested, LoadRequested)):
+            self.jobs[event.job_id] = JobRecord(event)
         for plan in plans:
             note_event(f"plan {type(plan).__name__}")
-        return True
+            if isinstance(plan, TransferPlan) and plan.kind == "store":
+                record = self.jobs[plan.job_id]
+                assert record.captured is None, f"store {plan.job_id} planned twice"
+                record.captured = [self.expected.get(b) for b in record.event.gpu_block_ids]
+                if not isinstance(event, StoreRequested):
+                    note_event(f"deferred store planned at {type(event).__name__}")
+            elif isinstance(plan, FencePlan):
+                note_event("fence before a reused block is overwritten")
+        return plans
 
     def canary(self) -> bytes:
         self.num_canaries += 1
         return random.Random(self.num_canaries).randbytes(self.page)
 
+    def write(self, block: int) -> None:
+        """New bytes for a logical block (its request computes KV into it)."""
+        self.expected[block] = self.canary()
+        self.executor.write_gpu_block(self.engine.resolve(block), self.expected[block])
+
     def held(self) -> set[int]:
         return {b for table in self.model.tables.values() for b in table}
+
+    def store_read(self) -> set[int]:
+        """Logical blocks that unfinished stores read (their bytes stay put until then)."""
+        pins = self.model.pins("store")
+        return {b for b in self.expected if pins[self.model.resolve(b)] > 0}
+
+    def forget_free(self) -> None:
+        """Under ``"move"`` swaps a free block may be overwritten by defrag once no store
+        reads it: its bytes are no longer known."""
+        if self.swap_mode:
+            return
+        keep = self.held() | self.store_read()
+        for block in [b for b in self.expected if b not in keep]:
+            self.expected[block] = None
 
     def cpu_in_flight(self, kind: str) -> set[int]:
         return {
             c
-            for event, _ in self.jobs.values()
-            if (kind == "store") == isinstance(event, StoreRequested)
-            for c in event.cpu_block_ids
+            for record in self.jobs.values()
+            if (kind == "store") == isinstance(record.event, StoreRequested)
+            for c in record.event.cpu_block_ids
         }
-
-    def cpu_subs(self, event: StoreRequested | LoadRequested) -> list[int]:
-        f = self.model.config.block_size_factor
-        subs = [c * f + k for c in event.cpu_block_ids for k in range(f)]
-        return (
-            subs if isinstance(event, StoreRequested) else subs[(-len(event.gpu_block_ids)) % f :]
-        )
 
     # -- rules ---------------------------------------------------------------------------
     @rule(data=st.data())
     def allocate(self, data: st.DataObject) -> None:
-        held, pins = self.held(), self.model.pins()
+        held, store_pins = self.held(), self.model.pins("store")
         event = draw_allocation(data.draw, self.model)
-        pinned = {b: pins[self.model.resolve(b)] > 0 for b in event.block_ids}
-        load_pins = self.model.pins("load")
+        reused = {b for b in event.block_ids if store_pins[self.model.resolve(b)] > 0}
         self.apply(event)
         for block in event.block_ids:
             if block in held:
                 continue  # a shared prefix block keeps its bytes
-            if load_pins[self.model.resolve(block)] > 0:
-                self.expected[block] = None  # a load in flight will fill it
-            elif pinned[block] or (self.swap_mode and data.draw(st.booleans())):
+            if self.swap_mode and data.draw(st.booleans()):
                 continue  # a prefix-cache hit: the block keeps its (cached) bytes
-            else:
-                self.expected[block] = self.canary()
-                self.executor.write_gpu_block(self.engine.resolve(block), self.expected[block])
+            if block in reused:
+                note_event("a block a store reads is overwritten by its new owner")
+            self.write(block)  # after the engine's fence: the store read the old bytes
+
+    @rule(data=st.data(), preempt=st.booleans())
+    def hand_over(self, data: st.DataObject, preempt: bool) -> None:
+        """The scheduler frees a request whose blocks a store still reads (submitted or
+        deferred) and hands some of them to another request in the same step; the new
+        owner writes its KV into them at once. The engine must flush and fence first."""
+        read = self.model.pins("store")
+        owners = sorted(
+            r for r, t in self.model.tables.items() if any(read[self.model.resolve(b)] for b in t)
+        )
+        if not owners:
+            return
+        owner = data.draw(st.sampled_from(owners))
+        self.apply(RequestPreempted(req_id=owner) if preempt else RequestFinished(req_id=owner))
+        refs, loads = self.model.refs(), self.model.pins("load")
+        free = [
+            b
+            for b in range(self.model.config.num_gpu_blocks)
+            if refs[p := self.model.resolve(b)] == 0 and read[p] and not loads[p]
+        ]
+        if not free:
+            self.forget_free()
+            return
+        blocks = data.draw(st.lists(st.sampled_from(sorted(free)), min_size=1, unique=True))
+        taker = data.draw(st.sampled_from([r for r in MACHINE_REQ_IDS if r != owner]))
+        plans = self.apply(BlocksAllocated(req_id=taker, block_ids=blocks))
+        assert plans and isinstance(plans[-1], FencePlan), plans
+        for block in blocks:
+            self.write(block)
+        self.forget_free()
 
     @rule(data=st.data(), preempt=st.booleans())
     def release(self, data: st.DataObject, preempt: bool) -> None:
         self.apply(draw_release(data.draw, self.model, preempt))
-        if not self.swap_mode:  # "move" swaps do not keep the bytes of free blocks
-            held = self.held()
-            for block in [b for b in self.expected if b not in held]:
-                self.expected[block] = None
+        self.forget_free()
 
     @rule(data=st.data())
     def end_step(self, data: st.DataObject) -> None:
@@ -188,37 +261,61 @@ class EngineOnTensors(RuleBasedStateMachine):
     def store(self, data: st.DataObject) -> None:
         busy = self.cpu_in_flight("store") | self.cpu_in_flight("load")
         pool = [c for c in range(self.model.config.num_cpu_blocks) if c not in busy]
-        event = draw_store(data.draw, self.model, cpu_pool=pool)
-        if self.apply(event):
-            assert event is not None
-            self.jobs[event.job_id] = (event, [self.expected.get(b) for b in event.gpu_block_ids])
+        self.apply(draw_store(data.draw, self.model, cpu_pool=pool))
 
     @rule(data=st.data())
     def load(self, data: st.DataObject) -> None:
         busy = self.cpu_in_flight("store")
         pool = [c for c in range(self.model.config.num_cpu_blocks) if c not in busy]
         event = draw_load(data.draw, self.model, cpu_pool=pool)
-        if self.apply(event):
+        if self.apply(event) is not None:
             assert event is not None
-            self.jobs[event.job_id] = (event, [])
             for block in event.gpu_block_ids:
                 self.expected[block] = None  # written when the load completes
+
+    @rule(data=st.data())
+    def submit(self, data: st.DataObject) -> None:
+        self.apply(draw_submit(data.draw, self.model))
+
+    @rule(data=st.data())
+    def compute(self, data: st.DataObject) -> None:
+        """The forward pass writes the KV that deferred, unsubmitted stores wait for: new
+        bytes in blocks that only such stores read (and one live request holds)."""
+        refs, loads = self.model.refs(), self.model.pins("load")
+        submitted = self.model.pins("store") - Counter(
+            b for j in self.model.unsubmitted() for b in self.model.jobs[j].gpu_blocks
+        )
+        waiting = {b for j in self.model.unsubmitted() for b in self.model.jobs[j].gpu_blocks}
+        blocks = sorted(
+            b
+            for b in self.held()
+            if (p := self.model.resolve(b)) in waiting
+            and refs[p] == 1
+            and not loads[p]
+            and not submitted[p]
+        )
+        if blocks:
+            for block in data.draw(st.lists(st.sampled_from(blocks), min_size=1, unique=True)):
+                self.write(block)
+            note_event("KV computed into a deferred store's blocks")
 
     @rule(wait=st.sampled_from([False, False, False, True]))
     def poll(self, wait: bool) -> None:
         results = self.engine.wait() if wait else self.engine.poll()
         for result in results:
             assert self.model.apply(TransferFinished(result.job_id, result.success)) == []
-            event, captured = self.jobs.pop(result.job_id)
+            record = self.jobs.pop(result.job_id)
+            event = record.event
             note_event(f"{type(event).__name__} success={result.success}")
-            subs = self.cpu_subs(event)  # type: ignore[arg-type]
+            subs = cpu_sub_blocks(event, self.model.config.block_size_factor)
             if isinstance(event, StoreRequested):
-                for sub, data in zip(subs, captured, strict=True):
+                assert record.captured is not None, f"store {event.job_id} ran unplanned"
+                for sub, data in zip(subs, record.captured, strict=True):
                     self.cpu_expected[sub] = data if result.success else None
             else:
-                assert isinstance(event, LoadRequested)
                 for sub, block in zip(subs, event.gpu_block_ids, strict=True):
                     self.expected[block] = self.cpu_expected.get(sub) if result.success else None
+        self.forget_free()
 
     # -- invariants ----------------------------------------------------------------------
     @invariant()
@@ -226,9 +323,8 @@ class EngineOnTensors(RuleBasedStateMachine):
         if self.engine is None:
             return
         reducers.check_invariants(self.engine.state)
-        checked = (
-            self.expected if self.swap_mode else {b: self.expected.get(b) for b in self.held()}
-        )
+        keep = self.held() | self.store_read()
+        checked = self.expected if self.swap_mode else {b: self.expected.get(b) for b in keep}
         for block, data in sorted(checked.items()):
             if data is not None:
                 physical = self.engine.resolve(block)

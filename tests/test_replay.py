@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 import msgspec
 import pytest
@@ -13,6 +14,7 @@ from strategies import draw_valid_event, machine_configs
 
 from kvlog import Engine, replay
 from kvlog.canary import CanaryTracker, canary_bytes
+from kvlog.errors import CorruptLogError
 from kvlog.events import BlocksAllocated, CacheConfigured, Checkpoint, Record, StepEnded
 from kvlog.log import LogReader, LogWriter
 from kvlog.synth import SynthConfig, run_synth
@@ -213,9 +215,16 @@ def test_a_torn_tail_is_reported_and_the_rest_verifies(
 ) -> None:
     path, _ = recorded
     torn = os.path.join(tmp_path, "torn.kvlog")
-    with open(path, "rb") as src, open(torn, "wb") as dst:
+    shutil.copyfile(path, torn)
+    LogWriter(torn, sync="none").abandon()  # reopened, then a crash: no longer closed cleanly
+    with open(torn, "rb") as src:
         data = src.read()
+    with open(torn, "wb") as dst:
         dst.write(data[: len(data) - 7])  # the final checkpoint loses its last bytes
+    with open(path, "rb") as src, open(os.path.join(tmp_path, "cut.kvlog"), "wb") as dst:
+        dst.write(src.read()[:-7])  # the same cut of the log closed cleanly: corruption
+    with pytest.raises(CorruptLogError):
+        replay(os.path.join(tmp_path, "cut.kvlog"))
     result = replay(torn)
     assert result.tail and result.divergence is None
     assert result.num_verified == result.num_checkpoints == replay(path).num_checkpoints - 1

@@ -153,6 +153,8 @@ class SweepRow:
     transfer_s: float = 0.0
     modeled_s: float = 0.0
     modeled_ms_per_step: float = 0.0
+    p99_step_ms: float = 0.0
+    peak_step_swap_bytes: int = 0
     final_digest: str = ""
     overrides: str = ""
     rejected: str = ""
@@ -169,6 +171,9 @@ class _Tally:
     sum_used: int = 0
     step_store: int = 0
     step_load: int = 0
+    step_swap_bytes: int = 0
+    step_defrag_s: float = 0.0
+    step_ms: list[float] = field(default_factory=list)
 
     def plans(self, plans: list[Plan]) -> None:
         row, page = self.row, self.config.page_size_bytes
@@ -177,8 +182,10 @@ class _Tally:
                 swap = plan.mode == "swap"
                 row.swap_plans += 1
                 row.blocks_moved += len(plan.pairs)
-                row.swap_bytes += len(plan.pairs) * page * (2 if swap else 1)
-                row.defrag_s += self.cost.defrag_s(plan.padded_to, page, swap)
+                moved = len(plan.pairs) * page * (2 if swap else 1)
+                row.swap_bytes += moved
+                self.step_swap_bytes += moved
+                self.step_defrag_s += self.cost.defrag_s(plan.padded_to, page, swap)
             elif type(plan) is TransferPlan:
                 if plan.kind == "store":
                     row.stores += 1
@@ -195,9 +202,15 @@ class _Tally:
         row.peak_max_used = max(row.peak_max_used, top)
         self.sum_max_used += top
         self.sum_used += int(state.num_used)
-        row.decode_s += self.cost.decode_s(top, self.config.page_size_bytes)
-        row.transfer_s += self.cost.transfer_s(self.step_store, self.step_load)
-        self.step_store = self.step_load = 0
+        decode = self.cost.decode_s(top, self.config.page_size_bytes)
+        transfer = self.cost.transfer_s(self.step_store, self.step_load)
+        row.decode_s += decode
+        row.transfer_s += transfer
+        row.defrag_s += self.step_defrag_s
+        row.peak_step_swap_bytes = max(row.peak_step_swap_bytes, self.step_swap_bytes)
+        self.step_ms.append(1e3 * (decode + transfer + self.step_defrag_s))
+        self.step_store = self.step_load = self.step_swap_bytes = 0
+        self.step_defrag_s = 0.0
 
     def finish(self, state: reducers.State) -> SweepRow:
         row = self.row
@@ -207,6 +220,9 @@ class _Tally:
         row.bytes_moved = row.swap_bytes + row.store_bytes + row.load_bytes
         row.modeled_s = row.decode_s + row.defrag_s + row.transfer_s
         row.modeled_ms_per_step = 1e3 * row.modeled_s / row.steps if row.steps else 0.0
+        if self.step_ms:
+            ranked = sorted(self.step_ms)
+            row.p99_step_ms = ranked[min(len(ranked) - 1, (99 * len(ranked)) // 100)]
         row.final_digest = str(reducers.digest(state))
         return row
 
@@ -371,9 +387,21 @@ def write_sweep_csv(path: str, rows: Iterable[SweepRow]) -> None:
 def sweep_table(rows: Sequence[SweepRow]) -> list[tuple[str, ...]]:
     """Header and one line per row: the figures a person compares."""
     out: list[tuple[str, ...]] = [
-        ("log", "policy", "mean top id", "peak top id", "blocks moved", "moved",
-         "stores", "loads", "model ms/step", "note"),
-    ]  # fmt: skip
+        (
+            "log",
+            "policy",
+            "mean top id",
+            "peak top id",
+            "blocks moved",
+            "moved",
+            "peak step swap",
+            "stores",
+            "loads",
+            "model ms/step",
+            "p99 ms",
+            "note",
+        ),
+    ]
     for r in rows:
         out.append(
             (
@@ -383,9 +411,11 @@ def sweep_table(rows: Sequence[SweepRow]) -> list[tuple[str, ...]]:
                 f"{r.peak_max_used:,}",
                 f"{r.blocks_moved:,}",
                 format_bytes(r.bytes_moved),
+                format_bytes(r.peak_step_swap_bytes),
                 f"{r.stores:,}",
                 f"{r.loads:,}",
                 f"{r.modeled_ms_per_step:,.3f}",
+                f"{r.p99_step_ms:,.2f}",
                 "refused: " + r.rejected if r.rejected else "",
             )
         )
@@ -400,56 +430,42 @@ def format_bytes(num_bytes: float) -> str:
     return f"{num_bytes / size:,.1f} {unit}" if size > 1 else f"{num_bytes:,.0f} B"
 
 
+_FAMILY_COLORS = {
+    "seed": "tab:blue",
+    "tail": "tab:orange",
+    "budget": "tab:green",
+    "off": "0.35",
+    "recorded": "tab:purple",
+}
+_MARKERS = "osD^vP*Xh<>p"
+
+
 def write_sweep_plot(path: str, rows: Sequence[SweepRow], title: str = "kvlog sweep") -> None:
-    """Bytes moved against mean highest used id: one panel per log, one point per policy
-    (marker), the seed's thresholds joined by a line; legend outside on the right."""
+    """Bytes moved by defrag against mean highest used id: one panel per log, one point per
+    policy, a colour per policy family (its points joined in order of the x axis), a marker
+    per variant; the legend outside on the right. Transfers are left out of the y axis:
+    every policy replays the same stores and loads (``sweep.csv`` has them)."""
     from matplotlib.ticker import FuncFormatter, MaxNLocator
 
     from kvlog.report import byte_unit, plt_module
 
     plt = plt_module("the sweep picture")
     logs = list(dict.fromkeys(r.log for r in rows))
-    policies = list(dict.fromkeys(r.policy for r in rows))
-    markers = "osD^vP*XhH<>p"
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     width = max(1, len(logs))
     fig, axes = plt.subplots(1, width, figsize=(5.2 * width + 2.6, 4.4), squeeze=False)
     for ax, log in zip(axes[0], logs, strict=True):
-        mine = [r for r in rows if r.log == log and not r.rejected]
-        unit, size = byte_unit(max((r.bytes_moved for r in mine), default=0))
-        seed = sorted(
-            (r for r in mine if r.policy.startswith("seed")), key=lambda r: r.mean_max_used
-        )
-        if len(seed) > 1:
-            ax.plot(
-                [r.mean_max_used for r in seed],
-                [r.bytes_moved / size for r in seed],
-                color="0.6",
-                linewidth=1,
-                zorder=1,
-            )
-        for r in mine:
-            i = policies.index(r.policy)
-            ax.scatter(
-                r.mean_max_used,
-                r.bytes_moved / size,
-                s=55,
-                zorder=2,
-                marker=markers[i % len(markers)],
-                color=colors[i % len(colors)],
-                label=r.policy,
-            )
+        _sweep_panel(ax, [r for r in rows if r.log == log and not r.rejected], byte_unit)
         ax.set_title(log, fontsize=10)
         ax.set_xlabel("mean highest used block id (blocks)")
-        ax.set_ylabel(f"moved by defrag + transfers ({unit})")
         ax.xaxis.set_major_locator(MaxNLocator(nbins=6))
         ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
         ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.4g}"))
+        ax.set_ylim(bottom=0)
         ax.grid(True, alpha=0.3)
     handles, labels = [], []
     for ax in axes[0]:
         for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
-            if lab not in labels:
+            if lab not in labels and not lab.startswith("_"):
                 handles.append(h)
                 labels.append(lab)
     fig.legend(
@@ -459,6 +475,32 @@ def write_sweep_plot(path: str, rows: Sequence[SweepRow], title: str = "kvlog sw
     fig.tight_layout()
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
+
+
+def _sweep_panel(ax: Any, rows: list[SweepRow], byte_unit: Callable[[float], Any]) -> None:
+    unit, size = byte_unit(max((r.swap_bytes for r in rows), default=0))
+    ax.set_ylabel(f"moved by defrag ({unit})")
+    families: dict[str, list[SweepRow]] = {}
+    for r in rows:
+        families.setdefault(r.policy.split(" ")[0], []).append(r)
+    for family, members in families.items():
+        color = _FAMILY_COLORS.get(family, "tab:red")
+        line = sorted(members, key=lambda r: r.mean_max_used)
+        if len(line) > 1:
+            xs, ys = [r.mean_max_used for r in line], [r.swap_bytes / size for r in line]
+            ax.plot(xs, ys, color=color, linewidth=0.8, alpha=0.5, zorder=1)
+        for i, r in enumerate(members):
+            ax.scatter(
+                r.mean_max_used,
+                r.swap_bytes / size,
+                s=50,
+                zorder=2,
+                color=color,
+                marker=_MARKERS[i % len(_MARKERS)],
+                label=r.policy,
+                edgecolors="black",
+                linewidths=0.4,
+            )
 
 
 # -- segment-parallel replay ---------------------------------------------------------------

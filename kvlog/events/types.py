@@ -31,6 +31,7 @@ __all__ = [
     "TransferFinished",
     "TransferPlan",
     "TransferSubmitted",
+    "BlocksReleased",
 ]
 
 SCHEMA_VERSION = 1
@@ -136,6 +137,15 @@ class TransferFinished(_Tagged, frozen=True):
     success: bool
 
 
+class BlocksReleased(_Tagged, frozen=True):
+    """Some of a live request's (logical) blocks were freed, the rest stay: what the vLLM
+    facade proves about a preemption the runner did not report (a block the scheduler gave
+    away was freed with every block its holder received up to then)."""
+
+    req_id: str
+    block_ids: list[int]
+
+
 class TransferSubmitted(_Tagged, frozen=True):
     """The worker submits a deferred store or load: its ``TransferPlan`` runs now (a store
     whose plan already ran, because the scheduler reused one of its blocks, is a no-op)."""
@@ -206,6 +216,7 @@ Event = (
     | LoadRequested
     | TransferFinished
     | TransferSubmitted
+    | BlocksReleased
 )
 Record = Event | Checkpoint
 Plan = SwapPlan | TransferPlan | FencePlan

@@ -20,6 +20,7 @@ from kvlog.errors import BlockOutOfRange, DuplicateBlock, InvalidEvent
 from kvlog.events.types import (
     DEFRAG_POLICIES,
     BlocksAllocated,
+    BlocksReleased,
     CacheConfigured,
     Event,
     LoadRequested,
@@ -163,7 +164,7 @@ def validate_event(event: object) -> None:
         raise InvalidEvent(f"not a kvlog event: {type(event).__name__}", None)
     if isinstance(event, CacheConfigured):
         _validate_config(event)
-    elif isinstance(event, BlocksAllocated):
+    elif isinstance(event, (BlocksAllocated, BlocksReleased)):
         _req_id(event, event.req_id)
         validate_block_ids(event, "block_ids", event.block_ids)
     elif isinstance(event, (RequestFinished, RequestPreempted)):

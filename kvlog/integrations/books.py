@@ -30,6 +30,7 @@ import numpy as np
 from kvlog.errors import BlockInUse, BlockOutOfRange, DuplicateBlock
 from kvlog.events import (
     BlocksAllocated,
+    BlocksReleased,
     Event,
     RequestFinished,
     RequestPreempted,
@@ -198,6 +199,12 @@ class _Planner:
         self.taken.update(dict.fromkeys(block_ids, req_id))
         self.changes.append(("add", req_id, block_ids))
 
+    def _keep(self, req_id: str, block_ids: list[int]) -> None:
+        """A batch that stays with ``req_id`` after a partial release (no event)."""
+        self.added.setdefault(req_id, []).append(block_ids)
+        self.taken.update(dict.fromkeys(block_ids, req_id))
+        self.changes.append(("add", req_id, block_ids))
+
     def _evict_stale_owners(self, req_id: str, block_ids: list[int]) -> None:
         """A block being given away was freed, so its holder (``req_id`` itself, or without
         prefix caching any request) was preempted after the batch that brought it: release
@@ -217,10 +224,15 @@ class _Planner:
             if index is not None:
                 cut[owner] = max(cut.get(owner, -1), index)
         for owner, index in sorted(cut.items()):
-            keep = self._batches(owner)[index + 1 :]
-            self.release(RequestPreempted(req_id=owner))
-            for batch in keep:  # batch by batch, so later evidence can cut again
-                self._add(owner, batch)
+            batches = self._batches(owner)
+            if index + 1 == len(batches):
+                self.release(RequestPreempted(req_id=owner))
+                continue
+            freed = [b for batch in batches[: index + 1] for b in batch]
+            self.steps.append(BlocksReleased(req_id=owner, block_ids=freed))
+            self._drop(owner)  # the books keep the later batches, one by one
+            for batch in batches[index + 1 :]:
+                self._keep(owner, batch)
 
     # -- the check ------------------------------------------------------------------------
     def check(self) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 from kvlog.errors import NotConfigured
 from kvlog.events import (
     BlocksAllocated,
+    BlocksReleased,
     CacheConfigured,
     Event,
     LoadRequested,
@@ -42,6 +43,7 @@ _REDUCERS: dict[type, Callable[[State, Any], list[Plan]]] = {
     LoadRequested: transfers.submit,
     TransferFinished: transfers.finish,
     TransferSubmitted: transfers.submitted,
+    BlocksReleased: defrag.release_blocks,
 }
 
 
@@ -54,6 +56,7 @@ _CHECKS: dict[type, Callable[[State, Any], object]] = {
     LoadRequested: transfers.check_submit,
     TransferFinished: transfers.check_finish,
     TransferSubmitted: transfers.check_submitted,
+    BlocksReleased: defrag.check_release_blocks,
 }
 
 

@@ -47,9 +47,10 @@ from typing import Literal
 
 import numpy as np
 
-from kvlog.errors import AlreadyConfigured, BlockInUse
+from kvlog.errors import AlreadyConfigured, BlockInUse, InvalidEvent
 from kvlog.events import (
     BlocksAllocated,
+    BlocksReleased,
     CacheConfigured,
     Plan,
     RequestFinished,
@@ -196,12 +197,47 @@ def release(state: State, event: RequestFinished | RequestPreempted) -> list[Pla
         physical: IdArray | list[int] = [fwd[b] for b in table]
     else:
         physical = state.fwd[np.asarray(table, dtype=np.int64)].astype(np.int64)
+    _drop(state, physical)
+    return []
+
+
+def check_release_blocks(state: State, event: BlocksReleased) -> list[int]:
+    """The physical ids of the released blocks; every one must be in the request's table."""
+    table = state.tables.get(event.req_id)
+    held = set(table) if table is not None else set()
+    missing = [b for b in event.block_ids if b not in held]
+    if missing:
+        raise InvalidEvent(
+            f"request {event.req_id!r} does not hold block {missing[0]}: it cannot release it",
+            event,
+        )
+    fwd = state.fwd_buffer
+    return [fwd[b] for b in event.block_ids]
+
+
+def release_blocks(state: State, event: BlocksReleased) -> list[Plan]:
+    """Drop some blocks of a request's table (one reference each); the rest stay in order."""
+    physical = check_release_blocks(state, event)
+    if not physical:
+        return []
+    gone = set(event.block_ids)
+    kept = [b for b in state.tables[event.req_id] if b not in gone]
+    if kept:
+        state.tables[event.req_id] = kept
+    else:
+        del state.tables[event.req_id]
+    _drop(state, physical)
+    return []
+
+
+def _drop(state: State, physical: IdArray | list[int]) -> None:
+    """One reference fewer each; with ``quarantine_released``, the freed ones wait."""
     state.drop_refs(physical)
     assert state.config is not None, "reduce() dispatches only configured states here"
     if state.config.quarantine_released:
         refs = state.refs_buffer
-        state.quarantine([p for p in np.asarray(physical).tolist() if not refs[p]])
-    return []
+        ids = physical if isinstance(physical, list) else physical.tolist()
+        state.quarantine([p for p in ids if not refs[p]])
 
 
 def end_step(state: State, event: StepEnded) -> list[Plan]:

@@ -20,10 +20,12 @@ in-flight bound (``TooManyJobs``).
   ``num_bytes = num_gpu * page_size_bytes``. ``after_job_id`` is the most recent submitted,
   unfinished job of the same direction (-1 if none).
 - Conflicts refused with ``BlockInUse``: a load whose destination GPU block is pinned by an
-  unfinished job (store or load); a store reading a GPU block an unfinished load writes; a
-  store writing a CPU sub-block an unfinished load reads; a load reading a CPU sub-block an
-  unfinished store writes. (Allocating a block an unfinished load writes is refused in
-  ``defrag.allocate``.) Several stores may read one block: pins are counts.
+  unfinished job (store or load); a store writing a CPU sub-block an unfinished load reads;
+  a load reading a CPU sub-block an unfinished store writes. A store may read a GPU block
+  an unfinished load writes (vLLM stores a chunk that a sync load just filled): its plan
+  comes after a ``FencePlan`` on those loads. (Allocating a block an unfinished load
+  writes is refused in ``defrag.allocate``.) Several stores may read one block: pins are
+  counts.
 - A deferred job (``deferred=True``: the scheduler decided it; a store's KV may still be
   being computed) pins at once and plans at ``TransferSubmitted``; a deferred store plans
   earlier, at ``flush``, when the scheduler hands one of its blocks to a new request first.
@@ -147,12 +149,13 @@ def _check_job_id(state: State, event: Transfer) -> None:
 
 
 def _busy_gpu(state: State, event: Transfer, physical: IdArray) -> None:
+    """A load may not write a block an unfinished transfer reads or writes. (A store may
+    read a block an unfinished load writes: vLLM stores a chunk a sync load just filled;
+    its plan waits for the load, see ``_plan``.)"""
     if isinstance(event, StoreRequested):
-        busy = state.load_pins[physical] > 0
-        why = "an unfinished load is writing it"
-    else:
-        busy = (state.load_pins[physical] | state.store_pins[physical]) > 0
-        why = "an unfinished transfer reads or writes it"
+        return
+    busy = (state.load_pins[physical] | state.store_pins[physical]) > 0
+    why = "an unfinished transfer reads or writes it"
     hit = np.flatnonzero(busy)
     if hit.size:
         i = int(hit[0])
@@ -204,8 +207,23 @@ def check_submit(state: State, event: Transfer) -> tuple[IdArray, IdArray]:
     return physical, subs
 
 
-def _plan(state: State, job: Job) -> TransferPlan:
-    """Mark ``job`` submitted and return its plan, after the last submitted job of its kind."""
+def _plan(state: State, job: Job) -> list[Plan]:
+    """Mark ``job`` submitted and return its plan, after the last submitted job of its kind;
+    a store first fences the unfinished loads that write what it reads."""
+    plans: list[Plan] = []
+    if job.kind == "store":
+        writers = [
+            j.job_id
+            for j in state.load_jobs.values()
+            if np.isin(j.gpu_block_ids, job.gpu_block_ids).any()
+        ]
+        if writers:
+            plans.append(FencePlan(job_ids=writers))
+    plans.append(_transfer_plan(state, job))
+    return plans
+
+
+def _transfer_plan(state: State, job: Job) -> TransferPlan:
     config = state.config
     assert config is not None and job.pairs is not None, "a configured state's job"
     jobs = state.store_jobs if job.kind == "store" else state.load_jobs
@@ -234,7 +252,7 @@ def submit(state: State, event: Transfer) -> list[Plan]:
         state.load_jobs[event.job_id] = job
     state.pin(kind, physical)
     state.last_job_id = event.job_id
-    return [] if deferred else [_plan(state, job)]
+    return [] if deferred else _plan(state, job)
 
 
 def check_submitted(state: State, event: TransferSubmitted) -> Job | None:
@@ -250,7 +268,7 @@ def check_submitted(state: State, event: TransferSubmitted) -> Job | None:
 def submitted(state: State, event: TransferSubmitted) -> list[Plan]:
     """Run a deferred job's plan now."""
     job = check_submitted(state, event)
-    return [] if job is None else [_plan(state, job)]
+    return [] if job is None else _plan(state, job)
 
 
 def flush(state: State, physical: IdArray | list[int]) -> list[Plan]:
@@ -258,7 +276,7 @@ def flush(state: State, physical: IdArray | list[int]) -> list[Plan]:
     submit the deferred stores that read them, then fence every store that reads them."""
     wanted = np.asarray(physical, dtype=np.int64)
     readers = [j for j in state.store_jobs.values() if np.isin(j.gpu_block_ids, wanted).any()]
-    plans: list[Plan] = [_plan(state, j) for j in readers if not j.submitted]
+    plans: list[Plan] = [p for j in readers if not j.submitted for p in _plan(state, j)]
     plans.append(FencePlan(job_ids=[j.job_id for j in readers]))
     return plans
 
@@ -271,8 +289,7 @@ def check_finish(state: State, event: TransferFinished) -> Job:
         raise UnknownJob(f"job {event.job_id} is not in flight (it {why})", event)
     if not job.submitted:
         raise UnknownJob(
-            f"{job.kind} job {event.job_id} is deferred: it cannot finish before it is "
-            "submitted",
+            f"{job.kind} job {event.job_id} is deferred: it cannot finish before it is submitted",
             event,
         )
     return job

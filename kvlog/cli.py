@@ -32,6 +32,7 @@ from kvlog.events import DEFAULT_PAD_SIZES, Checkpoint, to_dict
 from kvlog.log import LogReader
 from kvlog.replay import ReplayResult, replay
 from kvlog.report import Series, write_report
+from kvlog.sweep import format_bytes
 from kvlog.synth import SynthConfig, SynthResult, run_synth
 
 __all__ = ["build_parser", "main"]
@@ -343,7 +344,8 @@ def _stats_rows(result: ReplayResult) -> list[tuple[str, ...]]:
     ]
     rows: list[tuple[str, ...]] = [("", *(r.label for r in runs))]
     for label, attr in names:
-        rows.append((label, *(_fmt(getattr(r, attr)) for r in runs)))
+        fmt = format_bytes if attr.endswith(("bytes", "bytes_moved")) else _fmt
+        rows.append((label, *(fmt(getattr(r, attr)) for r in runs)))
     return rows
 
 

@@ -143,16 +143,27 @@ def _panels(
     if config is not None and config.page_size_bytes > 0:
         paged = config
         panels.append(("moved by defrag per step", "bytes", lines(lambda s: s.swap_bytes(paged))))
-        if any(any(s.transfer_bytes) for s in series):
-            panels.append(("stored + loaded per step", "bytes", lines(lambda s: s.transfer_bytes)))
+        _transfers(panels, series)
         model = cost or CostModel()
         modeled = lines(lambda s: s.modeled_ms(paged, model))
         panels.append((f"modeled step time ({model.describe()})", "ms", modeled))
     else:
         panels.append(("blocks moved by defrag per step", "blocks", lines(lambda s: s.num_swapped)))
-        if any(any(s.transfer_bytes) for s in series):
-            panels.append(("stored + loaded per step", "bytes", lines(lambda s: s.transfer_bytes)))
+        _transfers(panels, series)
     return panels
+
+
+def _transfers(panels: list[Panel], series: Sequence[Series]) -> None:
+    """The stored + loaded panel, if anything moved: one line when every run moved the same
+    (the events decide transfers; a defrag policy does not)."""
+    runs = [[float(v) for v in s.transfer_bytes] for s in series]
+    if not any(any(r) for r in runs):
+        return
+    if all(r == runs[0] for r in runs):
+        lines = [("any policy", runs[0])]
+    else:
+        lines = [(s.label, r) for s, r in zip(series, runs, strict=True)]
+    panels.append(("stored + loaded per step", "bytes", lines))
 
 
 def _axis(ax: Any, kind: str, lines: list[tuple[str, list[float]]]) -> Callable[[float], float]:

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import inspect
 import os
@@ -88,6 +89,7 @@ class RunConfig:
     # kvlog's executor backend: "cpu" runs transfers at submit; "fake" is an asynchronous
     # device whose transfers run 1-4 polls later, reading their source bytes only then
     backend: str = "cpu"
+    log_sync: str = "step"  # the log's group commit (KVLOG_SYNC): one fsync per step, the default
     num_requests: int = 160
     num_gpu_blocks: int = 96
     block_size: int = 16
@@ -633,6 +635,7 @@ def make_defragmenter(kv: KvCache, cfg: RunConfig, log_path: str | None) -> Any:
         "defrag": cfg.defrag,
         "backend": cfg.backend,
         "log_path": log_path,
+        "sync": cfg.log_sync,
     }
     params = inspect.signature(OnlineDefragmenter).parameters
     if "kv_caches" in params:
@@ -895,6 +898,7 @@ class Run:
                 f"step {self.step}: harness/vLLM raised {exc!r}\n{traceback.format_exc(limit=12)}"
             )
         finally:
+            self.result.steps = self.step
             self.result.wall_s = time.perf_counter() - t_start
         return self.result
 
@@ -934,7 +938,6 @@ class Run:
             self.step += 1
             if self.step > max_steps:
                 raise AssertionError(f"no progress after {self.step} steps")
-        self.result.steps = self.step
 
     def _update(self, so: Any, mro: Any) -> None:
         t0 = time.perf_counter()
@@ -1355,6 +1358,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--defrag-only", action="store_true", help="also run the defragmenter-only family"
     )
     parser.add_argument("--keep", metavar="DIR", help="keep the logs in DIR")
+    parser.add_argument(
+        "--log-sync",
+        choices=("none", "step", "always"),
+        help="the log's group commit for every run (default: each config's, step)",
+    )
     args = parser.parse_args(argv)
     if args.list:
         for c in CONFIGS.values():
@@ -1369,6 +1377,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         chosen += DEFRAG_ONLY
     if not chosen:
         parser.error("give --matrix, --config NAME, --self-test or --defrag-only")
+    if args.log_sync:
+        chosen = [dataclasses.replace(c, log_sync=args.log_sync) for c in chosen]
     t0 = time.perf_counter()
     results = []
     for cfg in chosen:

@@ -103,10 +103,10 @@ def serve() -> None:
                     code = 1
                 finally:
                     os._exit(code)
-            print(f"pid {pid}", flush=True)
+            os.write(1, f"pid {pid}\n".encode())  # one write: a child's lines never split it
         elif command == "reap":
             _, status = os.waitpid(int(args[0]), 0)
-            print(f"reaped {args[0]} {status}", flush=True)
+            os.write(1, f"reaped {args[0]} {status}\n".encode())
 
 
 if __name__ == "__main__":

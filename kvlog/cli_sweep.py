@@ -142,6 +142,12 @@ def add_trace_flags(p: argparse.ArgumentParser) -> None:
         help="bytes of one GPU block over all layers (default: 128 KiB per token)",
     )
     p.add_argument("--snapshot-every", type=int, default=16, help="checkpoints per snapshot")
+    p.add_argument(
+        "--scheduler",
+        choices=("kvlog", "vllm"),
+        default="kvlog",
+        help="--trace: kvlog's vLLM-like scheduler, or vLLM's own (where vLLM is installed)",
+    )
 
 
 def run_trace_command(args: argparse.Namespace, config: SynthConfig) -> SynthResult:
@@ -168,6 +174,7 @@ def run_trace_command(args: argparse.Namespace, config: SynthConfig) -> SynthRes
         checkpoint_every=args.checkpoint_every,
         snapshot_every=args.snapshot_every,
         source=os.path.basename(args.trace),
+        scheduler=args.scheduler,
     )
 
 

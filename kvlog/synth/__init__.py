@@ -13,9 +13,11 @@ import dataclasses
 import json
 import os
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from kvlog.canary import CanaryTracker, make_canary_executor
 from kvlog.engine import Engine
+from kvlog.errors import ConfigError
 from kvlog.events import CacheConfigured
 from kvlog.log import SyncMode
 from kvlog.synth.driver import SynthResult, SynthRun
@@ -76,24 +78,43 @@ def run_trace(
     checkpoint_every: int = 256,
     snapshot_every: int = 16,
     source: str = "",
+    scheduler: str = "kvlog",
 ) -> SynthResult:
-    """Serve ``requests`` (a trace) until all finished; with ``out``, record the log."""
+    """Serve ``requests`` (a trace) until all finished; with ``out``, record the log.
+
+    ``scheduler="vllm"`` drives vLLM's own scheduler instead (``vllm_scheduler.py``; needs
+    vLLM, no offload, no ``execute``)."""
     described = dataclasses.asdict(config)
     described["synth"] = _jsonable(config.synth)
-    described.update(source=source, num_requests=len(requests))
+    described.update(source=source, num_requests=len(requests), scheduler=scheduler)
     meta = {"workload": "kvlog synth --trace", "trace": json.dumps(described, sort_keys=True)}
+    make_run: Callable[[Engine, CanaryTracker | None], _Runs]
+    if scheduler == "vllm":
+        if execute or config.synth.num_cpu_blocks:
+            raise ConfigError("scheduler", scheduler, "no --execute and no offload with vllm")
+        from kvlog.synth.vllm_scheduler import VllmTraceRun
+
+        make_run = lambda engine, tracker: VllmTraceRun(config, requests, engine)  # noqa: E731
+    elif scheduler == "kvlog":
+        make_run = lambda engine, tracker: TraceRun(config, requests, engine, tracker)  # noqa: E731
+    else:
+        raise ConfigError("scheduler", scheduler, "kvlog or vllm")
     return _record(
         config.synth.cache_config(),
-        lambda engine, tracker: TraceRun(config, requests, engine, tracker),
+        make_run,
         out,
         meta,
         (execute, backend, sync, checkpoint_every, snapshot_every),
     )
 
 
+class _Runs(Protocol):
+    def run(self) -> SynthResult: ...
+
+
 def _record(
     cache_config: CacheConfigured,
-    make_run: Callable[[Engine, CanaryTracker | None], SynthRun],
+    make_run: Callable[[Engine, CanaryTracker | None], _Runs],
     out: str | os.PathLike[str] | None,
     meta: dict[str, str],
     options: tuple[bool, str, SyncMode, int, int],

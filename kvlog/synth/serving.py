@@ -29,6 +29,7 @@ its own request (so a preempted request finds its own blocks again, as in vLLM).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Hashable, Sequence
@@ -150,15 +151,23 @@ class TraceLive(Request):
     computed: int = 0  # tokens whose KV is computed
     scheduled: int = 0  # tokens computed in this step
     load_target: int = 0  # ``computed`` once the load in flight lands
+    _keys: list[Hashable] = field(default_factory=list)  # block keys known so far
 
     def keys(self, num_tokens: int) -> list[Hashable]:
         """Content keys of the full blocks of the first ``num_tokens`` tokens."""
-        return block_keys(self.trace, self.serial, self.block_size, num_tokens)
+        return self._known(num_tokens // self.block_size)[: num_tokens // self.block_size]
 
     def group_key(self, group: int, factor: int) -> tuple[Hashable, ...]:  # type: ignore[override]
         """CPU cache key of GPU blocks ``group*factor .. group*factor+factor-1``."""
         end = (group + 1) * factor
-        return tuple(self.keys(end * self.block_size)[group * factor : end])
+        return tuple(self._known(end)[group * factor : end])
+
+    def _known(self, num_blocks: int) -> list[Hashable]:
+        """The key list, grown to at least ``num_blocks`` keys (keys never change)."""
+        if len(self._keys) < num_blocks:
+            num_tokens = max(num_blocks, 2 * len(self._keys)) * self.block_size
+            self._keys = block_keys(self.trace, self.serial, self.block_size, num_tokens)
+        return self._keys
 
 
 class TraceRun(SynthRun):
@@ -225,6 +234,7 @@ class TraceRun(SynthRun):
             output = min(output, max(1, longest // 4))
             prompt = longest - output
         bs = self.config.block_size
+        trace = dataclasses.replace(trace, input_len=prompt)  # clipped: the rest is generated
         return TraceLive(f"req-{serial}", serial, prompt, output, -1, 0, trace=trace, block_size=bs)
 
     # -- running requests ----------------------------------------------------------------

@@ -188,3 +188,18 @@ def test_sweep_without_ray_names_the_extra(
     assert main(["sweep", logs[0], "--out", os.path.join(tmp_path, "s")]) == 2
     assert "pip install 'kvlog[sweep]'" in capsys.readouterr().err
     assert main(["sweep", logs[0], "--serial", "--out", os.path.join(tmp_path, "s")]) == 0
+
+
+def test_a_remote_cluster_gets_the_log_as_bytes(logs: list[str]) -> None:
+    """What a task on another machine does with the bytes ``--address`` ships."""
+    from kvlog.sweep import _plan_segments, _replay_segment, _whatif_task
+
+    with open(logs[1], "rb") as f:
+        blob = f.read()
+    spec = PolicySpec("tail", (("policy", "tail"),))
+    shipped = _whatif_task(blob, "azure", spec, CostModel())
+    assert shipped == whatif(logs[1], spec, CostModel(), "azure")
+    segments = _plan_segments(logs[1], 3)
+    assert [_replay_segment(blob, s) for s in segments] == [
+        _replay_segment(logs[1], s) for s in segments
+    ]

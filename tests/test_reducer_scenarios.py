@@ -269,15 +269,20 @@ def test_pins_are_counts_and_conflicts_are_refused() -> None:
     rejected(
         state, LoadRequested(job_id=4, cpu_block_ids=[4], gpu_block_ids=[5]), errors.BlockInUse
     )
-    rejected(
+    # a store of a block a load fills is accepted: its plan waits for the load (vLLM stores
+    # a chunk a sync load just filled)
+    plans = run(state, StoreRequested(job_id=4, gpu_block_ids=[5], cpu_block_ids=[4]))
+    assert plans[0] == FencePlan(job_ids=[3]) and isinstance(plans[1], TransferPlan)
+    rejected(  # but a store may not write a CPU block an unfinished load reads
         state,
-        StoreRequested(job_id=4, gpu_block_ids=[5], cpu_block_ids=[4]),
+        StoreRequested(job_id=5, gpu_block_ids=[1], cpu_block_ids=[3]),
         errors.BlockInUse,
-        "an unfinished load is writing it",
+        "CPU sub-block 3 that unfinished load job 3 reads",
     )
     run(state, TransferFinished(job_id=0, success=True))
     assert state.is_pinned(2) and not state.is_pinned(1)
     run(state, TransferFinished(job_id=1, success=True), TransferFinished(job_id=3, success=True))
+    run(state, TransferFinished(job_id=4, success=True))
     assert not state.pinned.any() and state.jobs_in_flight() == []
 
 

@@ -22,8 +22,12 @@ chunk rule, plus kvlog's pinning rules):
   highest job id of the other submitted, unfinished jobs of the same direction.
 - Refused with ``BlockInUse``: allocating a block an unfinished load writes (always) or a
   block with refs > 0 (without prefix caching); a load into a block any unfinished job pins;
-  a store of a block an unfinished load writes; a store writing a CPU sub-block an unfinished
-  load reads; a load reading a CPU sub-block an unfinished store writes.
+  a store writing a CPU sub-block an unfinished load reads; a load reading a CPU sub-block an
+  unfinished store writes. A store may read a block unfinished loads write (vLLM stores a
+  chunk a sync load just filled): its ``TransferPlan`` comes after a ``FencePlan`` naming
+  those loads (in job order), wherever the plan is handed out.
+- ``BlocksReleased`` (where the schema has it) drops the listed blocks from a request's
+  table, one reference each; a block the request does not hold is ``InvalidEvent``.
 - Allocating a free (refs 0) block that unfinished stores read plans the TransferPlans of
   the unsubmitted ones among the stores reading any such block (in job order), then a
   ``FencePlan`` naming every store reading any such block (in job order).
@@ -200,12 +204,14 @@ class PlainModel:
             job = self.jobs.get(event.job_id)
             if job is None:
                 raise ModelRejected("UnknownJob")
-            return [] if job.submitted else [self._plan(job)]
+            return [] if job.submitted else self._plan(job)
         elif isinstance(event, TransferFinished):
             job = self.jobs.get(event.job_id)
             if job is None or not job.submitted:
                 raise ModelRejected("UnknownJob")
             del self.jobs[event.job_id]
+        elif type(event).__name__ == "BlocksReleased":
+            self._release_some(event.req_id, list(event.block_ids))  # type: ignore[union-attr]
         return []
 
     @staticmethod
@@ -213,10 +219,11 @@ class PlainModel:
         """Field rules that hold for an event on its own (DESIGN.md: ids are non-negative and
         distinct, a request id is a non-empty string, a transfer moves at least one block,
         one group size and one first-block index per KV-cache group)."""
-        if isinstance(event, (BlocksAllocated, RequestFinished, RequestPreempted)):
-            if not 0 < len(event.req_id) <= MAX_REQ_ID_LENGTH:
+        released = type(event).__name__ == "BlocksReleased"
+        if released or isinstance(event, (BlocksAllocated, RequestFinished, RequestPreempted)):
+            if not 0 < len(event.req_id) <= MAX_REQ_ID_LENGTH:  # type: ignore[union-attr]
                 raise ModelRejected("InvalidEvent")
-            if isinstance(event, BlocksAllocated):
+            if released or isinstance(event, BlocksAllocated):
                 if any(b < 0 for b in event.block_ids):
                     raise ModelRejected("BlockOutOfRange")
                 if len(set(event.block_ids)) != len(event.block_ids):
@@ -270,17 +277,37 @@ class PlainModel:
             for _, job in sorted(self.jobs.items())
             if job.kind == "store" and reused & set(job.gpu_blocks)
         ]
-        plans: list[Plan] = [self._plan(job) for job in readers if not job.submitted]
+        plans = [p for job in readers if not job.submitted for p in self._plan(job)]
         plans.append(FencePlan(job_ids=[job.job_id for job in readers]))
         return plans
 
     def _release(self, req_id: str) -> None:
-        assert self.config is not None
         table = self.tables.pop(req_id, None)
-        if table is None or not self.config.quarantine_released:
+        if table is not None:
+            self._quarantine(table)
+
+    def _release_some(self, req_id: str, block_ids: list[int]) -> None:
+        table = self.tables.get(req_id, [])
+        if any(b not in table for b in block_ids):
+            raise ModelRejected("InvalidEvent")
+        if not block_ids:
             return
-        refs = self.refs()
-        self.quarantined |= {self.resolve(b) for b in table if refs[self.resolve(b)] == 0}
+        kept = list(table)
+        for b in block_ids:
+            kept.remove(b)
+        if kept:
+            self.tables[req_id] = kept
+        else:
+            del self.tables[req_id]
+        self._quarantine(block_ids)
+
+    def _quarantine(self, released: list[int]) -> None:
+        """With ``quarantine_released``, the released blocks that are free now wait for the
+        next decision."""
+        assert self.config is not None
+        if self.config.quarantine_released:
+            refs = self.refs()
+            self.quarantined |= {self.resolve(b) for b in released if refs[self.resolve(b)] == 0}
 
     def _defragment(self, step: int) -> list[Plan]:
         config = self.config
@@ -322,8 +349,6 @@ class PlainModel:
         gpu = [self.resolve(b) for b in event.gpu_block_ids]
         if kind == "load" and any(self.pins()[b] > 0 for b in gpu):
             raise ModelRejected("BlockInUse")
-        if kind == "store" and any(self.pins("load")[b] > 0 for b in gpu):
-            raise ModelRejected("BlockInUse")
         other = self.cpu_subs_in_use("load" if kind == "store" else "store")
         if other & set(subs):
             raise ModelRejected("BlockInUse")
@@ -332,21 +357,32 @@ class PlainModel:
         job = ModelJob(event.job_id, kind, gpu, subs, submitted=False)
         self.jobs[event.job_id] = job
         self.last_job_id = event.job_id
-        return [] if is_deferred(event) else [self._plan(job)]
+        return [] if is_deferred(event) else self._plan(job)
 
-    def _plan(self, job: ModelJob) -> TransferPlan:
-        """Hand out ``job``'s plan: after the highest other submitted job of its kind."""
+    def _plan(self, job: ModelJob) -> list[Plan]:
+        """Hand out ``job``'s plan: after the highest other submitted job of its kind; a
+        store first fences the unfinished loads writing blocks it reads."""
         assert self.config is not None and not job.submitted
+        fence: list[Plan] = []
+        if job.kind == "store":
+            writers = [
+                j
+                for j, other in sorted(self.jobs.items())
+                if other.kind == "load" and set(other.gpu_blocks) & set(job.gpu_blocks)
+            ]
+            if writers:
+                fence.append(FencePlan(job_ids=writers))
         after = max(
             (j.job_id for j in self.jobs.values() if j.kind == job.kind and j.submitted),
             default=-1,
         )
         job.submitted = True
         pairs = job.pairs
-        return TransferPlan(
+        transfer = TransferPlan(
             job_id=job.job_id,
             kind="store" if job.kind == "store" else "load",
             pairs=pairs,
             num_bytes=len(pairs) * self.config.page_size_bytes,
             after_job_id=after,
         )
+        return [*fence, transfer]

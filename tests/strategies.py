@@ -12,6 +12,7 @@ from typing import Any
 from hypothesis import strategies as st
 from model import ModelRejected, cpu_sub_blocks
 
+import kvlog.events
 from kvlog.events import (
     BlocksAllocated,
     CacheConfigured,
@@ -41,6 +42,8 @@ __all__ = [
 
 LOADS_DEFER = "deferred" in LoadRequested.__struct_fields__
 """Whether this schema lets a load be declared now and submitted later, like a store."""
+BlocksReleased: Any = getattr(kvlog.events, "BlocksReleased", None)
+"""The partial release event, where the schema has it (None otherwise)."""
 
 req_ids = st.text(alphabet="abcdefghij0123456789-", min_size=1, max_size=12)
 
@@ -177,6 +180,7 @@ INVALID_KINDS = (
     "finish_unsubmitted",
     "bad_groups",
     "group_size_mismatch",
+    "release_unheld",
 )
 """The defects ``draw_invalid_event`` plants, one per event."""
 
@@ -344,15 +348,31 @@ def _finish_transfer(
     return None if conflicting & set(subs) else event
 
 
+def _written_by_loads(model: Any, submitted_too: bool) -> set[int]:
+    """Physical blocks unfinished loads write: the unsubmitted ones' only, or all."""
+    return {
+        b
+        for job in model.jobs.values()
+        if job.kind == "load" and (submitted_too or not job.submitted)
+        for b in job.gpu_blocks
+    }
+
+
 def draw_store(
-    draw: st.DrawFn, model: Any, cpu_pool: list[int] | None = None, groups: bool | None = None
+    draw: st.DrawFn,
+    model: Any,
+    cpu_pool: list[int] | None = None,
+    groups: bool | None = None,
+    over_loads: bool = True,
 ) -> StoreRequested | None:
-    """Offload blocks of live requests that no load is writing, into CPU sub-blocks no
-    unfinished load reads (sometimes deferred, sometimes in KV-cache groups: ``groups``
-    None draws it); None if there is nothing to store now."""
-    load_pins = model.pins("load")
+    """Offload blocks of live requests into CPU sub-blocks no unfinished load reads
+    (sometimes deferred, sometimes in KV-cache groups: ``groups`` None draws it); None if
+    there is nothing to store now. With ``over_loads`` it may read blocks that submitted
+    loads are still writing (vLLM stores a chunk a sync load just filled: the engine fences
+    the loads first), never blocks that a load not yet submitted will write."""
+    avoid = _written_by_loads(model, submitted_too=not over_loads or draw(st.integers(0, 2)) > 0)
     held = sorted({b for t in model.tables.values() for b in t})
-    readable = [b for b in held if load_pins[model.resolve(b)] == 0]
+    readable = [b for b in held if model.resolve(b) not in avoid]
     loads_read = model.cpu_subs_in_use("load")
     if cpu_pool is None:
         every = list(range(model.config.num_cpu_blocks))
@@ -400,6 +420,19 @@ def draw_transfer_finished(draw: st.DrawFn, model: Any) -> TransferFinished | No
     return TransferFinished(job_id=job_id, success=draw(st.sampled_from([True, True, True, False])))
 
 
+def draw_blocks_released(draw: st.DrawFn, model: Any) -> Event | None:
+    """Some blocks of a live request freed, the rest kept (``BlocksReleased``, where the
+    schema has it); None if there is no such event or no live request."""
+    live = sorted(model.tables)
+    if BlocksReleased is None or not live:
+        return None
+    req_id = draw(st.sampled_from(live))
+    table = sorted(set(model.tables[req_id]))
+    blocks = draw(st.lists(st.sampled_from(table), min_size=1, max_size=len(table), unique=True))
+    event: Event = BlocksReleased(req_id=req_id, block_ids=blocks)
+    return event
+
+
 def draw_submit(draw: st.DrawFn, model: Any) -> TransferSubmitted | None:
     """Submit a deferred job (now and then one already submitted or flushed: a no-op)."""
     waiting = model.unsubmitted()
@@ -422,6 +455,7 @@ def draw_valid_event(draw: st.DrawFn, model: Any) -> Event:
                 "submit",
                 "done",
                 "done",
+                "release_some",
             ]
         )
     )
@@ -436,6 +470,8 @@ def draw_valid_event(draw: st.DrawFn, model: Any) -> Event:
         event = draw_load(draw, model)
     elif kind == "submit":
         event = draw_submit(draw, model)
+    elif kind == "release_some":
+        event = draw_blocks_released(draw, model)
     elif kind == "done":
         event = draw_transfer_finished(draw, model)
     return event if event is not None else draw_step(draw, model)
@@ -460,6 +496,7 @@ EXPECTED_ERROR = {
     "finish_unsubmitted": "UnknownJob",
     "bad_groups": "InvalidEvent",
     "group_size_mismatch": "TransferSizeMismatch",
+    "release_unheld": "InvalidEvent",
 }
 """The error class (a name in kvlog.errors) each planted defect must raise."""
 
@@ -657,6 +694,16 @@ def draw_invalid_event(draw: st.DrawFn, model: Any, kind: str) -> Event | None:
         return _group_size_mismatch(draw, model)
     if kind == "bad_groups":
         return _bad_groups(draw, model)
+    if kind == "release_unheld":
+        if BlocksReleased is None:
+            return None
+        req_id = draw(st.sampled_from(MACHINE_REQ_IDS))
+        own = set(model.tables.get(req_id, []))
+        others = [b for b in range(model.config.num_gpu_blocks) if b not in own]
+        if not others:
+            return None
+        block_ids = [*sorted(own)[:1], draw(st.sampled_from(others))]
+        return BlocksReleased(req_id=req_id, block_ids=block_ids)
     if kind == "second_config":
         return draw(st.sampled_from([config, _with(config, threshold=config.threshold + 1)]))
     if kind == "empty_transfer":
@@ -736,11 +783,12 @@ def random_program(
 
     Logical blocks come from a FIFO free list (released blocks go to its end), requests
     append and finish in random order (so defrag has holes to fill), prefix caching shares
-    held blocks, stores read held blocks and loads write unpinned ones (with a partial first
-    CPU block when the sizes call for it); jobs finish in any order once submitted. No
-    allocation takes a block a load writes, and no store writes a CPU sub-block a load reads
-    (nor the other way round). Pins are tracked in logical space, which is exact: defrag
-    never moves a pinned block.
+    held blocks, stores read held blocks (now and then ones submitted loads still write)
+    and loads write unpinned ones (with a partial first CPU block when the sizes call for
+    it); jobs finish in any order once submitted. No allocation takes a block a load writes,
+    no store reads a block a load not yet submitted will write, and no store writes a CPU
+    sub-block a load reads (nor the other way round). Pins are tracked in logical space,
+    which is exact: defrag never moves a pinned block.
 
     ``deferred``: some stores (and loads, where the schema has it) are deferred and later
     submitted with ``TransferSubmitted`` (now and then twice). ``groups``: some transfers
@@ -766,6 +814,9 @@ def random_program(
 
     def subs_in_use(kind: str) -> set[int]:
         return {s for job in jobs.values() if job.kind == kind for s in job.subs}
+
+    def unsubmitted_loads() -> set[int]:
+        return {b for j in jobs.values() if j.kind == "load" and not j.submitted for b in j.blocks}
 
     while len(events) <= num_events:
         op = rng.choice(ops)
@@ -827,7 +878,16 @@ def random_program(
                 events.append(TransferSubmitted(job_id=job_id))
         elif transfers and config.num_cpu_blocks and len(jobs) < 8:
             event = _random_transfer(
-                rng, config, next_job, refs, free, pins, subs_in_use, deferred, groups
+                rng,
+                config,
+                next_job,
+                refs,
+                free,
+                pins,
+                subs_in_use,
+                unsubmitted_loads,
+                deferred,
+                groups,
             )
             if event is not None:
                 kind_name = "store" if isinstance(event, StoreRequested) else "load"
@@ -847,6 +907,7 @@ def _random_transfer(
     free: list[int],
     pins: Any,
     subs_in_use: Any,
+    unsubmitted_loads: Any,
     deferred: bool,
     groups: bool,
 ) -> Event | None:
@@ -873,9 +934,9 @@ def _random_transfer(
         num_gpu = num_cpu * f if store else num_cpu * f - rng.randint(0, f - 1)
     if deferred and (store or LOADS_DEFER) and rng.random() < (0.4 if store else 0.25):
         fields["deferred"] = True
-    if store:
-        loading = pins("load")
-        pool = sorted(b for b in refs if b not in loading)
+    if store:  # now and then over blocks submitted loads write (the engine fences them)
+        avoid = unsubmitted_loads() if rng.random() < 0.3 else pins("load")
+        pool = sorted(b for b in refs if b not in avoid)
     else:
         busy = pins()
         pool = sorted(b for b in [*refs, *free] if b not in busy)

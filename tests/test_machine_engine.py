@@ -33,6 +33,7 @@ from strategies import (
     EXPECTED_ERROR,
     INVALID_KINDS,
     draw_allocation,
+    draw_blocks_released,
     draw_invalid_event,
     draw_load,
     draw_release,
@@ -149,6 +150,10 @@ class EngineAgainstModel(RuleBasedStateMachine):
     @rule(data=st.data())
     def load(self, data: st.DataObject) -> None:
         self.apply(draw_load(data.draw, self.model))
+
+    @rule(data=st.data())
+    def release_some(self, data: st.DataObject) -> None:
+        self.apply(draw_blocks_released(data.draw, self.model))
 
     @rule(data=st.data())
     def submit(self, data: st.DataObject) -> None:

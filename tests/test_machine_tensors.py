@@ -35,6 +35,7 @@ from model import PlainModel, cpu_sub_blocks
 from strategies import (
     MACHINE_REQ_IDS,
     draw_allocation,
+    draw_blocks_released,
     draw_load,
     draw_release,
     draw_step,
@@ -248,6 +249,11 @@ class EngineOnTensors(RuleBasedStateMachine):
             self.write(block)
         self.forget_free()
 
+    @rule(data=st.data())
+    def release_some(self, data: st.DataObject) -> None:
+        self.apply(draw_blocks_released(data.draw, self.model))
+        self.forget_free()
+
     @rule(data=st.data(), preempt=st.booleans())
     def release(self, data: st.DataObject, preempt: bool) -> None:
         self.apply(draw_release(data.draw, self.model, preempt))
@@ -261,7 +267,8 @@ class EngineOnTensors(RuleBasedStateMachine):
     def store(self, data: st.DataObject) -> None:
         busy = self.cpu_in_flight("store") | self.cpu_in_flight("load")
         pool = [c for c in range(self.model.config.num_cpu_blocks) if c not in busy]
-        self.apply(draw_store(data.draw, self.model, cpu_pool=pool))
+        # not over blocks loads still write: what such a store delivers is left unchecked
+        self.apply(draw_store(data.draw, self.model, cpu_pool=pool, over_loads=False))
 
     @rule(data=st.data())
     def load(self, data: st.DataObject) -> None:

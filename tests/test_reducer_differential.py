@@ -8,7 +8,8 @@ seed's ``to_swap`` with its pad bucket and mode, every ``TransferPlan`` the seed
 
 The seed knows none of kvlog's transfer rules; :class:`SeedSide` adds them on top of the
 seed, plainly: deferred jobs plan at ``TransferSubmitted``; allocating a free block a store
-still reads plans the deferred readers and a ``FencePlan``; quarantined blocks (with
+still reads plans the deferred readers and a ``FencePlan``; a store reading blocks that
+loads write fences those loads first; quarantined blocks (with
 ``quarantine_released``) join the pinned set of the next decision. Probes along the way ask
 ``reduce`` for what the seed side refuses (allocating a block a load writes, CPU sub-blocks
 shared by a store and a load, finishing a job before it is submitted): each must raise and
@@ -105,7 +106,7 @@ class SeedSide:
             return self._transfer(event)
         elif isinstance(event, TransferSubmitted):
             job = self.jobs[event.job_id]
-            return [] if job.submitted else [self._plan(event.job_id)]
+            return [] if job.submitted else self._plan(event.job_id)
         elif isinstance(event, TransferFinished):
             assert self.jobs[event.job_id].submitted
             del self.jobs[event.job_id]
@@ -124,7 +125,7 @@ class SeedSide:
             for j, job in sorted(self.jobs.items())
             if job.kind == "store" and reused & set(job.gpu)
         ]
-        plans: list[Plan] = [self._plan(j) for j in readers if not self.jobs[j].submitted]
+        plans = [p for j in readers if not self.jobs[j].submitted for p in self._plan(j)]
         return [*plans, FencePlan(job_ids=readers)]
 
     def _transfer(self, event: StoreRequested | LoadRequested) -> list[Plan]:
@@ -139,9 +140,10 @@ class SeedSide:
             pairs = seed_transfer_pairs(kind, gpu, event.cpu_block_ids, factor)
         assert pairs is not None, "the generator only makes transfers that fit"
         self.jobs[event.job_id] = SeedJob(kind, gpu, pairs, submitted=False)
-        return [] if getattr(event, "deferred", False) else [self._plan(event.job_id)]
+        return [] if getattr(event, "deferred", False) else self._plan(event.job_id)
 
-    def _plan(self, job_id: int) -> TransferPlan:
+    def _plan(self, job_id: int) -> list[Plan]:
+        """The job's TransferPlan, after a FencePlan on the loads writing what a store reads."""
         job = self.jobs[job_id]
         same_way = [
             j for j, other in self.jobs.items() if other.kind == job.kind and other.submitted
@@ -149,7 +151,13 @@ class SeedSide:
         job.submitted = True
         num_bytes = len(job.pairs) * self.config.page_size_bytes
         kind = "store" if job.kind == "store" else "load"
-        return TransferPlan(job_id, kind, job.pairs, num_bytes, max(same_way, default=-1))
+        plan = TransferPlan(job_id, kind, job.pairs, num_bytes, max(same_way, default=-1))
+        writers = [
+            j
+            for j, other in sorted(self.jobs.items())
+            if job.kind == "store" and other.kind == "load" and set(other.gpu) & set(job.gpu)
+        ]
+        return [FencePlan(job_ids=writers), plan] if writers else [plan]
 
     def refused(self, state: State) -> list[tuple[Event, type[Exception]]]:
         """Events kvlog's rules refuse now, each with its error (the seed would accept them

@@ -26,7 +26,7 @@ chunk rule, plus kvlog's pinning rules):
   unfinished store writes. A store may read a block unfinished loads write (vLLM stores a
   chunk a sync load just filled): its ``TransferPlan`` comes after a ``FencePlan`` naming
   those loads (in job order), wherever the plan is handed out.
-- ``BlocksReleased`` (where the schema has it) drops the listed blocks from a request's
+- ``BlocksReleased`` (7f766bd; where the schema has it) drops the listed blocks from a request's
   table, one reference each; a block the request does not hold is ``InvalidEvent``.
 - Allocating a free (refs 0) block that unfinished stores read plans the TransferPlans of
   the unsubmitted ones among the stores reading any such block (in job order), then a

@@ -14,7 +14,7 @@
    sources at the next decision, and free again after it.
 6. ``BlocksReleased`` (a partial release, where the schema has it).
 
-Two tests are expected failures that name kvlog bugs of the working tree (a store planned
+Two tests are expected failures that name kvlog bugs of 7f766bd (a store planned
 before the deferred load of its block is submitted; ``BlocksReleased`` on a table holding
 a block twice); they pass, and must lose their mark, once the bugs are fixed.
 
@@ -397,7 +397,7 @@ def test_a_store_of_blocks_loads_write_fences_those_loads_first() -> None:
 
 @pytest.mark.xfail(
     strict=True,
-    reason="kvlog bug (working tree, uncommitted): a store of a block a deferred load has "
+    reason="kvlog bug (7f766bd): a store of a block a deferred load has "
     "not yet submitted is planned at once, behind a FencePlan on that load, which the "
     "executor ignores (the load is not in flight): the store reads the block before the "
     "load writes it",
@@ -530,7 +530,7 @@ def test_released_blocks_leave_the_table_and_wait_in_quarantine() -> None:
 
 @pytest.mark.xfail(
     strict=True,
-    reason="kvlog bug (working tree, uncommitted): BlocksReleased removes every copy of a "
+    reason="kvlog bug (7f766bd): BlocksReleased removes every copy of a "
     "block from a table that holds it twice (prefix caching) but drops one reference",
 )
 @pytest.mark.skipif(BlocksReleased is None, reason="this schema has no BlocksReleased")

@@ -69,8 +69,10 @@ def validate_block_ids(event: Event, name: str, block_ids: object) -> None:
     for b in block_ids:
         if type(b) is not int:
             raise InvalidEvent(f"{name} holds {b!r}, not an int", event)
-        if not 0 <= b <= MAX_BLOCKS:
-            raise BlockOutOfRange(f"{name} holds block id {b}, outside [0, {MAX_BLOCKS}]", event)
+        if b < 0:
+            raise BlockOutOfRange(f"{name} holds negative block id {b}", event)
+        if b > MAX_BLOCKS:
+            raise BlockOutOfRange(f"{name} holds block id {b}, above {MAX_BLOCKS}", event)
     if len(set(block_ids)) != len(block_ids):
         seen: set[int] = set()
         dup = next(b for b in block_ids if b in seen or seen.add(b))  # type: ignore[func-returns-value]

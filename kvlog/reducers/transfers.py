@@ -19,13 +19,14 @@ in-flight bound (``TooManyJobs``).
   num_gpu``); a load skips the first ``(-num_gpu) % f`` sub-blocks of its first CPU block.
   ``num_bytes = num_gpu * page_size_bytes``. ``after_job_id`` is the most recent submitted,
   unfinished job of the same direction (-1 if none).
-- Conflicts refused with ``BlockInUse``: a load whose destination GPU block is pinned by an
-  unfinished job (store or load); a store writing a CPU sub-block an unfinished load reads;
-  a load reading a CPU sub-block an unfinished store writes. A store may read a GPU block
-  an unfinished load writes (vLLM stores a chunk that a sync load just filled): its plan
-  comes after a ``FencePlan`` on those loads. (Allocating a block an unfinished load
-  writes is refused in ``defrag.allocate``.) Several stores may read one block: pins are
-  counts.
+- Conflicts refused with ``BlockInUse``: a load writing a GPU block another unfinished load
+  writes; a store writing a CPU sub-block an unfinished load reads; a load reading a CPU
+  sub-block an unfinished store writes. A store and a load may share a GPU block (vLLM
+  stores a chunk that a sync load just filled; it loads into a block whose flushed store
+  has not run yet): a job's plan comes after a ``FencePlan`` on the submitted, unfinished
+  jobs of the other direction that touch its blocks, so they run in submission order.
+  (Allocating a block an unfinished load writes is refused in ``defrag.allocate``.)
+  Several stores may read one block: pins are counts.
 - A deferred job (``deferred=True``: the scheduler decided it; a store's KV may still be
   being computed) pins at once and plans at ``TransferSubmitted``; a deferred store plans
   earlier, at ``flush``, when the scheduler hands one of its blocks to a new request first.
@@ -149,23 +150,19 @@ def _check_job_id(state: State, event: Transfer) -> None:
 
 
 def _busy_gpu(state: State, event: Transfer, physical: IdArray) -> None:
-    """A load may not write a block an unfinished transfer reads or writes. (A store may
-    read a block an unfinished load writes: vLLM stores a chunk a sync load just filled;
-    its plan waits for the load, see ``_plan``.)"""
+    """A load may not write a block another unfinished load writes. A store and a load may
+    share a block (vLLM stores a chunk a sync load just filled, and loads into a block whose
+    flushed store has not run yet): their plans run in submission order (``_plan``)."""
     if isinstance(event, StoreRequested):
         return
-    busy = (state.load_pins[physical] | state.store_pins[physical]) > 0
-    why = "an unfinished transfer reads or writes it"
-    hit = np.flatnonzero(busy)
+    hit = np.flatnonzero(state.load_pins[physical] > 0)
     if hit.size:
         i = int(hit[0])
         p = int(physical[i])
-        jobs = (*state.store_jobs.values(), *state.load_jobs.values())
-        owners = sorted(j.job_id for j in jobs if p in j.gpu_block_ids)
-        kind = "store" if isinstance(event, StoreRequested) else "load"
+        owners = sorted(j.job_id for j in state.load_jobs.values() if p in j.gpu_block_ids)
         raise BlockInUse(
-            f"{kind} job {event.job_id} uses GPU block {event.gpu_block_ids[i]} (physical {p}) "
-            f"but {why} (jobs {owners})",
+            f"load job {event.job_id} writes GPU block {event.gpu_block_ids[i]} (physical {p}) "
+            f"but unfinished load jobs {owners} write it too",
             event,
         )
 
@@ -209,16 +206,15 @@ def check_submit(state: State, event: Transfer) -> tuple[IdArray, IdArray]:
 
 def _plan(state: State, job: Job) -> list[Plan]:
     """Mark ``job`` submitted and return its plan, after the last submitted job of its kind;
-    a store first fences the unfinished loads that write what it reads."""
-    plans: list[Plan] = []
-    if job.kind == "store":
-        writers = [
-            j.job_id
-            for j in state.load_jobs.values()
-            if np.isin(j.gpu_block_ids, job.gpu_block_ids).any()
-        ]
-        if writers:
-            plans.append(FencePlan(job_ids=writers))
+    first a fence on the submitted, unfinished jobs of the other direction that touch its
+    GPU blocks, so that transfers sharing a block run in the order they were submitted."""
+    others = state.load_jobs if job.kind == "store" else state.store_jobs
+    earlier = [
+        j.job_id
+        for j in others.values()
+        if j.submitted and np.isin(j.gpu_block_ids, job.gpu_block_ids).any()
+    ]
+    plans: list[Plan] = [FencePlan(job_ids=earlier)] if earlier else []
     plans.append(_transfer_plan(state, job))
     return plans
 

@@ -19,6 +19,7 @@ from kvlog.errors import LogClosed, LogLocked, RecordRejected
 from kvlog.events import (
     SCHEMA_VERSION,
     BlocksAllocated,
+    BlocksReleased,
     CacheConfigured,
     Checkpoint,
     LoadRequested,
@@ -29,6 +30,7 @@ from kvlog.events import (
     StoreRequested,
     SwapPlan,
     TransferFinished,
+    TransferSubmitted,
 )
 from kvlog.log import (
     FORMAT_VERSION,
@@ -260,12 +262,14 @@ def test_every_record_type_round_trips(tmp_path: Path) -> None:
     records: list[Record] = [
         config,
         BlocksAllocated("a", [1, 2]),
+        BlocksReleased("a", [2]),
         RequestPreempted("a"),
         RequestFinished("a"),
         StoreRequested(7, [1], [0]),
         LoadRequested(8, [0], [2]),
         TransferFinished(7, True),
         TransferFinished(8, False),
+        TransferSubmitted(9),
         Checkpoint(seq=7, digest="f" * 64, step=0, snapshot=bytes(range(256))),
         StepEnded(2**63 - 1),
     ]

@@ -89,7 +89,11 @@ class RunConfig:
     # kvlog's executor backend: "cpu" runs transfers at submit; "fake" is an asynchronous
     # device whose transfers run 1-4 polls later, reading their source bytes only then
     backend: str = "cpu"
-    log_sync: str = "step"  # the log's group commit (KVLOG_SYNC): one fsync per step, the default
+    # vLLM's default offloads prompt chunks only; False also stores decoded chunks, the last
+    # of them after the request finished and vLLM freed its blocks
+    offload_prompt_only: bool = False
+    # the log's group commit (KVLOG_SYNC); "step", the default, adds one fsync per step
+    log_sync: str = "none"
     num_requests: int = 160
     num_gpu_blocks: int = 96
     block_size: int = 16
@@ -100,8 +104,9 @@ class RunConfig:
     num_kv_heads: int = 2
     head_size: int = 4
     cpu_chunks: int = 384
-    max_output: int = 96
+    max_output: int = 128
     max_waiting: int = 12
+    abort_every: int = 80  # about one abort per this many steps (0: none)
     wave: int = 32  # requests per arrival wave
     wave_low: int = 3  # a new wave starts when this few requests are left
     seed: int = 1
@@ -120,6 +125,8 @@ class RunConfig:
             bits.append("preempted-ids")
         if self.backend != "cpu":
             bits.append(f"backend={self.backend}")
+        if self.offload_prompt_only:
+            bits.append("offload_prompt_only")
         if self.connector != "kvlog":
             bits.append(f"connector={self.connector}")
         return " ".join(bits)
@@ -137,6 +144,7 @@ def _matrix() -> list[RunConfig]:
                 v2 = i % 2 == 1
                 async_sched = (i // 2) % 2 == 1
                 backend = "fake" if (i + i // 2) % 2 else "cpu"
+                log_sync = "step" if i % 4 == 3 else "none"
                 name = f"{'pc' if pc else 'nopc'}-bpc{bpc}-{'sync' if sync else 'async'}"
                 out.append(
                     RunConfig(
@@ -147,12 +155,23 @@ def _matrix() -> list[RunConfig]:
                         v2_runner=v2,
                         async_scheduling=async_sched,
                         backend=backend,
+                        log_sync=log_sync,
                         seed=1 + i,
                     )
                 )
                 i += 1
     out += [
-        RunConfig("gpu-order-nopc-bpc2", False, 2, False, False, True, order="gpu", seed=41),
+        RunConfig(
+            "gpu-order-nopc-bpc2",
+            False,
+            2,
+            False,
+            False,
+            True,
+            order="gpu",
+            offload_prompt_only=True,
+            seed=41,
+        ),
         RunConfig(
             "gpu-order-pc-bpc4-sync",
             True,
@@ -175,7 +194,54 @@ def _matrix() -> list[RunConfig]:
             backend="fake",
             seed=43,
         ),
-        RunConfig("defrag-off-nopc-bpc2", False, 2, False, False, False, defrag=False, seed=44),
+        RunConfig(
+            "defrag-off-nopc-bpc2",
+            False,
+            2,
+            False,
+            False,
+            False,
+            defrag=False,
+            offload_prompt_only=True,
+            seed=44,
+        ),
+        # kvlog failures seen under earlier settings, kept as they were found
+        RunConfig(  # loaded blocks left unheld for a step after a silent preemption + reload
+            "found-unheld-load",
+            False,
+            2,
+            False,
+            False,
+            True,
+            order="gpu",
+            offload_prompt_only=True,
+            abort_every=0,
+            max_output=96,
+            seed=41,
+        ),
+        RunConfig(  # a store from blocks a sync load of the same step writes
+            "found-store-after-sync-load",
+            True,
+            4,
+            True,
+            True,
+            True,
+            offload_prompt_only=True,
+            abort_every=0,
+            max_output=96,
+            seed=12,
+        ),
+        RunConfig(  # a load into a block a flushed store of a finished request still reads
+            "found-load-after-flushed-store",
+            False,
+            1,
+            False,
+            False,
+            False,
+            abort_every=40,
+            max_output=96,
+            seed=1,
+        ),
     ]
     return out
 
@@ -535,6 +601,7 @@ def build_vllm(cfg: RunConfig) -> tuple[Any, Any, Any]:
         "cpu_bytes_to_use": cfg.cpu_chunks * chunk_bytes,
         "blocks_per_chunk": bpc,
     }
+    extra["offload_prompt_only"] = cfg.offload_prompt_only
     if cfg.connector == "kvlog":
         extra["kvlog_backend"] = cfg.backend
     if cfg.sync_loads:
@@ -680,6 +747,10 @@ class RunResult:
     lagging_tables: int = 0  # (info) kvlog tables that differ from vLLM's but miss nothing
     token_mismatches: int = 0
     harness_errors: int = 0
+    aborted: int = 0
+    aborted_loading: int = 0  # aborted while vLLM waited for their load
+    flush_steps: int = 0  # steps whose metadata has jobs_to_flush
+    finished_stores: int = 0  # unfinished stores of requests vLLM has finished (blocks freed)
     skipped_first: int = 0  # transfers whose first chunk is entered at block_indices % bpc
     partial_last: int = 0  # transfers whose last chunk is partial
     kvlog_s: float = 0.0  # every kvlog call: the defragmenter's and the connector's
@@ -752,6 +823,7 @@ COLUMNS = [
     ("tables bad/missed", lambda r: f"{r.table_mismatches}/{r.missed_blocks}"),
     ("lag/stale", lambda r: f"{r.lagging_tables}/{r.stale_tables}"),
     ("skip/part", lambda r: f"{r.skipped_first}/{r.partial_last}"),
+    ("flush/fin/abort", lambda r: f"{r.flush_steps}/{r.finished_stores}/{r.aborted}"),
     ("errors", lambda r: len(r.errors)),
     ("replay", lambda r: {None: "-", True: "ok", False: "FAIL"}[r.replay_ok]),
     ("kvlog us/step", lambda r: f"{r.per_step_us(r.kvlog_s):.0f}"),
@@ -813,6 +885,7 @@ class Run:
         self.cpu_ideal: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
         self.outputs: dict[str, list[int]] = {}
         self.finished: set[str] = set()
+        self.aborted: set[str] = set()
         self.defrag: Any = None
         self.cpu_reader: CpuReader | None = None
         self.log_path = os.path.join(workdir, f"{cfg.name}.kvlog")
@@ -908,6 +981,7 @@ class Run:
         pending.reverse()
         prev: tuple[Any, Any] | None = None
         burst = 0
+        rng = random.Random(cfg.seed ^ 0xAB0)
         max_steps = 40 * cfg.num_requests + 2000
         while True:
             # arrivals in waves: a burst overfills the pool (preemptions), then it drains
@@ -922,6 +996,7 @@ class Run:
                 burst -= 1
             if not pending and not self.scheduler.has_requests() and prev is None:
                 break
+            self._maybe_abort(rng)
             t0 = time.perf_counter()
             so = self.scheduler.schedule()
             self.result.sched_s += time.perf_counter() - t0
@@ -938,6 +1013,25 @@ class Run:
             self.step += 1
             if self.step > max_steps:
                 raise AssertionError(f"no progress after {self.step} steps")
+
+    def _maybe_abort(self, rng: random.Random) -> None:
+        """A client goes away now and then (between steps, as the engine core applies it):
+        any unfinished request, a load in flight or not."""
+        if not self.cfg.abort_every or rng.randrange(self.cfg.abort_every):
+            return
+        from vllm.v1.request import RequestStatus
+
+        live = sorted(r for r, req in self.scheduler.requests.items() if not req.is_finished())
+        if not live:
+            return
+        r = rng.choice(live)
+        status = self.scheduler.requests[r].status
+        self.scheduler.finish_requests(r, RequestStatus.FINISHED_ABORTED)
+        self.aborted.add(r)
+        self.finished.add(r)
+        self.result.aborted += 1
+        if status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            self.result.aborted_loading += 1
 
     def _update(self, so: Any, mro: Any) -> None:
         t0 = time.perf_counter()
@@ -964,6 +1058,7 @@ class Run:
             return self._runner_output(so, sampled, None)
         meta = so.kv_connector_metadata
         self._record_jobs(meta)
+        self.result.flush_steps += bool(meta.jobs_to_flush)
         if cfg.order == "gpu":
             self._kvlog("handle_preemptions", self.connector.handle_preemptions, meta)
         self._kvlog("bind_connector_metadata", self.connector.bind_connector_metadata, meta)
@@ -1010,6 +1105,10 @@ class Run:
             self.preempted_ever.add(r)
         for r in (*so.finished_req_ids, *so.num_scheduled_tokens):
             self.loaded_waiting.pop(r, None)
+        if so.finished_req_ids:  # stores still to read blocks vLLM has already freed
+            self.result.finished_stores += sum(
+                job.req_id in so.finished_req_ids for job in self.store_jobs.values()
+            )
         for r in so.num_scheduled_tokens:
             self.computed[r] = self.scheduler.requests[r].num_computed_tokens
         for r, req in self.scheduler.requests.items():
@@ -1092,7 +1191,12 @@ class Run:
                     f"step {self.step} {r}: vLLM-live {missed} not used in kvlog (vLLM "
                     f"table {want}, kvlog table {got})",
                 )
-        for r, blocks in self.loaded_waiting.items():
+        for r, blocks in list(self.loaded_waiting.items()):
+            req = self.scheduler.requests.get(r)
+            table = self.tables.get(r, [])
+            if req is None or req.is_finished() or table[: len(blocks)] != blocks:
+                del self.loaded_waiting[r]  # aborted, or vLLM let the blocks go
+                continue
             missed = [b for b, ok in zip(blocks, in_use(blocks), strict=True) if not ok]
             if missed:
                 self.result.missed_blocks += len(missed)
@@ -1301,6 +1405,8 @@ class Run:
         for req_id, seq in self.seqs.items():
             got = self.outputs.get(req_id, [])
             want = seq.tokens[len(seq.prompt) :]
+            if req_id in self.aborted:
+                want = want[: len(got)]
             if got != want:
                 first = next(
                     (i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), "-"

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -502,16 +503,53 @@ def writers_campaign(tmp: Path, *, trials: int = 100) -> dict[str, Any]:
 
 # -- large pools ---------------------------------------------------------------------------
 def _peak_mib() -> float:
+    """Peak RSS since the last ``_reset_peak`` (VmHWM; ru_maxrss where that is missing)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def pool_one(num_gpu_blocks: int, tmp: Path) -> dict[str, Any]:
-    """Constructor, allocation and defrag step with a checkpoint and snapshot, close,
-    resume, replay (full and from the snapshot) on one pool; seconds and peak RSS."""
-    figures: dict[str, Any] = {"num_gpu_blocks": num_gpu_blocks, "rss_start_mib": _peak_mib()}
+def _reset_peak() -> None:
+    """Start a new peak at the current RSS (Linux: ``5`` into clear_refs)."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as clear:
+            clear.write("5")
+    except OSError:
+        pass
+
+
+def _allocations(num_gpu_blocks: int, dense: bool) -> list[BlocksAllocated]:
+    """High blocks for defrag to move: 50,000 spread ones, or 80% of the pool (dense)."""
+    top = num_gpu_blocks - 1
+    if not dense:
+        count = min(50_000, num_gpu_blocks // 8)
+        return [BlocksAllocated("big", list(range(top, top - count * 7, -7)))]
+    used = range(num_gpu_blocks - int(num_gpu_blocks * 0.8), num_gpu_blocks)
+    chunk = 100_000
+    return [
+        BlocksAllocated(f"req-{i}", list(used[i : i + chunk])) for i in range(0, len(used), chunk)
+    ]
+
+
+def _apply_all(engine: Engine, events: list[BlocksAllocated]) -> None:
+    for event in events:
+        engine.apply(event)
+
+
+def pool_one(num_gpu_blocks: int, tmp: Path, dense: bool = False) -> dict[str, Any]:
+    """Constructor, allocation and a defrag step with a checkpoint and snapshot, close,
+    resume, replay (full and from the snapshot) on one pool; per stage seconds and peak RSS
+    (MiB, the stage's own peak where the OS lets us reset it)."""
+    figures: dict[str, Any] = {"num_gpu_blocks": num_gpu_blocks, "dense": dense}
     path = tmp / f"pool-{num_gpu_blocks}.kvlog"
 
     def stage(name: str, action: Callable[[], Any]) -> Any:
+        _reset_peak()
         started = time.perf_counter()
         result = action()
         figures[name] = {
@@ -520,42 +558,46 @@ def pool_one(num_gpu_blocks: int, tmp: Path) -> dict[str, Any]:
         }
         return result
 
+    figures["rss_start_mib"] = round(_peak_mib())
     config = CacheConfigured(num_gpu_blocks=num_gpu_blocks, block_size=16, num_cpu_blocks=1024)
     engine = stage(
         "constructor", lambda: Engine(config, path, checkpoint_every=1, snapshot_every=1)
     )
-    top = num_gpu_blocks - 1
-    count = min(50_000, num_gpu_blocks // 8)
-    spread = list(range(top, top - count * 7, -7))  # high blocks: defrag moves 512 of them
-    stage("allocate", lambda: engine.apply(BlocksAllocated("big", spread)))
-    plans = stage("step_with_checkpoint_and_snapshot", lambda: engine.apply(StepEnded(0)))
+    events = _allocations(num_gpu_blocks, dense)
+    stage("allocate", functools.partial(_apply_all, engine, events))
+    del events
+    plans = stage(
+        "step_with_checkpoint_and_snapshot", functools.partial(engine.apply, StepEnded(0))
+    )
     assert plans and len(plans[0].pairs) == 512, plans[:1]
     digest = engine.digest()
+    figures["snapshot_bytes"] = len(engine.snapshot())
     stage("close", engine.close)
+    del engine
     figures["log_bytes"] = path.stat().st_size
     resumed = stage("resume", lambda: Engine.resume(path, sync="none"))
     assert resumed.digest() == digest
     stage("close_resumed", resumed.close)
+    del resumed
     result = stage("replay", lambda: replay(path, series=False))
     assert result.ok and result.final_digest == digest, result.divergence
+    del result
     result = stage("replay_from_snapshot", lambda: replay(path, from_snapshot=True, series=False))
     assert result.ok and result.final_digest == digest, result.divergence
-    figures["peak_mib"] = round(_peak_mib())
+    figures["peak_mib"] = max(v["peak_mib"] for v in figures.values() if isinstance(v, dict))
     return figures
 
 
-def pool_campaign(
-    sizes: tuple[int, ...] = (1_000_000, 10_000_000, 1 << 25),
-) -> list[dict[str, Any]]:
-    """``pool_one`` for each size, each in a fresh process (its own peak RSS)."""
+POOLS = ((1_000_000, False), (1_000_000, True), (10_000_000, False), (10_000_000, True))
+POOLS += ((1 << 25, False),)
+
+
+def pool_campaign(sizes: tuple[tuple[int, bool], ...] = POOLS) -> list[dict[str, Any]]:
+    """``pool_one`` for each (size, dense), each in a fresh process."""
     out = []
-    for size in sizes:
-        proc = subprocess.run(
-            [sys.executable, __file__, "pool-one", str(size)],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
+    for size, dense in sizes:
+        command = [sys.executable, __file__, "pool-one", str(size)] + (["--dense"] if dense else [])
+        proc = subprocess.run(command, capture_output=True, text=True, check=False)
         assert proc.returncode == 0, f"pool {size}: {proc.stderr[-3000:]}"
         out.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     return out
@@ -596,7 +638,7 @@ def run(name: str, quick: bool) -> dict[str, Any]:
         elif name == "writers":
             figures = writers_campaign(tmp, trials=10 if quick else 100)
         else:
-            figures = pool_campaign((100_000,) if quick else (1_000_000, 10_000_000, 1 << 25))
+            figures = pool_campaign(((100_000, False), (100_000, True)) if quick else POOLS)
         return {
             "campaign": name,
             "seconds": round(time.perf_counter() - started, 1),
@@ -612,11 +654,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("size", nargs="?", type=int, default=0, help="pool-one: num_gpu_blocks")
     parser.add_argument("--quick", action="store_true", help="a small size (as in CI)")
+    parser.add_argument("--dense", action="store_true", help="pool-one: 80%% of the pool used")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args(argv)
     if args.campaign == "pool-one":
         with tempfile.TemporaryDirectory(prefix="kvlog-pool-") as tmp:
-            print(json.dumps(pool_one(args.size, Path(tmp))))
+            print(json.dumps(pool_one(args.size, Path(tmp), args.dense)))
         return 0
     names = (
         ["flips", "truncate", "zeros", "kill", "writers", "pools"]

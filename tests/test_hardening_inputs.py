@@ -147,7 +147,7 @@ BAD_EVENTS: list[tuple[str, Any, type[Exception]]] = [
     ("float CPU array", StoreRequested(6, [3, 4], np.array([2.0])), INVALID),
     # LoadRequested
     ("load job in flight", LoadRequested(5, [2], [9, 10]), errors.DuplicateJob),
-    ("load into a block a store reads", LoadRequested(6, [3], [1, 9]), errors.BlockInUse),
+    ("load of a CPU block a store writes", LoadRequested(6, [0], [20, 21]), errors.BlockInUse),
     ("load CPU 99", LoadRequested(6, [99], [9, 10]), RANGE),
     ("load 1 CPU into 3 GPU", LoadRequested(6, [2], [9, 10, 11]), errors.TransferSizeMismatch),
     ("load job -5", LoadRequested(-5, [2], [9, 10]), INVALID),

@@ -551,9 +551,7 @@ class _Other:
 
     def __init__(self, path: str, series: bool) -> None:
         self.path = path
-        events = (
-            (seq, r) for seq, r in LogReader(path).records() if not isinstance(r, Checkpoint)
-        )
+        events = ((seq, r) for seq, r in LogReader(path).records() if not isinstance(r, Checkpoint))
         first = next(events, None)
         if first is not None and type(first[1]) is not CacheConfigured:
             raise NotConfigured(

@@ -891,7 +891,9 @@ class Run:
         self.log_path = os.path.join(workdir, f"{cfg.name}.kvlog")
 
     # -- set-up ------------------------------------------------------------------------------
-    def _kvlog(self, what: str, fn: Any, *args: Any) -> Any:
+    def _kvlog(self, what: str, fn: Any, *args: Any, timed: bool = True) -> Any:
+        """Call into kvlog: an exception ends the run as kvlog's error; ``timed`` calls are
+        what a runner makes every step and count as kvlog's per-step cost."""
         t0 = time.perf_counter()
         try:
             return fn(*args)
@@ -900,7 +902,8 @@ class Run:
             self.result.errors.append(f"step {self.step}: {what} raised {exc!r}\n{tb}")
             raise _Abort from exc
         finally:
-            self.result.kvlog_s += time.perf_counter() - t0
+            if timed:
+                self.result.kvlog_s += time.perf_counter() - t0
 
     def _setup(self) -> None:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -930,7 +933,8 @@ class Run:
                 "OnlineDefragmenter()", make_defragmenter, self.kv, cfg, self.log_path
             )
         if cfg.connector == "kvlog":
-            ours, theirs = self.defrag.engine, self._kvlog("connector.engine", self._conn_engine)
+            ours = self._kvlog("defrag.engine", self._engine, timed=False)
+            theirs = self._kvlog("connector.engine", self._conn_engine, timed=False)
             if ours is not theirs:
                 raise AssertionError("the defragmenter and the connector do not share an Engine")
         if cfg.connector == "reference":
@@ -948,20 +952,22 @@ class Run:
 
     def _cpu(self) -> CpuReader:
         if self.cpu_reader is None:
-            engine = self._kvlog("defrag.engine", self._engine)
+            engine = self._kvlog("defrag.engine", self._engine, timed=False)
             self.cpu_reader = CpuReader.of_kvlog(self.kv, engine, self.cfg.blocks_per_chunk)
         return self.cpu_reader
 
-    def _resolve_tables(self, tables: list[list[int]]) -> list[list[int]]:
+    def _resolve_tables(self, tables: list[list[int]], timed: bool = False) -> list[list[int]]:
+        """``resolve_all``: timed only for the forward's call (the runner's one per step)."""
         if self.defrag is None:
             return [list(t) for t in tables]
-        return self._kvlog("resolve_all", self.defrag.resolve_all, tables)
+        return self._kvlog("resolve_all", self.defrag.resolve_all, tables, timed=timed)
 
     # -- the loop ----------------------------------------------------------------------------
     def execute(self) -> RunResult:
         t_start = time.perf_counter()
         try:
             self._setup()
+            self.result.kvlog_s = 0.0  # per-step cost only: start-up is not counted
             self._loop()
             self._finish()
         except _Abort:
@@ -1154,7 +1160,7 @@ class Run:
         where kvlog can know (never preempted, or preemption ids passed); otherwise at
         least every block vLLM holds is in use in kvlog. Loaded blocks of requests that
         vLLM has not scheduled yet must be in use (held) too."""
-        kvlog_tables = self._kvlog("req_blocks", lambda: self.defrag.req_blocks)
+        kvlog_tables = self._kvlog("req_blocks", lambda: self.defrag.req_blocks, timed=False)
         state = self.defrag.engine.state
 
         def in_use(blocks: list[int]) -> list[bool]:
@@ -1221,8 +1227,10 @@ class Run:
             logical.append(table[pos // self.bs] * self.bs + pos % self.bs)
         return reqs, positions, logical
 
-    def _physical_slots(self, reqs: list[str], positions: list[np.ndarray]) -> list[np.ndarray]:
-        phys_tables = self._resolve_tables([self.tables[r] for r in reqs])
+    def _physical_slots(
+        self, reqs: list[str], positions: list[np.ndarray], timed: bool = False
+    ) -> list[np.ndarray]:
+        phys_tables = self._resolve_tables([self.tables[r] for r in reqs], timed)
         out = []
         for table, pos in zip(phys_tables, positions, strict=True):
             arr = np.asarray(table, dtype=np.int64)
@@ -1270,7 +1278,7 @@ class Run:
     def _forward(self, so: Any) -> dict[str, list[int]]:
         reqs, positions, _ = self._write_set(so)
         if reqs:
-            slots = self._physical_slots(reqs, positions)
+            slots = self._physical_slots(reqs, positions, timed=True)
             for r, pos, phys in zip(reqs, positions, slots, strict=True):
                 self.kv.write(phys, self.seqs[r].hashes[pos])
         sampled: dict[str, list[int]] = {}
@@ -1421,12 +1429,12 @@ class Run:
         for job_id in list(self.store_jobs) + list(self.load_jobs):
             r.note("harness", f"job {job_id} never reported complete")
         if self.connector is not None:
-            self._kvlog("connector.shutdown", self.connector.shutdown)
+            self._kvlog("connector.shutdown", self.connector.shutdown, timed=False)
         engine = self._engine()
         if engine is None:
             return
-        r.live_digest = self._kvlog("engine.digest", engine.digest)
-        self._kvlog("engine.close", engine.close)
+        r.live_digest = self._kvlog("engine.digest", engine.digest, timed=False)
+        self._kvlog("engine.close", engine.close, timed=False)
         from kvlog import replay
 
         result = replay(self.log_path, verify=True)

@@ -366,3 +366,19 @@ def test_a_sync_load_into_its_own_requests_blocks_releases_nothing() -> None:
     assert worker.submit_load(1, [2, 3], [21, 22]) and worker.submit_load(2, [0], [30])
     worker.wait(None)
     assert sorted(r.job_id for r in worker.get_finished()) == [1, 2]
+
+
+def test_an_async_load_into_its_requests_stale_blocks_holds_them() -> None:
+    """Found under the real scheduler (found-unheld-load): a request preempted without the
+    runner saying so waits for an async load into blocks of its own stale table. Those
+    blocks are stale (a waiting request holds nothing), so the load's hold takes them and a
+    later release of the stale table cannot free them while the request still waits."""
+    defrag = make(backend="fake")
+    worker = OffloadingWorker(defrag, num_cpu_blocks=4)
+    defrag.update_state({"r": [30, 15, 46, 48]}, [])
+    worker.declare("load", 1, [0, 1, 2], [17, 46, 15], req_id="r", sync=False)
+    assert defrag.req_blocks == {}  # the whole batch that held 15 and 46 is stale
+    assert defrag.session.held_blocks == dict.fromkeys([17, 46, 15], "kvlog-load-hold-1")
+    defrag.update_state({"q": [30]}, [])
+    assert defrag.req_blocks == {"q": [30]}
+    assert all(defrag.used_blocks.get(defrag.resolve(b)) for b in (17, 46, 15))

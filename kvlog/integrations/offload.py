@@ -151,10 +151,12 @@ class OffloadingWorker:
         src_spec: Any,
         dst_spec: Any,
         req_id: str | None = None,
+        sync: bool | None = None,
     ) -> None:
-        """Pin a job the scheduler decided for request ``req_id``, before its ``submit_*``
-        runs it."""
-        self._submit(transfer_event(kind, job_id, src_spec, dst_spec, deferred=True), req_id)
+        """Pin a job the scheduler decided for request ``req_id`` (a load: ``sync`` if the
+        request runs this step), before its ``submit_*`` runs it."""
+        event = transfer_event(kind, job_id, src_spec, dst_spec, deferred=True)
+        self._submit(event, req_id, sync)
 
     def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
         """GPU (logical ids) -> CPU; True once submitted."""
@@ -183,12 +185,17 @@ class OffloadingWorker:
         # else: a declared store already flushed (running or done): nothing to do
         return True
 
-    def _submit(self, event: StoreRequested | LoadRequested, req_id: str | None = None) -> None:
+    def _submit(
+        self,
+        event: StoreRequested | LoadRequested,
+        req_id: str | None = None,
+        sync: bool | None = None,
+    ) -> None:
         if self._shut_down:
             raise TransferSpecError("the offloading worker was shut down")
         kind: JobKind = "store" if isinstance(event, StoreRequested) else "load"
         if kind == "load":
-            self.session.hold(event.job_id, event.gpu_block_ids, req_id)
+            self.session.hold(event.job_id, event.gpu_block_ids, req_id, sync)
         self.session.apply(event)
         self.session.submitted(event.job_id, kind)
 

@@ -292,29 +292,38 @@ class KvCacheSession:
             self._finished[kind].append(result)
 
     # -- blocks a load writes before the runner sees their request -----------------------
-    def hold(self, job_id: int, gpu_block_ids: list[int], req_id: str | None = None) -> None:
+    def hold(
+        self,
+        job_id: int,
+        gpu_block_ids: list[int],
+        req_id: str | None = None,
+        sync: bool | None = None,
+    ) -> None:
         """Keep a load's destination blocks used until a request claims them.
 
         vLLM allocates a request's blocks, loads into them, and reports the request to the
         runner only when it is scheduled, possibly steps after the load ended. Until then
         the blocks must count as used, or defrag would move other blocks into them: a
         placeholder request holds them. Call this BEFORE the load's event (a block an
-        unfinished load writes cannot be allocated). Blocks the loading request ``req_id``
-        already holds (a sync load: it runs this step) need no hold. Without prefix
-        caching, another request that kvlog thinks holds one was preempted (the scheduler
-        gave the block to ``req_id``): ``books.evict`` releases what that proves. Where the
-        loading request is not known, only blocks no request holds are held.
+        unfinished load writes cannot be allocated).
+
+        A sync load's request runs this step: blocks it already holds need no hold. An async
+        load's request is waiting, so a block the books say it holds is stale (it was
+        preempted and got the block back for the load). Without prefix caching, any stale
+        holder (the loading request ``req_id`` itself included, for an async load) was
+        preempted: ``books.evict`` releases what that proves. Where the loading request is
+        not known, only blocks no request holds are held.
         """
         engine = self.engine
         state = engine.state
         blocks = [b for b in gpu_block_ids if b not in self._holds]
-        if req_id is not None:
+        if req_id is not None and sync is not False:
             blocks = [b for b in blocks if not self.books.holds(req_id, b)]
-            if not self.prefix_caching and blocks:
-                for step in self.books.evict(state, blocks):
-                    assert not isinstance(step, Claim), "evict only releases"
-                    engine.apply(step)
-                self.books.commit()
+        if req_id is not None and not self.prefix_caching and blocks:
+            for step in self.books.evict(state, blocks):
+                assert not isinstance(step, Claim), "evict only releases"
+                engine.apply(step)
+            self.books.commit()
         if req_id is None or not self.prefix_caching:
             blocks = [b for b in blocks if not state.refs[state.resolve(b)]]
         if blocks:

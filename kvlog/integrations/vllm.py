@@ -113,7 +113,8 @@ class KvlogConnectorWorker(OffloadingConnectorWorker):  # type: ignore[misc]
         assert self.session is not None, "register_kv_caches() first"
         for job_id, kind, entry in sorted(jobs, key=lambda job: job[0]):
             if not self.session.known(job_id):
-                worker.declare(kind, job_id, entry.src_spec, entry.dst_spec, str(entry.req_id))
+                req_id, sync = str(entry.req_id), bool(getattr(entry, "sync", False))
+                worker.declare(kind, job_id, entry.src_spec, entry.dst_spec, req_id, sync)
 
     def handle_preemptions(self, kv_connector_metadata: OffloadingConnectorMetadata) -> None:
         """vLLM's fence of ``jobs_to_flush``, after declaring the step's jobs."""

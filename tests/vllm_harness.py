@@ -1189,6 +1189,7 @@ class Run:
                     )
                 else:
                     self.result.lagging_tables += 1
+                    self.result.note("lag (info)", f"step {self.step} {r}: vLLM {want} kvlog {got}")
             missed = [b for b, ok in zip(want, in_use(want), strict=True) if not ok]
             if missed:
                 self.result.missed_blocks += len(missed)

@@ -132,6 +132,35 @@ class RunConfig:
         return " ".join(bits)
 
 
+def random_configs(n: int, seed: int) -> list[RunConfig]:
+    """``n`` seeded random configurations over every axis (a bug hunt, not CI)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        pc = rng.random() < 0.5
+        out.append(
+            RunConfig(
+                name=f"random-{seed}-{i}",
+                prefix_caching=pc,
+                blocks_per_chunk=rng.choice((1, 2, 3, 4)),
+                sync_loads=rng.random() < 0.5,
+                v2_runner=rng.random() < 0.5,
+                async_scheduling=rng.random() < 0.5,
+                order=rng.choice(("gaudi", "gaudi", "gpu")),
+                pass_preempted=rng.random() < 0.25,
+                backend=rng.choice(("cpu", "fake")),
+                offload_prompt_only=rng.random() < 0.3,
+                num_gpu_blocks=rng.choice((64, 96, 128)),
+                block_size=rng.choice((8, 16)),
+                threshold=rng.choice((0, 1, 2, 4)),
+                abort_every=rng.choice((0, 40, 80)),
+                max_output=rng.choice((64, 96, 128)),
+                seed=rng.randrange(1 << 30),
+            )
+        )
+    return out
+
+
 def _matrix() -> list[RunConfig]:
     """The CI matrix: prefix caching x blocks_per_chunk x sync/async loads (12), with runner
     shape and scheduling mode varied across them, plus vLLM's GPU-runner order and a run that
@@ -1472,6 +1501,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--defrag-only", action="store_true", help="also run the defragmenter-only family"
     )
+    parser.add_argument(
+        "--random", type=int, default=0, metavar="N", help="also run N random configurations"
+    )
+    parser.add_argument("--random-seed", type=int, default=0, help="seed of --random")
     parser.add_argument("--keep", metavar="DIR", help="keep the logs in DIR")
     parser.add_argument(
         "--log-sync",
@@ -1490,8 +1523,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         chosen += [REFERENCE_CLEAN, REFERENCE_UNAWARE]
     if args.defrag_only:
         chosen += DEFRAG_ONLY
+    chosen += random_configs(args.random, args.random_seed)
     if not chosen:
-        parser.error("give --matrix, --config NAME, --self-test or --defrag-only")
+        parser.error("give --matrix, --config NAME, --self-test, --defrag-only or --random N")
     if args.log_sync:
         chosen = [dataclasses.replace(c, log_sync=args.log_sync) for c in chosen]
     t0 = time.perf_counter()

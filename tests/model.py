@@ -21,11 +21,13 @@ chunk rule, plus kvlog's pinning rules):
   it (a job already submitted: nothing); it cannot finish before. ``after_job_id`` is the
   highest job id of the other submitted, unfinished jobs of the same direction.
 - Refused with ``BlockInUse``: allocating a block an unfinished load writes (always) or a
-  block with refs > 0 (without prefix caching); a load into a block any unfinished job pins;
-  a store writing a CPU sub-block an unfinished load reads; a load reading a CPU sub-block an
-  unfinished store writes. A store may read a block unfinished loads write (vLLM stores a
-  chunk a sync load just filled): its ``TransferPlan`` comes after a ``FencePlan`` naming
-  those loads (in job order), wherever the plan is handed out.
+  block with refs > 0 (without prefix caching); a load into a block another unfinished load
+  writes; a store writing a CPU sub-block an unfinished load reads; a load reading a CPU
+  sub-block an unfinished store writes. A store and a load may share a GPU block (vLLM
+  stores a chunk a sync load just filled, and loads into a block whose flushed store has
+  not run): wherever a job's ``TransferPlan`` is handed out, it comes after a ``FencePlan``
+  naming the submitted, unfinished jobs of the other direction that touch its GPU blocks
+  (in job order), so the two run in the order they were submitted.
 - ``BlocksReleased`` (7f766bd; where the schema has it) drops the listed blocks from a request's
   table, one reference each; a block the request does not hold is ``InvalidEvent``.
 - Allocating a free (refs 0) block that unfinished stores read plans the TransferPlans of
@@ -347,7 +349,7 @@ class PlainModel:
             raise ModelRejected("BlockOutOfRange")
         subs = cpu_sub_blocks(event, config.block_size_factor)
         gpu = [self.resolve(b) for b in event.gpu_block_ids]
-        if kind == "load" and any(self.pins()[b] > 0 for b in gpu):
+        if kind == "load" and any(self.pins("load")[b] > 0 for b in gpu):
             raise ModelRejected("BlockInUse")
         other = self.cpu_subs_in_use("load" if kind == "store" else "store")
         if other & set(subs):
@@ -360,18 +362,19 @@ class PlainModel:
         return [] if is_deferred(event) else self._plan(job)
 
     def _plan(self, job: ModelJob) -> list[Plan]:
-        """Hand out ``job``'s plan: after the highest other submitted job of its kind; a
-        store first fences the unfinished loads writing blocks it reads."""
+        """Hand out ``job``'s plan: after the highest other submitted job of its kind, and
+        after a fence on the submitted jobs of the other direction that share a block."""
         assert self.config is not None and not job.submitted
         fence: list[Plan] = []
-        if job.kind == "store":
-            writers = [
-                j
-                for j, other in sorted(self.jobs.items())
-                if other.kind == "load" and set(other.gpu_blocks) & set(job.gpu_blocks)
-            ]
-            if writers:
-                fence.append(FencePlan(job_ids=writers))
+        earlier = [
+            j
+            for j, other in sorted(self.jobs.items())
+            if other.kind != job.kind
+            and other.submitted
+            and set(other.gpu_blocks) & set(job.gpu_blocks)
+        ]
+        if earlier:
+            fence.append(FencePlan(job_ids=earlier))
         after = max(
             (j.job_id for j in self.jobs.values() if j.kind == job.kind and j.submitted),
             default=-1,

@@ -367,10 +367,11 @@ def draw_store(
 ) -> StoreRequested | None:
     """Offload blocks of live requests into CPU sub-blocks no unfinished load reads
     (sometimes deferred, sometimes in KV-cache groups: ``groups`` None draws it); None if
-    there is nothing to store now. With ``over_loads`` it may read blocks that submitted
-    loads are still writing (vLLM stores a chunk a sync load just filled: the engine fences
-    the loads first), never blocks that a load not yet submitted will write."""
-    avoid = _written_by_loads(model, submitted_too=not over_loads or draw(st.integers(0, 2)) > 0)
+    there is nothing to store now. With ``over_loads`` it may read blocks that unfinished
+    loads write (vLLM stores a chunk a sync load just filled: the two run in submission
+    order, each plan fencing the other direction's submitted jobs)."""
+    over = over_loads and draw(st.integers(0, 2)) == 0
+    avoid = set() if over else _written_by_loads(model, submitted_too=True)
     held = sorted({b for t in model.tables.values() for b in t})
     readable = [b for b in held if model.resolve(b) not in avoid]
     loads_read = model.cpu_subs_in_use("load")
@@ -391,9 +392,13 @@ def draw_store(
 def draw_load(
     draw: st.DrawFn, model: Any, cpu_pool: list[int] | None = None, groups: bool | None = None
 ) -> LoadRequested | None:
-    """Load CPU sub-blocks that no unfinished store writes into GPU blocks no job pins (a
-    partial first CPU block when the sizes call for it; sometimes in KV-cache groups)."""
+    """Load CPU sub-blocks that no unfinished store writes into GPU blocks no load writes (a
+    partial first CPU block when the sizes call for it; sometimes in KV-cache groups); a
+    third of them may write blocks unfinished stores read (vLLM loads into a block whose
+    flushed store has not run: submission order decides)."""
     _, free, pinned = _model_views(model)
+    if draw(st.integers(0, 2)) == 0:
+        pinned = _written_by_loads(model, submitted_too=True)
     held = {b for t in model.tables.values() for b in t}
     targets = sorted(b for b in held | set(free) if model.resolve(b) not in pinned)
     stores_write = model.cpu_subs_in_use("store")
@@ -536,8 +541,8 @@ def _with(event: Any, **changes: Any) -> Any:
 
 
 def _in_use_event(draw: st.DrawFn, model: Any) -> Event | None:
-    """A block that is taken: by a live request (no prefix caching) or by a transfer."""
-    _, _, pinned = _model_views(model)
+    """A block that is taken: by a live request (no prefix caching) or by a load."""
+    pinned = _written_by_loads(model, submitted_too=True)
     held = sorted({b for t in model.tables.values() for b in t})
     if not model.config.prefix_caching and held:
         _, free, _ = _model_views(model)
@@ -783,11 +788,11 @@ def random_program(
 
     Logical blocks come from a FIFO free list (released blocks go to its end), requests
     append and finish in random order (so defrag has holes to fill), prefix caching shares
-    held blocks, stores read held blocks (now and then ones submitted loads still write)
-    and loads write unpinned ones (with a partial first CPU block when the sizes call for
-    it); jobs finish in any order once submitted. No allocation takes a block a load writes,
-    no store reads a block a load not yet submitted will write, and no store writes a CPU
-    sub-block a load reads (nor the other way round). Pins are tracked in logical space,
+    held blocks, stores read held blocks and loads write unpinned ones (now and then a store
+    and a load share a block) with a partial first CPU block when the sizes call for it;
+    jobs finish in any order once submitted. No allocation takes a block a load writes, no
+    two loads write one block, and no store writes a CPU sub-block a load reads (nor the
+    other way round). Pins are tracked in logical space,
     which is exact: defrag never moves a pinned block.
 
     ``deferred``: some stores (and loads, where the schema has it) are deferred and later
@@ -814,9 +819,6 @@ def random_program(
 
     def subs_in_use(kind: str) -> set[int]:
         return {s for job in jobs.values() if job.kind == kind for s in job.subs}
-
-    def unsubmitted_loads() -> set[int]:
-        return {b for j in jobs.values() if j.kind == "load" and not j.submitted for b in j.blocks}
 
     while len(events) <= num_events:
         op = rng.choice(ops)
@@ -885,7 +887,6 @@ def random_program(
                 free,
                 pins,
                 subs_in_use,
-                unsubmitted_loads,
                 deferred,
                 groups,
             )
@@ -907,7 +908,6 @@ def _random_transfer(
     free: list[int],
     pins: Any,
     subs_in_use: Any,
-    unsubmitted_loads: Any,
     deferred: bool,
     groups: bool,
 ) -> Event | None:
@@ -934,11 +934,11 @@ def _random_transfer(
         num_gpu = num_cpu * f if store else num_cpu * f - rng.randint(0, f - 1)
     if deferred and (store or LOADS_DEFER) and rng.random() < (0.4 if store else 0.25):
         fields["deferred"] = True
-    if store:  # now and then over blocks submitted loads write (the engine fences them)
-        avoid = unsubmitted_loads() if rng.random() < 0.3 else pins("load")
+    if store:  # now and then over blocks loads write (submission order, fences)
+        avoid = set() if rng.random() < 0.3 else pins("load")
         pool = sorted(b for b in refs if b not in avoid)
-    else:
-        busy = pins()
+    else:  # now and then into blocks stores read (submission order, fences)
+        busy = pins("load") if rng.random() < 0.3 else pins()
         pool = sorted(b for b in [*refs, *free] if b not in busy)
     if len(pool) < num_gpu:
         return None

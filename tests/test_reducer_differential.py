@@ -8,8 +8,9 @@ seed's ``to_swap`` with its pad bucket and mode, every ``TransferPlan`` the seed
 
 The seed knows none of kvlog's transfer rules; :class:`SeedSide` adds them on top of the
 seed, plainly: deferred jobs plan at ``TransferSubmitted``; allocating a free block a store
-still reads plans the deferred readers and a ``FencePlan``; a store reading blocks that
-loads write fences those loads first; quarantined blocks (with
+still reads plans the deferred readers and a ``FencePlan``; a store and a load sharing a
+GPU block run in submission order (each plan fences the submitted jobs of the other
+direction on its blocks); quarantined blocks (with
 ``quarantine_released``) join the pinned set of the next decision. Probes along the way ask
 ``reduce`` for what the seed side refuses (allocating a block a load writes, CPU sub-blocks
 shared by a store and a load, finishing a job before it is submitted): each must raise and
@@ -143,7 +144,8 @@ class SeedSide:
         return [] if getattr(event, "deferred", False) else self._plan(event.job_id)
 
     def _plan(self, job_id: int) -> list[Plan]:
-        """The job's TransferPlan, after a FencePlan on the loads writing what a store reads."""
+        """The job's TransferPlan, after a FencePlan on the submitted jobs of the other
+        direction that share one of its blocks (they run in submission order)."""
         job = self.jobs[job_id]
         same_way = [
             j for j, other in self.jobs.items() if other.kind == job.kind and other.submitted
@@ -152,12 +154,12 @@ class SeedSide:
         num_bytes = len(job.pairs) * self.config.page_size_bytes
         kind = "store" if job.kind == "store" else "load"
         plan = TransferPlan(job_id, kind, job.pairs, num_bytes, max(same_way, default=-1))
-        writers = [
+        earlier = [
             j
             for j, other in sorted(self.jobs.items())
-            if job.kind == "store" and other.kind == "load" and set(other.gpu) & set(job.gpu)
+            if other.kind != job.kind and other.submitted and set(other.gpu) & set(job.gpu)
         ]
-        return [FencePlan(job_ids=writers), plan] if writers else [plan]
+        return [FencePlan(job_ids=earlier), plan] if earlier else [plan]
 
     def refused(self, state: State) -> list[tuple[Event, type[Exception]]]:
         """Events kvlog's rules refuse now, each with its error (the seed would accept them

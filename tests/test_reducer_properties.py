@@ -209,7 +209,7 @@ CONFIG = CacheConfigured(
     pad_sizes=(2, 8),
     page_size_bytes=256,
 )
-PINNED_DIGEST = "abc38edb2a0629cd25c065d3fd16fb280cc4c11ca06808cb6bd8f408d27a4459"
+PINNED_DIGEST = "c1d248e714f623b0c416e2cd1129b9ec7afb8b23b4373d314d2719f7cb8fa439"
 """A change here is a format change, or a change of ``random_program`` (re-recorded when
 it learned deferred jobs, chunks, reuse of store-read blocks and CPU conflicts)."""
 PINNED_DIGEST_GROWN = "5d2a4c49436769ed15e6a205f0664a7b710fb876d81d3ed3b5fba71321305a8d"

@@ -7,16 +7,18 @@
    caching: the issue-10 reproducer on the fake backend, nothing logged); a free block a
    store still reads is handed out after the deferred readers are planned and every reader
    is fenced, so the store reads the old bytes; a shared live block gives no plan.
-3. CPU sub-blocks: a store may not write one a load reads, a load may not read one a store
-   writes (deferred or not); the rule is per sub-block, not per CPU block.
+3. GPU blocks and CPU sub-blocks of the two directions: two loads may not write one block;
+   a store and a load may share a GPU block and run in submission order (each plan fences
+   the other direction's submitted jobs on its blocks); a store may not write a CPU
+   sub-block a load reads, a load may not read one a store writes (deferred or not), per
+   sub-block, not per CPU block.
 4. vLLM 0.33's chunk rule for ``group_sizes`` / ``block_indices``.
 5. ``quarantine_released``: blocks freed since the last step are neither destinations nor
    sources at the next decision, and free again after it.
 6. ``BlocksReleased`` (a partial release, where the schema has it).
 
-Two tests are expected failures that name kvlog bugs of 7f766bd (a store planned
-before the deferred load of its block is submitted; ``BlocksReleased`` on a table holding
-a block twice); they pass, and must lose their mark, once the bugs are fixed.
+One test is an expected failure that names a kvlog bug of 7f766bd (``BlocksReleased`` on
+a table holding a block twice); it passes, and must lose its mark, once the bug is fixed.
 
 Every refusal leaves the digest and the snapshot alone; ``check_invariants`` holds after
 every accepted event.
@@ -363,16 +365,17 @@ def test_cpu_sub_blocks_are_not_shared_by_a_store_and_a_load() -> None:
     assert run(state, load(6, [2], [10, 11])) == [plan(6, "load", [(4, 10), (5, 11)], after=5)]
 
 
-def test_a_load_into_a_block_any_transfer_pins_is_refused() -> None:
+def test_a_load_into_a_block_another_load_writes_is_refused() -> None:
     state = make()
-    run(state, alloc("A", 4, 5), load(0, [0], [4]), store(1, [5], [1], deferred=True))
-    rejected(state, load(2, [3], [5]), errors.BlockInUse, "reads or writes it")
-    rejected(state, load(2, [3], [4]), errors.BlockInUse, "reads or writes it")
+    run(state, alloc("A", 4, 5), load(0, [0], [4], deferred=LOADS_DEFER))
+    rejected(state, load(1, [2, 3], [5, 4]), errors.BlockInUse, "unfinished load jobs \\[0\\]")
 
 
-def test_a_store_of_blocks_loads_write_fences_those_loads_first() -> None:
-    """vLLM stores a chunk that a sync load just filled: the store's plan waits for the
-    loads writing what it reads, wherever the plan is handed out (request, submit, flush)."""
+def test_a_store_and_a_load_sharing_a_block_run_in_submission_order() -> None:
+    """vLLM stores a chunk a sync load just filled, and loads into a block whose flushed
+    store has not run: each plan fences the submitted jobs of the other direction on its
+    blocks, wherever it is handed out (request, submit, flush); unsubmitted ones wait for
+    their own turn."""
     state = make()
     run(state, alloc("A", 4, 5, 6), load(0, [0], [4]), load(1, [1], [6]))
     assert run(state, store(2, [4, 5], [2, 3])) == [
@@ -391,31 +394,36 @@ def test_a_store_of_blocks_loads_write_fences_those_loads_first() -> None:
         plan(4, "store", [(6, 6), (7, 7)], after=3),
         FencePlan(job_ids=[4]),
     ]
+    # and a load into blocks stores read waits for the submitted ones
     run(state, TransferFinished(job_id=0, success=True))
-    assert run(state, store(5, [4], [0])) == [plan(5, "store", [(4, 0)], after=4)]
+    assert run(state, load(5, [0], [5])) == [FencePlan(job_ids=[2]), plan(5, "load", [(0, 5)], 1)]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kvlog bug (7f766bd): a store of a block a deferred load has "
-    "not yet submitted is planned at once, behind a FencePlan on that load, which the "
-    "executor ignores (the load is not in flight): the store reads the block before the "
-    "load writes it",
-)
-def test_a_store_never_runs_before_an_unsubmitted_load_of_its_blocks() -> None:
-    """Refusing the store (``BlockInUse``) or submitting the load first would both do."""
-    if not LOADS_DEFER:
-        pytest.skip("this schema defers stores only")
+@pytest.mark.skipif(not LOADS_DEFER, reason="this schema defers stores only")
+def test_a_store_submitted_before_the_deferred_load_of_its_block_reads_the_old_bytes() -> None:
+    """Submission order, not job order: the store runs first, the load after it."""
     state = make()
-    deferred_load = LoadRequested(job_id=0, cpu_block_ids=[0], gpu_block_ids=[4], deferred=True)
-    run(state, alloc("A", 4), deferred_load)
-    try:
-        plans = run(state, store(1, [4], [1]))
-    except errors.BlockInUse:
-        return
-    kinds = [(type(p).__name__, getattr(p, "job_id", None)) for p in plans]
-    assert ("TransferPlan", 0) in kinds, f"store 1 planned before load 0 was submitted: {plans}"
-    assert kinds.index(("TransferPlan", 0)) < kinds.index(("TransferPlan", 1))
+    run(state, alloc("A", 4), load(0, [0], [4], deferred=True))
+    assert run(state, store(1, [4], [1])) == [plan(1, "store", [(4, 1)])]
+    assert run(state, TransferSubmitted(job_id=0)) == [
+        FencePlan(job_ids=[1]),
+        plan(0, "load", [(0, 4)]),
+    ]
+    config = CacheConfigured(
+        num_gpu_blocks=8, block_size=4, num_cpu_blocks=2, defrag=False, page_size_bytes=64
+    )
+    executor = make_executor(_caches(config), config, backend="fake", seed=3, max_delay_polls=4)
+    engine = Engine(config, executor=executor)
+    old, loaded = random.Random(1).randbytes(64), random.Random(2).randbytes(64)
+    engine.apply(BlocksAllocated(req_id="A", block_ids=[4]))
+    executor.write_gpu_block(4, old)
+    executor.write_cpu_block(0, loaded)
+    engine.apply(LoadRequested(job_id=0, cpu_block_ids=[0], gpu_block_ids=[4], deferred=True))
+    engine.apply(store(1, [4], [1]))
+    engine.apply(TransferSubmitted(job_id=0))
+    assert sorted((r.job_id, r.success) for r in engine.wait()) == [(0, True), (1, True)]
+    assert executor.read_cpu_block(1) == old and executor.read_gpu_block(4) == loaded
+    engine.close()
 
 
 # -- 4. vLLM 0.33's chunk rule ---------------------------------------------------------------

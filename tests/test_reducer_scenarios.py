@@ -13,10 +13,10 @@ import pytest
 
 from kvlog import errors
 from kvlog.events import (
-    FencePlan,
     BlocksAllocated,
     CacheConfigured,
     Event,
+    FencePlan,
     LoadRequested,
     Plan,
     RequestFinished,

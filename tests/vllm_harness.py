@@ -50,6 +50,7 @@ import time
 import traceback
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -81,7 +82,9 @@ class RunConfig:
     async_scheduling: bool
     order: str = "gaudi"  # "gaudi": vllm-gaudi's call order; "gpu": vLLM's GPU runner order
     defrag: bool = True
-    pass_preempted: bool = False  # update_state(..., preempted_req_ids) (the runner does not)
+    # the Gaudi switch's call site (kvlog.integrations.gaudi.run_defragmenter: preemptions and
+    # whole tables from the scheduler output) instead of the runner's exact call
+    pass_preempted: bool = False
     gaudi_warmup: bool = True  # build, warm up, then rebuild the defragmenter like the runner
     # "kvlog"; "reference": a plain vLLM-semantics worker, no kvlog; "none": no offloading
     connector: str = "kvlog"
@@ -122,7 +125,7 @@ class RunConfig:
             f"defrag={'on' if self.defrag else 'off'}",
         ]
         if self.pass_preempted:
-            bits.append("preempted-ids")
+            bits.append("switch")
         if self.backend != "cpu":
             bits.append(f"backend={self.backend}")
         if self.offload_prompt_only:
@@ -162,9 +165,10 @@ def random_configs(n: int, seed: int) -> list[RunConfig]:
 
 
 def _matrix() -> list[RunConfig]:
-    """The CI matrix: prefix caching x blocks_per_chunk x sync/async loads (12), with runner
-    shape and scheduling mode varied across them, plus vLLM's GPU-runner order and a run that
-    passes preemption ids."""
+    """The CI matrix: prefix caching x blocks_per_chunk x sync/async loads (12) with the
+    runner's exact call, runner shape and scheduling mode varied across them; the prefix
+    caching half again through the Gaudi switch's call site (6, tables exact); vLLM's
+    GPU-runner order; and configurations that reproduce failures found so far."""
     out = []
     i = 0
     for pc in (False, True):
@@ -189,6 +193,21 @@ def _matrix() -> list[RunConfig]:
                     )
                 )
                 i += 1
+    for bpc in (1, 2, 4):  # prefix caching through the Gaudi switch: tables exact
+        for sync in (False, True):
+            out.append(
+                RunConfig(
+                    name=f"switch-pc-bpc{bpc}-{'sync' if sync else 'async'}",
+                    prefix_caching=True,
+                    blocks_per_chunk=bpc,
+                    sync_loads=sync,
+                    v2_runner=sync,
+                    async_scheduling=bpc == 2,
+                    pass_preempted=True,
+                    backend="fake" if bpc != 2 else "cpu",
+                    seed=100 + bpc * 2 + sync,
+                )
+            )
     out += [
         RunConfig(
             "gpu-order-nopc-bpc2",
@@ -1166,17 +1185,18 @@ class Run:
             for req_id, blocks in zip(cached_reqs.req_ids, cached_reqs.new_block_ids, strict=True)
             if blocks
         }
-        kwargs: dict[str, Any] = {}
-        if self.cfg.pass_preempted:  # what a runner that knows them could pass
-            kwargs["preempted_reqs"] = set(so.preempted_req_ids or ())
-            if cached_reqs.resumed_req_ids:
-                kwargs["resumed_reqs"] = set(cached_reqs.resumed_req_ids)
         t0 = time.perf_counter()
-        self._kvlog(
-            "update_state",
-            lambda: self.defrag.update_state(new | cached, so.finished_req_ids, **kwargs),
-        )
-        self._kvlog("defragment", self.defrag.defragment)
+        if self.cfg.pass_preempted:  # the Gaudi switch (KVLOG_GAUDI=1): kvlog's own call site
+            from kvlog.integrations.gaudi import run_defragmenter
+
+            runner = SimpleNamespace(defragmenter=self.defrag, kv_caches=self.kv)
+            self._kvlog("run_defragmenter", lambda: run_defragmenter(runner, so))
+        else:
+            self._kvlog(
+                "update_state",
+                lambda: self.defrag.update_state(new | cached, so.finished_req_ids),
+            )
+            self._kvlog("defragment", self.defrag.defragment)
         self.result.defrag_s += time.perf_counter() - t0
         plan = getattr(self.defrag, "last_swap", None)
         if plan is not None and plan.pairs:

@@ -536,11 +536,6 @@ def test_released_blocks_leave_the_table_and_wait_in_quarantine() -> None:
     assert state.live_requests() == ["B"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kvlog bug (7f766bd): BlocksReleased removes every copy of a "
-    "block from a table that holds it twice (prefix caching) but drops one reference",
-)
 @pytest.mark.skipif(BlocksReleased is None, reason="this schema has no BlocksReleased")
 def test_releasing_a_block_a_table_holds_twice_drops_one_copy() -> None:
     state = make(prefix_caching=True)

@@ -220,8 +220,13 @@ def release_blocks(state: State, event: BlocksReleased) -> list[Plan]:
     physical = check_release_blocks(state, event)
     if not physical:
         return []
-    gone = set(event.block_ids)
-    kept = [b for b in state.tables[event.req_id] if b not in gone]
+    gone = set(event.block_ids)  # one copy each: under prefix caching a table may repeat one
+    kept = []
+    for b in state.tables[event.req_id]:
+        if b in gone:
+            gone.discard(b)
+        else:
+            kept.append(b)
     if kept:
         state.tables[event.req_id] = kept
     else:

@@ -348,8 +348,6 @@ class KvCacheSession:
                 self._num_holds += 1
                 self._hold(f"{hold_id}.{self._num_holds}", rest)
 
-    release_holds = claim
-
     def holds_any(self, block_ids: Iterable[int]) -> bool:
         return any(b in self._holds for b in block_ids)
 

@@ -18,6 +18,7 @@ Rules (from the data each block must hold in a correct system):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -29,6 +30,7 @@ from kvlog.events import (
     CacheConfigured,
     Event,
     LoadRequested,
+    Plan,
     RequestFinished,
     RequestPreempted,
     StoreRequested,
@@ -204,8 +206,8 @@ class CanaryTracker:
         if isinstance(event, (RequestFinished, RequestPreempted)):
             self._released = list(state.request_blocks(event.req_id))
 
-    def after(self, state: _StateView, event: Event) -> None:
-        """Call after the engine applied ``event`` successfully."""
+    def after(self, state: _StateView, event: Event, plans: Sequence[Plan] = ()) -> None:
+        """Call after the engine applied ``event`` successfully (a machine observer)."""
         if isinstance(event, BlocksAllocated):
             self._allocated(state, event.block_ids)
         elif isinstance(event, (RequestFinished, RequestPreempted)):

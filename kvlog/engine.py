@@ -1,19 +1,22 @@
 """The Engine: the imperative shell around the pure reducers.
 
-``apply(event)`` is the one way in. Its order, and what it guarantees:
+``apply(event)`` is the one way in: one step of the machine (``kvlog.machine``) with the
+log between its check and its change. Its order, and what it guarantees:
 
-1. **admit**: the event must be an exact event type whose record the log can hold, and
-   ``reducers.validate`` must accept it against the state (numpy integers and 1-D integer
-   arrays are first turned into plain ints, which is what gets logged). A refused event
-   raises a ``KvlogError`` (``InvalidEvent``, ``RecordRejected``), is never logged and
-   changes nothing, with or without a log: the same checks run either way;
-2. **append** it to the log. If the write or fsync fails, the writer is poisoned and so is
-   the engine (every later call raises ``LogPoisoned``), and the state has not changed: it
-   is the state of every event appended before. Events buffered since the last group commit
-   may or may not be on disk; ``Engine.resume(log_path)`` rebuilds exactly what is durable;
-3. **reduce**: the event is known valid, so this cannot refuse it (if it does, that is a
-   reducer bug and an ``AssertionError``);
-4. hand the plans to the executor, if any, and return them.
+1. **check**: the event must be an exact event type, and the reducers' check must accept
+   it against the state (numpy integers and 1-D integer arrays are first turned into plain
+   ints, which is what gets logged). The check keeps what it found, for the change. A
+   refused event raises a ``KvlogError`` (``InvalidEvent``, ``RecordRejected``), is never
+   logged and changes nothing, with or without a log: the same checks run either way;
+2. **append** it to the log (encoded once, straight into the writer's buffer; a record too
+   large for the log is refused there, ``RecordRejected``, nothing written). If the write
+   or fsync fails, the writer is poisoned and so is the engine (every later call raises
+   ``LogPoisoned``), and the state has not changed: it is the state of every event
+   appended before. Events buffered since the last group commit may or may not be on
+   disk; ``Engine.resume(log_path)`` rebuilds exactly what is durable;
+3. **commit**: the machine changes the state once, with what the check found (this cannot
+   refuse: the event was checked against this very state), hands the plans to the
+   executor, if any, and notifies its observers; ``apply`` returns the plans.
 
 So ``apply`` raises only before anything changed, except ``LogPoisoned`` from the
 checkpoint that a ``StepEnded`` may write after it was applied (the engine has then
@@ -60,10 +63,10 @@ from kvlog.events import (
     StepEnded,
     TransferFinished,
     encode,
-    validate_event,
 )
 from kvlog.events.validate import normalize_event
 from kvlog.log import MAX_RECORD_BYTES, SYNC_MODES, LogReader, LogWriter, Recovery, SyncMode
+from kvlog.machine import Machine
 from kvlog.reducers.digest import digest_and_snapshot
 
 if TYPE_CHECKING:
@@ -103,10 +106,9 @@ class Engine:
             if _writer is not None:
                 _writer.close()
             raise
-        self.executor = executor
+        self._machine = Machine(_state, executor)
         self.checkpoint_every = checkpoint_every
         self.snapshot_every = snapshot_every
-        self._state = _state
         self._log: LogWriter | None = _writer
         self._closed = False
         self._num_steps = 0
@@ -137,11 +139,25 @@ class Engine:
     @property
     def state(self) -> reducers.State:
         """The reducer state (read it; never change it from outside)."""
-        return self._state
+        return self._machine.state
+
+    @property
+    def machine(self) -> Machine:
+        """The one step of the machine this engine drives (add observers to it)."""
+        return self._machine
+
+    @property
+    def executor(self) -> Executor | None:
+        """The executor that carries out the plans (None: bookkeeping only)."""
+        return self._machine.executor
+
+    @executor.setter
+    def executor(self, executor: Executor | None) -> None:
+        self._machine.executor = executor
 
     @property
     def config(self) -> CacheConfigured:
-        config = self._state.config
+        config = self.state.config
         assert config is not None, "Engine.config before CacheConfigured: engine bug"
         return config
 
@@ -150,57 +166,37 @@ class Engine:
         return None if self._log is None else self._log.path
 
     def apply(self, event: Event) -> list[Plan]:
-        """Validate, log, reduce and execute one event; returns the plans."""
+        """Check, log, change, execute one event (one step of the machine); the plans."""
         self._check_open()
-        if self._log is None:
-            event, plans = self._reduce_unlogged(event)
-        else:
-            event = self._admit(event)
-            self._last_seq = self._log.append(event)
-            try:
-                self._state, plans = reducers.reduce(self._state, event)
-            except InvalidEvent as exc:
-                raise AssertionError(
-                    f"reducer bug: validate accepted, reduce refused: {exc}"
-                ) from exc
-        if self.executor is not None:
-            for plan in plans:
-                self.executor.execute(plan)
-        if type(event) is StepEnded:
+        checked = self._check(event)
+        if self._log is not None:
+            self._last_seq = self._log.append(checked.event)  # RecordRejected: no change
+        plans = self._machine.commit(checked)
+        if type(checked.event) is StepEnded:
             self._num_steps += 1
             if self.checkpoint_every and self._num_steps % self.checkpoint_every == 0:
                 self._checkpoint()
         return plans
 
-    def _admit(self, event: Event) -> Event:
-        """The event to log (numpy ids made plain), or the refusal (nothing changed)."""
+    def _check(self, event: Event) -> reducers.Checked:
+        """The event checked against the state (numpy ids made plain), or the refusal
+        (nothing changed). With a log, the writer refuses a record too large to hold; without
+        one the same bound is checked here, so both refuse the same events."""
         try:
-            self._validate(event)
-            return event
+            return self._check_once(event)
         except (InvalidEvent, RecordRejected):
             plain = normalize_event(event)
             if plain is event:
                 raise
-        self._validate(plain)
-        return plain  # type: ignore[no-any-return]
+        return self._check_once(plain)
 
-    def _validate(self, event: Event) -> None:
-        _check_record(event)
-        reducers.validate(self._state, event)
-
-    def _reduce_unlogged(self, event: Event) -> tuple[Event, list[Plan]]:
-        """Without a log: reduce validates first and changes nothing when it refuses."""
-        try:
-            _check_record(event)
-            self._state, plans = reducers.reduce(self._state, event)
-            return event, plans
-        except (InvalidEvent, RecordRejected):
-            plain = normalize_event(event)
-            if plain is event:
-                raise
-        _check_record(plain)
-        self._state, plans = reducers.reduce(self._state, plain)
-        return plain, plans
+    def _check_once(self, event: Event) -> reducers.Checked:
+        if type(event) not in _EVENT_TYPES:
+            raise RecordRejected(f"not an event: {type(event).__name__}")
+        checked = self._machine.check(event)
+        if self._log is None:
+            _check_record_size(event)
+        return checked
 
     def poll(self) -> list[TransferResult]:
         """Finished transfers from the executor, each logged and reduced as TransferFinished."""
@@ -228,7 +224,7 @@ class Engine:
     def resolve(self, block_id: int) -> int:
         """The physical block that logical ``block_id`` lives in now."""
         self._check_range(block_id)
-        return int(self._state.resolve(int(block_id)))
+        return int(self.state.resolve(int(block_id)))
 
     @overload
     def resolve_all(self, block_tables: list[list[int]]) -> list[list[int]]: ...
@@ -269,7 +265,8 @@ class Engine:
         if top >= self.config.num_gpu_blocks:
             raise BlockOutOfRange(f"block id {top} >= num_gpu_blocks {self.config.num_gpu_blocks}")
         out = table.copy()
-        out[valid] = self._state.resolve_array(table[valid].astype(np.int64)).astype(table.dtype)
+        resolved = self.state.resolve_array(table[valid].astype(np.int64))
+        out[valid] = resolved.astype(table.dtype)
         return out
 
     def _check_range(self, block_id: int) -> None:
@@ -282,11 +279,11 @@ class Engine:
 
     def digest(self) -> str:
         """Hex digest of the whole state (equal states, equal digests)."""
-        return str(reducers.digest(self._state))
+        return str(reducers.digest(self.state))
 
     def snapshot(self) -> bytes:
         """The whole state as bytes (checksummed), for ``Engine.restore``."""
-        return bytes(reducers.snapshot(self._state))
+        return bytes(reducers.snapshot(self.state))
 
     # -- restore and resume --------------------------------------------------------------
     @classmethod
@@ -393,11 +390,11 @@ class Engine:
             self.snapshot_every > 0 and self._num_checkpoints % self.snapshot_every == 0
         )
         if with_snapshot:
-            digest, blob = digest_and_snapshot(self._state)
+            digest, blob = digest_and_snapshot(self.state)
         else:
             digest, blob = self.digest(), b""
         record = Checkpoint(
-            seq=self._last_seq, digest=digest, step=int(self._state.step), snapshot=blob
+            seq=self._last_seq, digest=digest, step=int(self.state.step), snapshot=blob
         )
         self._log.append(record)
 
@@ -509,16 +506,12 @@ def check_state_memory(config: CacheConfigured, *, resident: bool = False) -> No
         )
 
 
-def _check_record(event: Event) -> None:
-    """Raise ``RecordRejected`` now for an event the log writer would refuse."""
-    if type(event) not in _EVENT_TYPES:
-        raise RecordRejected(f"not an event: {type(event).__name__}")
-    if _size_bound(event) > MAX_RECORD_BYTES:
-        validate_event(event)  # a malformed event is refused as that, not for its size
-        if len(encode(event)) > MAX_RECORD_BYTES:
-            raise RecordRejected(
-                f"{type(event).__name__} encodes to more than {MAX_RECORD_BYTES} bytes"
-            )
+def _check_record_size(event: Event) -> None:
+    """Raise ``RecordRejected`` for a (valid) event too large for a log record."""
+    if _size_bound(event) > MAX_RECORD_BYTES and len(encode(event)) > MAX_RECORD_BYTES:
+        raise RecordRejected(
+            f"{type(event).__name__} encodes to more than {MAX_RECORD_BYTES} bytes"
+        )
 
 
 def _size_bound(event: Event) -> int:

@@ -25,7 +25,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -46,7 +46,11 @@ from kvlog.events import (
     to_dict,
 )
 from kvlog.log import LogReader
+from kvlog.machine import Machine
 from kvlog.report import Series
+
+if TYPE_CHECKING:
+    from kvlog.executors import Executor
 
 __all__ = [
     "POLICY_FIELDS",
@@ -176,17 +180,17 @@ def _plans_dicts(plans: list[Plan]) -> list[dict[str, Any]]:
     return [to_dict(p) for p in plans]
 
 
-class _Run:
-    """One reducer state fed a log's events, with its statistics."""
+class _StatsObserver:
+    """Counts what one policy did (``RunStats``), step by step: an observer of its machine."""
 
-    def __init__(self, label: str, config: CacheConfigured, series: bool) -> None:
-        self.state = reducers.initial_state()
-        self.stats = RunStats(label, config, series=Series(label) if series else None)
+    def __init__(self, stats: RunStats) -> None:
+        self.stats = stats
         self._step_swapped = self._step_store = self._step_load = 0
-        self.alive = True
 
-    def apply(self, event: Event) -> list[Plan]:
-        self.state, plans = reducers.reduce(self.state, event)
+    def before(self, state: reducers.State, event: Event) -> None:
+        pass
+
+    def after(self, state: reducers.State, event: Event, plans: list[Plan]) -> None:
         s = self.stats
         s.num_events += 1
         for plan in plans:
@@ -207,25 +211,55 @@ class _Run:
                     s.load_bytes += plan.num_bytes
                     self._step_load += plan.num_bytes
         if type(event) is StepEnded:
-            self._end_step(event.step)
-        return plans
+            self._end_step(state, event.step)
 
-    def _end_step(self, step: int) -> None:
+    def _end_step(self, state: reducers.State, step: int) -> None:
         s = self.stats
-        top = int(self.state.max_used)
+        top = int(state.max_used)
         s.num_steps += 1
         s.peak_max_used = max(s.peak_max_used, top)
         s.sum_max_used += top
         if s.series is not None:
             s.series.add(
                 step,
-                int(self.state.num_used),
+                int(state.num_used),
                 top,
                 self._step_swapped,
                 self._step_store,
                 self._step_load,
             )
         self._step_swapped = self._step_store = self._step_load = 0
+
+
+class _FinishedInLog:
+    """Replaying with an executor: a logged ``TransferFinished`` first waits for that job
+    on the replay's own executor (the recording's executor had finished it)."""
+
+    def __init__(self, executor: Executor) -> None:
+        self.executor = executor
+
+    def before(self, state: reducers.State, event: Event) -> None:
+        if type(event) is TransferFinished:
+            self.executor.wait([event.job_id])
+
+    def after(self, state: reducers.State, event: Event, plans: list[Plan]) -> None:
+        pass
+
+
+class _Run:
+    """One policy fed a log's events: a machine, with its statistics as an observer."""
+
+    def __init__(self, label: str, config: CacheConfigured, series: bool) -> None:
+        self.stats = RunStats(label, config, series=Series(label) if series else None)
+        self.machine = Machine(observers=[_StatsObserver(self.stats)])
+        self.alive = True
+
+    @property
+    def state(self) -> reducers.State:
+        return self.machine.state
+
+    def apply(self, event: Event) -> list[Plan]:
+        return self.machine.apply(event)
 
     def finish(self) -> RunStats:
         self.stats.final_digest = str(reducers.digest(self.state))
@@ -369,6 +403,8 @@ class _Replayer:
         if self.execute:
             effective = self.whatif or self.recorded
             self.executor, self.tracker = make_canary_executor(effective.stats.config, self.backend)
+            effective.machine.executor = self.executor
+            effective.machine.observers += [_FinishedInLog(self.executor), self.tracker]
 
     def _start_from_snapshot(self) -> int:
         seq, checkpoint = _latest_snapshot(self.reader.path)
@@ -381,7 +417,7 @@ class _Replayer:
             )
         self.result.recorded_config = state.config
         self.recorded = _Run("recorded", state.config, self.series)
-        self.recorded.state = state
+        self.recorded.machine.state = state
         self.last_event_seq = checkpoint.seq
         self._checkpoint(seq, checkpoint)
         return seq + 1
@@ -429,12 +465,6 @@ class _Replayer:
                 return
             self._start(event)
         assert self.recorded is not None
-        tracker = self.tracker
-        effective = self.whatif or self.recorded
-        if tracker is not None and effective.alive:
-            tracker.before(effective.state, event)
-            if type(event) is TransferFinished:
-                self.executor.wait([event.job_id])
         try:
             plans = self.recorded.apply(event)
         except InvalidEvent as exc:
@@ -445,14 +475,10 @@ class _Replayer:
             )
             self.stopped = True
             return
-        whatif_plans = self._whatif(seq, event)
+        self._whatif(seq, event)
         if type(event) is StepEnded:
             self._compare_step()
         self.last_event_seq, self.last_event = seq, event
-        if tracker is not None and effective.alive:
-            for plan in whatif_plans if self.whatif is not None else plans:
-                self.executor.execute(plan)
-            tracker.after(effective.state, event)
         if self.other is not None:
             self.other.compare(self, seq, event, plans)
 

@@ -158,14 +158,25 @@ def test_failed_append_poisons_the_engine_and_resume_recovers(
 def test_unencodable_size_is_refused_before_reducing(
     tmp_path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """With a log the writer refuses the record (nothing buffered), without one the engine's
+    own bound does: either way the state is unchanged and nothing is logged."""
     import kvlog.engine as engine_module
+    import kvlog.log.writer as writer_module
 
-    with Engine(CONFIG, os.path.join(tmp_path, "a.kvlog"), sync="none") as engine:
-        monkeypatch.setattr(engine_module, "MAX_RECORD_BYTES", 32)
-        before = engine.digest()
-        with pytest.raises(errors.RecordRejected):
-            engine.apply(BlocksAllocated(req_id="a-long-request-id", block_ids=list(range(1, 15))))
-        assert engine.digest() == before
+    path = os.path.join(tmp_path, "a.kvlog")
+    for log_path in (path, None):
+        with Engine(CONFIG, log_path, sync="none") as engine:
+            monkeypatch.setattr(engine_module, "MAX_RECORD_BYTES", 32)
+            monkeypatch.setattr(writer_module, "MAX_RECORD_BYTES", 32)
+            before = engine.digest()
+            big = BlocksAllocated(req_id="a-long-request-id", block_ids=list(range(1, 15)))
+            with pytest.raises(errors.RecordRejected):
+                engine.apply(big)
+            assert engine.digest() == before
+            monkeypatch.undo()
+            engine.apply(StepEnded(step=0))
+    result = replay(path)
+    assert result.ok and result.counts.get("BlocksAllocated", 0) == 0
 
 
 def test_poll_logs_transfer_finished_where_the_executor_reported_it(tmp_path: str) -> None:

@@ -2,15 +2,16 @@
 
 The composition of the defrag and transfer reducers over one :class:`State`: transfers
 resolve GPU ids through the defrag mapping and pin what they touch; defrag skips pinned
-blocks. ``reduce`` runs ``validate_event`` first, then the event's reducer, which validates
-against the state before it changes anything, so a refused event leaves the state (and its
-digest) exactly as it was.
+blocks. ``check`` runs ``validate_event``, then the event's check against the state, and
+keeps what the check found; ``commit`` applies it, once, using those findings. A refused
+event leaves the state (and its digest) exactly as it was. ``reduce`` is the two in a row;
+the Engine appends the event to its log between them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvlog.errors import NotConfigured
 from kvlog.events import (
@@ -32,58 +33,69 @@ from kvlog.events import (
 from kvlog.reducers import defrag, transfers
 from kvlog.reducers.state import State
 
-__all__ = ["reduce", "validate"]
+__all__ = ["Checked", "check", "commit", "reduce", "validate"]
 
-_REDUCERS: dict[type, Callable[[State, Any], list[Plan]]] = {
-    BlocksAllocated: defrag.allocate,
-    RequestFinished: defrag.release,
-    RequestPreempted: defrag.release,
-    StepEnded: defrag.end_step,
-    StoreRequested: transfers.submit,
-    LoadRequested: transfers.submit,
-    TransferFinished: transfers.finish,
-    TransferSubmitted: transfers.submitted,
-    BlocksReleased: defrag.release_blocks,
+_Check = Callable[[State, Any], Any]
+_Apply = Callable[[State, Any, Any], list[Plan]]
+
+
+def _unchecked(state: State, event: Event) -> None:
+    """Events with nothing to check against the state."""
+    return None
+
+
+def _no_check(apply: Callable[[State, Any], list[Plan]]) -> _Apply:
+    return lambda state, event, checked: apply(state, event)
+
+
+_STEPS: dict[type, tuple[_Check, _Apply]] = {
+    BlocksAllocated: (defrag.check_allocate, defrag.apply_allocate),
+    RequestFinished: (_unchecked, _no_check(defrag.release)),
+    RequestPreempted: (_unchecked, _no_check(defrag.release)),
+    StepEnded: (_unchecked, _no_check(defrag.end_step)),
+    StoreRequested: (transfers.check_submit, transfers.apply_submit),
+    LoadRequested: (transfers.check_submit, transfers.apply_submit),
+    TransferFinished: (transfers.check_finish, transfers.apply_finish),
+    TransferSubmitted: (transfers.check_submitted, transfers.apply_submitted),
+    BlocksReleased: (defrag.check_release_blocks, defrag.apply_release_blocks),
 }
 
 
-_CHECKS: dict[type, Callable[[State, Any], object]] = {
-    BlocksAllocated: defrag.check_allocate,
-    RequestFinished: lambda state, event: None,
-    RequestPreempted: lambda state, event: None,
-    StepEnded: lambda state, event: None,
-    StoreRequested: transfers.check_submit,
-    LoadRequested: transfers.check_submit,
-    TransferFinished: transfers.check_finish,
-    TransferSubmitted: transfers.check_submitted,
-    BlocksReleased: defrag.check_release_blocks,
-}
+class Checked(NamedTuple):
+    """An event ``check`` accepted, with what its reducer found while checking it. Commit
+    it to the same, unchanged state (the check's findings describe that state)."""
+
+    event: Event
+    apply: _Apply
+    found: Any
+
+
+def check(state: State, event: Event) -> Checked:
+    """Raise what ``reduce`` would raise for this event (an ``InvalidEvent`` subclass or
+    ``NotConfigured``), changing nothing; else the event, checked, ready for ``commit``."""
+    validate_event(event)
+    steps = _STEPS.get(type(event))
+    if steps is not None and state.config is not None:
+        return Checked(event, steps[1], steps[0](state, event))
+    if type(event) is CacheConfigured:
+        defrag.check_configure(state, event)
+        return Checked(event, defrag.apply_configure, None)
+    raise NotConfigured("the first event must be CacheConfigured", event)
+
+
+def commit(state: State, checked: Checked) -> list[Plan]:
+    """Change the state by a checked event, once; its plans (cannot refuse)."""
+    plans = checked.apply(state, checked.event, checked.found)
+    state.last_swap = plans[0] if plans and type(plans[0]) is SwapPlan else None
+    return plans
 
 
 def validate(state: State, event: Event) -> None:
-    """Raise what ``reduce`` would raise for this event, changing nothing (for callers that
-    log an event before reducing it)."""
-    validate_event(event)
-    if isinstance(event, CacheConfigured):
-        defrag.check_configure(state, event)
-    elif state.config is None:
-        raise NotConfigured("the first event must be CacheConfigured", event)
-    else:
-        _CHECKS[type(event)](state, event)
+    """``check`` without keeping what it found."""
+    check(state, event)
 
 
 def reduce(state: State, event: Event) -> tuple[State, list[Plan]]:
     """Apply one event: raise an ``InvalidEvent`` subclass (state untouched) or return the
     same state object, changed, with the event's plans."""
-    validate_event(event)
-    reducer = _REDUCERS.get(type(event))
-    if reducer is not None and state.config is not None:
-        plans = reducer(state, event)
-    elif isinstance(event, CacheConfigured):
-        plans = defrag.configure(state, event)
-    elif state.config is None:
-        raise NotConfigured("the first event must be CacheConfigured", event)
-    else:
-        plans = _REDUCERS[type(event)](state, event)
-    state.last_swap = plans[0] if plans and isinstance(plans[0], SwapPlan) else None
-    return state, plans
+    return state, commit(state, check(state, event))

@@ -64,16 +64,20 @@ from kvlog.reducers.ranges import check_block_range
 from kvlog.reducers.state import State
 
 __all__ = [
+    "Allocation",
     "allocate",
+    "apply_allocate",
+    "apply_configure",
+    "apply_release_blocks",
     "check_allocate",
     "check_block_range",
     "check_configure",
-    "choose_pairs",
     "configure",
     "end_step",
     "pad_bucket",
     "pair_up",
     "release",
+    "release_blocks",
 ]
 
 
@@ -84,17 +88,28 @@ def check_configure(state: State, event: CacheConfigured) -> None:
 
 
 def configure(state: State, event: CacheConfigured) -> list[Plan]:
-    """Take the geometry and policy."""
+    """``check_configure`` then ``apply_configure``."""
     check_configure(state, event)
+    return apply_configure(state, event, None)
+
+
+def apply_configure(state: State, event: CacheConfigured, checked: None) -> list[Plan]:
+    """Take the geometry and policy."""
     state.configure(event)
     return []
 
 
-def check_allocate(state: State, event: BlocksAllocated) -> IdArray | list[int]:
-    """Refuse a bad allocation; return the physical ids it references (a list when small).
+Allocation = tuple["IdArray | list[int]", bool]
+"""What ``check_allocate`` found: the physical ids, and whether all were free and unpinned
+(the fast path: no flush, no reuse check)."""
+
+
+def check_allocate(state: State, event: BlocksAllocated) -> Allocation:
+    """Refuse a bad allocation; return the physical ids it references (a list when small)
+    and whether they are all free and unpinned (without prefix caching only).
 
     Refused: a block an unfinished load writes (always), a block a live request holds
-    (without prefix caching). A block an unfinished store reads is accepted: ``allocate``
+    (without prefix caching). A block an unfinished store reads is accepted: the apply
     flushes the store first (see ``transfers.flush``)."""
     config = state.config
     assert config is not None, "reduce() dispatches only configured states here"
@@ -105,59 +120,45 @@ def check_allocate(state: State, event: BlocksAllocated) -> IdArray | list[int]:
         fwd = state.fwd_buffer
         physical = [fwd[b] for b in block_ids]
         refs, loads = state.refs_buffer, state.load_pins_buffer
-        exclusive = not config.prefix_caching
-        if not any(loads[p] or (exclusive and refs[p]) for p in physical):
-            return physical
+        if config.prefix_caching:
+            if not any(loads[p] for p in physical):
+                return physical, False
+        elif not any(refs[p] or loads[p] for p in physical):
+            stores = state.store_pins_buffer
+            return physical, not any(stores[p] for p in physical)
     logical = check_block_range(event, "block_ids", block_ids, config.num_gpu_blocks)
     array = state.fwd[logical].astype(np.int64)
     if array.size:
         _check_exclusive(state, event, logical, array)
-    return array
+    return array, False
 
 
-def allocate(state: State, event: BlocksAllocated) -> list[Plan]:
+def apply_allocate(state: State, event: BlocksAllocated, checked: Allocation) -> list[Plan]:
     """Append blocks to a request's table and reference their physical blocks. A free
     block that an unfinished store still reads is being reused, and will be written:
     flush those stores first (a shared, live block is only read)."""
-    config = state.config
-    assert config is not None, "reduce() dispatches only configured states here"
     block_ids = event.block_ids
     if not block_ids:
         return []
-    free = None if config.prefix_caching else _free_physical(state, block_ids)
-    physical = check_allocate(state, event) if free is None else free
+    physical, free = checked
     table = state.tables.get(event.req_id)
     if table is None:
         state.tables[event.req_id] = list(block_ids)
     else:
         table.extend(block_ids)
-    if free is not None:
-        state.take_free(free)
+    if free:
+        state.take_free(physical)  # type: ignore[arg-type]
         return []
     refs, stores = state.refs_buffer, state.store_pins_buffer
-    reused = [p for p in np.asarray(physical).tolist() if stores[p] and not refs[p]]
+    ids = physical if isinstance(physical, list) else physical.tolist()
+    reused = [p for p in ids if stores[p] and not refs[p]]
     state.add_refs(physical)
     return transfers.flush(state, reused) if reused else []
 
 
-def _free_physical(state: State, block_ids: list[int]) -> list[int] | None:
-    """The fast path of ``check_allocate`` without prefix caching: the physical ids of a
-    small allocation whose blocks are all in range, unreferenced and unpinned by transfers;
-    None otherwise (``check_allocate`` then decides, and raises or flushes)."""
-    if len(block_ids) > SCALAR_LIMIT:
-        return None
-    fwd, refs = state.fwd_buffer, state.refs_buffer
-    stores, loads = state.store_pins_buffer, state.load_pins_buffer
-    size = len(fwd)
-    physical = []
-    for b in block_ids:
-        if b >= size:
-            return None
-        p = fwd[b]
-        if refs[p] or stores[p] or loads[p]:
-            return None
-        physical.append(p)
-    return physical
+def allocate(state: State, event: BlocksAllocated) -> list[Plan]:
+    """``check_allocate`` then ``apply_allocate``."""
+    return apply_allocate(state, event, check_allocate(state, event))
 
 
 def _check_exclusive(
@@ -216,8 +217,12 @@ def check_release_blocks(state: State, event: BlocksReleased) -> list[int]:
 
 
 def release_blocks(state: State, event: BlocksReleased) -> list[Plan]:
+    """``check_release_blocks`` then ``apply_release_blocks``."""
+    return apply_release_blocks(state, event, check_release_blocks(state, event))
+
+
+def apply_release_blocks(state: State, event: BlocksReleased, physical: list[int]) -> list[Plan]:
     """Drop some blocks of a request's table (one reference each); the rest stay in order."""
-    physical = check_release_blocks(state, event)
     if not physical:
         return []
     gone = set(event.block_ids)  # one copy each: under prefix caching a table may repeat one
@@ -270,11 +275,6 @@ def pad_bucket(num_pairs: int, pad_sizes: tuple[int, ...]) -> int:
         if size >= num_pairs:
             return size
     return pad_sizes[-1]
-
-
-def choose_pairs(state: State) -> list[tuple[int, int]]:
-    """The ``(src, dst)`` pairs of this step's defrag, per the rule in the module docstring."""
-    return list(zip(*pair_up(state), strict=True))
 
 
 def pair_up(state: State) -> tuple[list[int], list[int]]:

@@ -61,6 +61,9 @@ from kvlog.reducers.ranges import check_block_range
 from kvlog.reducers.state import MAX_JOBS_IN_FLIGHT, Job, State
 
 __all__ = [
+    "apply_finish",
+    "apply_submit",
+    "apply_submitted",
     "check_finish",
     "check_submit",
     "check_submitted",
@@ -233,9 +236,14 @@ def _transfer_plan(state: State, job: Job) -> TransferPlan:
 
 
 def submit(state: State, event: Transfer) -> list[Plan]:
-    """Validate a store or load, pin its GPU blocks and return its TransferPlan (none yet
-    for a deferred job)."""
-    physical, subs = check_submit(state, event)
+    """``check_submit`` then ``apply_submit``."""
+    return apply_submit(state, event, check_submit(state, event))
+
+
+def apply_submit(state: State, event: Transfer, checked: tuple[IdArray, IdArray]) -> list[Plan]:
+    """Pin a checked store's or load's GPU blocks and return its TransferPlan (none yet for
+    a deferred job)."""
+    physical, subs = checked
     store = isinstance(event, StoreRequested)
     kind = "store" if store else "load"
     pairs = (physical, subs) if store else (subs, physical)
@@ -262,8 +270,12 @@ def check_submitted(state: State, event: TransferSubmitted) -> Job | None:
 
 
 def submitted(state: State, event: TransferSubmitted) -> list[Plan]:
-    """Run a deferred job's plan now."""
-    job = check_submitted(state, event)
+    """``check_submitted`` then ``apply_submitted``."""
+    return apply_submitted(state, event, check_submitted(state, event))
+
+
+def apply_submitted(state: State, event: TransferSubmitted, job: Job | None) -> list[Plan]:
+    """Run a deferred job's plan now (nothing for one already submitted)."""
     return [] if job is None else _plan(state, job)
 
 
@@ -292,8 +304,12 @@ def check_finish(state: State, event: TransferFinished) -> Job:
 
 
 def finish(state: State, event: TransferFinished) -> list[Plan]:
-    """End a job (success or not) and release its pins."""
-    job = check_finish(state, event)
+    """``check_finish`` then ``apply_finish``."""
+    return apply_finish(state, event, check_finish(state, event))
+
+
+def apply_finish(state: State, event: TransferFinished, job: Job) -> list[Plan]:
+    """End a checked job (success or not) and release its pins."""
     jobs = state.store_jobs if job.kind == "store" else state.load_jobs
     del jobs[event.job_id]
     state.unpin(job.kind, job.gpu_block_ids)

@@ -30,6 +30,7 @@ from kvlog.events import (
     BlocksAllocated,
     Event,
     LoadRequested,
+    Plan,
     RequestFinished,
     RequestPreempted,
     StepEnded,
@@ -37,6 +38,7 @@ from kvlog.events import (
     SwapPlan,
     TransferFinished,
 )
+from kvlog.reducers import State
 from kvlog.synth.pool import BlockPool, CpuCache
 from kvlog.synth.workload import Request, SynthConfig, Workload
 
@@ -93,6 +95,23 @@ class _Job:
     gpu_blocks: list[int]
 
 
+class _Counts:
+    """Counts the run's events and defrag plans (an observer of the engine's machine)."""
+
+    def __init__(self, result: SynthResult) -> None:
+        self.result = result
+
+    def before(self, state: State, event: Event) -> None:
+        pass
+
+    def after(self, state: State, event: Event, plans: list[Plan]) -> None:
+        self.result.num_events += 1
+        for plan in plans:
+            if type(plan) is SwapPlan:
+                self.result.num_swap_plans += 1
+                self.result.num_swapped_blocks += len(plan.pairs)
+
+
 class SynthRun:
     """One synthetic run on one engine (the engine's executor, if any, moves real bytes)."""
 
@@ -116,20 +135,15 @@ class SynthRun:
         self.result = SynthResult(config, engine.log_path)
         cap = (config.num_gpu_blocks - 1 - config.watermark_blocks) * config.block_size // 2
         self.max_tokens = max(cap, config.block_size)
+        observers = engine.machine.observers
+        observers.append(_Counts(self.result))
+        if tracker is not None:
+            observers.append(tracker)  # sees every event, the polled TransferFinished too
 
     # -- emitting ------------------------------------------------------------------------
     def emit(self, event: Event) -> None:
-        state = self.engine.state
-        if self.tracker is not None:
-            self.tracker.before(state, event)
-        plans = self.engine.apply(event)
-        self.result.num_events += 1
-        if self.tracker is not None:
-            self.tracker.after(self.engine.state, event)
-        for plan in plans:
-            if type(plan) is SwapPlan:
-                self.result.num_swap_plans += 1
-                self.result.num_swapped_blocks += len(plan.pairs)
+        """One scheduler input to the engine (the observers count it and track canaries)."""
+        self.engine.apply(event)
 
     # -- the loop ------------------------------------------------------------------------
     def run(self) -> SynthResult:
@@ -206,9 +220,6 @@ class SynthRun:
         if self.engine.executor is not None:
             results = self.engine.wait() if everything else self.engine.poll()
             for result in results:
-                self.result.num_events += 1
-                if self.tracker is not None:
-                    self.tracker.finished(result.job_id, result.success)
                 self._transfer_done(self.jobs.pop(result.job_id), result.success)
             return
         for job_id in [j for j, job in self.jobs.items() if everything or job.due_step <= step]:

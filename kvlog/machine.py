@@ -1,0 +1,79 @@
+"""One step of the machine, in one place: check an event, change the state once, execute
+the plans, notify the observers.
+
+Every way kvlog runs drives this one step: the :class:`~kvlog.engine.Engine` (which appends
+the checked event to its log between ``check`` and ``commit``, writes checkpoints and turns
+the executor's finished transfers into ``TransferFinished`` events), replay (which feeds it a
+log's events and keeps only verification, diffing and what-ifs) and the synthetic serving
+loop (through an Engine). Whatever else watches a run (the canary tracker, run statistics)
+is an :class:`Observer`, called around every committed event, with the state before and
+after the change.
+
+The order inside ``commit`` is the contract: observers' ``before`` (the state before), the
+reducers' change (cannot refuse: the event was checked against this very state), the
+executor (each plan in order), observers' ``after`` (the state after, and the plans).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Protocol
+
+from kvlog import reducers
+from kvlog.events import Event, Plan
+from kvlog.reducers import Checked, State
+
+if TYPE_CHECKING:
+    from kvlog.executors import Executor
+
+__all__ = ["Machine", "Observer"]
+
+
+class Observer(Protocol):
+    """Watches every committed event (never a refused one); must not change the state."""
+
+    def before(self, state: State, event: Event) -> None:
+        """Called before the state changes by ``event``."""
+
+    def after(self, state: State, event: Event, plans: list[Plan]) -> None:
+        """Called after the change and after the executor took the plans."""
+
+
+class Machine:
+    """The state, the executor that carries out its plans (or None) and the observers."""
+
+    __slots__ = ("executor", "observers", "state")
+
+    def __init__(
+        self,
+        state: State | None = None,
+        executor: Executor | None = None,
+        observers: Iterable[Observer] = (),
+    ) -> None:
+        self.state = reducers.initial_state() if state is None else state
+        self.executor = executor
+        self.observers = list(observers)
+
+    def check(self, event: Event) -> Checked:
+        """The event checked against the state (nothing changes), or the refusal: an
+        ``InvalidEvent`` subclass or ``NotConfigured``."""
+        return reducers.check(self.state, event)
+
+    def commit(self, checked: Checked) -> list[Plan]:
+        """Change the state by a checked event, execute its plans, notify; the plans."""
+        state, event = self.state, checked.event
+        observers = self.observers
+        for observer in observers:
+            observer.before(state, event)
+        plans = reducers.commit(state, checked)
+        executor = self.executor
+        if executor is not None:
+            for plan in plans:
+                executor.execute(plan)
+        for observer in observers:
+            observer.after(state, event, plans)
+        return plans
+
+    def apply(self, event: Event) -> list[Plan]:
+        """``check`` then ``commit``."""
+        return self.commit(reducers.check(self.state, event))

@@ -67,6 +67,7 @@ from kvlog.events import (
 from kvlog.events.validate import normalize_event
 from kvlog.log import MAX_RECORD_BYTES, SYNC_MODES, LogReader, LogWriter, Recovery, SyncMode
 from kvlog.machine import Machine
+from kvlog.reducers import running
 from kvlog.reducers.digest import digest_and_snapshot
 
 if TYPE_CHECKING:
@@ -281,6 +282,11 @@ class Engine:
         """Hex digest of the whole state (equal states, equal digests)."""
         return str(reducers.digest(self.state))
 
+    def running_digest(self) -> str:
+        """The digest checkpoints record (``"v2:..."``): kept up to date with every change,
+        O(1) to read (``kvlog.reducers.running``); equal states, equal running digests."""
+        return running.checkpoint_digest(self.state)
+
     def snapshot(self) -> bytes:
         """The whole state as bytes (checksummed), for ``Engine.restore``."""
         return bytes(reducers.snapshot(self.state))
@@ -389,10 +395,9 @@ class Engine:
         with_snapshot = force_snapshot or (
             self.snapshot_every > 0 and self._num_checkpoints % self.snapshot_every == 0
         )
-        if with_snapshot:
-            digest, blob = digest_and_snapshot(self.state)
-        else:
-            digest, blob = self.digest(), b""
+        # a snapshot holds the canonical digest, which its restore checks
+        blob = digest_and_snapshot(self.state)[1] if with_snapshot else b""
+        digest = running.checkpoint_digest(self.state)  # O(1): the running digest
         record = Checkpoint(
             seq=self._last_seq, digest=digest, step=int(self.state.step), snapshot=blob
         )

@@ -47,6 +47,7 @@ from kvlog.events import (
 )
 from kvlog.log import LogReader
 from kvlog.machine import Machine
+from kvlog.reducers import running
 from kvlog.report import Series
 
 if TYPE_CHECKING:
@@ -58,6 +59,7 @@ __all__ = [
     "ReplayResult",
     "RunStats",
     "WhatIf",
+    "checkpoint_digest",
     "replay",
     "replay_state",
 ]
@@ -264,6 +266,14 @@ class _Run:
     def finish(self) -> RunStats:
         self.stats.final_digest = str(reducers.digest(self.state))
         return self.stats
+
+
+def checkpoint_digest(state: reducers.State, recorded: str) -> str:
+    """The state's digest by the algorithm a checkpoint's digest names: the running digest
+    for ``"v2:..."`` (O(1)), else the canonical version-1 digest of the whole state."""
+    if recorded.startswith(running.DIGEST_V2_PREFIX):
+        return running.checkpoint_digest(state)
+    return str(reducers.digest(state))
 
 
 def _check_overrides(overrides: dict[str, Any]) -> None:
@@ -520,7 +530,7 @@ class _Replayer:
             )
             self._diverge(Divergence("checkpoint-seq", seq, self.last_verified_seq, message))
             return
-        actual = str(reducers.digest(self.recorded.state))
+        actual = checkpoint_digest(self.recorded.state, checkpoint.digest)
         if actual == checkpoint.digest:
             self.result.num_verified += 1
             self.last_verified_seq = checkpoint.seq

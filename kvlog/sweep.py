@@ -47,6 +47,8 @@ from kvlog.events import (
     validate_event,
 )
 from kvlog.log import LogReader
+from kvlog.machine import Machine
+from kvlog.replay import checkpoint_digest
 
 __all__ = [
     "POLICY_NAMES",
@@ -590,7 +592,8 @@ def _replay_segment(source: str | bytes, seg: _Segment) -> SegmentResult:
             return _replay_segment(path, seg)
     out = SegmentResult(seg.index, seg.start_seq, seg.stop_seq, last_event_seq=seg.start_event_seq)
     state = reducers.restore(seg.snapshot) if seg.snapshot else reducers.initial_state()
-    if seg.snapshot and reducers.digest(state) != seg.start_digest:
+    machine = Machine(state)
+    if seg.snapshot and checkpoint_digest(state, seg.start_digest) != seg.start_digest:
         out.divergence = f"the snapshot before seq {seg.start_seq} does not match its digest"
         return out
     for seq, record in LogReader(source).records(seg.start_seq):
@@ -598,13 +601,14 @@ def _replay_segment(source: str | bytes, seg: _Segment) -> SegmentResult:
             break
         if isinstance(record, Checkpoint):
             out.num_checkpoints += 1
-            if record.seq != out.last_event_seq or reducers.digest(state) != record.digest:
+            verified = checkpoint_digest(state, record.digest) == record.digest
+            if record.seq != out.last_event_seq or not verified:
                 out.divergence = f"the checkpoint at seq {seq} does not verify"
                 break
             out.num_verified += 1
             continue
         try:
-            state, _ = reducers.reduce(state, record)
+            machine.apply(record)
         except InvalidEvent as exc:
             out.divergence = f"seq {seq}: {exc}"
             break

@@ -141,11 +141,7 @@ def apply_allocate(state: State, event: BlocksAllocated, checked: Allocation) ->
     if not block_ids:
         return []
     physical, free = checked
-    table = state.tables.get(event.req_id)
-    if table is None:
-        state.tables[event.req_id] = list(block_ids)
-    else:
-        table.extend(block_ids)
+    state.extend_table(event.req_id, block_ids)
     if free:
         state.take_free(physical)  # type: ignore[arg-type]
         return []
@@ -190,7 +186,7 @@ def _check_exclusive(
 def release(state: State, event: RequestFinished | RequestPreempted) -> list[Plan]:
     """Drop a request's table; its blocks lose one reference each (and, with
     ``quarantine_released``, those it freed are no destination at the next StepEnded)."""
-    table = state.tables.pop(event.req_id, None)
+    table = state.pop_table(event.req_id)
     if table is None:
         return []
     if len(table) <= SCALAR_LIMIT:
@@ -232,10 +228,7 @@ def apply_release_blocks(state: State, event: BlocksReleased, physical: list[int
             gone.discard(b)
         else:
             kept.append(b)
-    if kept:
-        state.tables[event.req_id] = kept
-    else:
-        del state.tables[event.req_id]
+    state.replace_table(event.req_id, kept)
     _drop(state, physical)
     return []
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvlog.reducers import running
 from kvlog.reducers.blockset import ALL_ONES, BlockSet, pack_words, summaries
 from kvlog.reducers.state import MAX_JOBS_IN_FLIGHT, State
 
@@ -28,6 +29,15 @@ def check_invariants(state: State) -> None:
     _check_bitmap(state.used, state.refs > 0, "used")
     _check_jobs(state)
     _check_last_swap(state)
+    _check_running_digest(state)
+
+
+def _check_running_digest(state: State) -> None:
+    fwd, tables, per_request, jobs = running.recompute(state)
+    assert state.digest_fwd == fwd, "the running digest's mapping sum drifted"
+    assert state.digest_tables == tables, "the running digest's table sum drifted"
+    assert state.table_digests == per_request, "a request's running table sum drifted"
+    assert state.digest_jobs == jobs, "the running digest's job sum drifted"
 
 
 def _check_mapping(state: State) -> None:

@@ -25,6 +25,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvlog.events import CacheConfigured, SwapPlan
+from kvlog.reducers import running
 from kvlog.reducers.blockset import SCALAR_LIMIT, BlockSet, IdArray, clear_bits, set_bits
 from kvlog.reducers.buffers import int32_buffer, uint64_buffer
 
@@ -41,7 +42,7 @@ class Job:
     its ``(src, dst)`` sub-block pairs, and whether its plan has run (a deferred store's
     has not until ``TransferSubmitted`` or a flush)."""
 
-    __slots__ = ("cpu_block_ids", "gpu_block_ids", "job_id", "kind", "pairs", "submitted")
+    __slots__ = ("cpu_block_ids", "gpu_block_ids", "job_id", "kind", "pairs", "submitted", "term")
 
     def __init__(
         self,
@@ -58,6 +59,8 @@ class Job:
         self.cpu_block_ids = cpu_block_ids
         self.pairs = pairs
         self.submitted = submitted
+        self.term = -1
+        """Its term of the running digest (``running.job_term``), once it is in a State."""
 
 
 class State:
@@ -80,6 +83,12 @@ class State:
         self.last_swap: SwapPlan | None = None
         """The SwapPlan of the last accepted event if that was a StepEnded that moved
         blocks, else None (for ``check_invariants``; not part of the digest)."""
+        self.digest_fwd = 0
+        self.digest_tables = 0
+        self.digest_jobs = 0
+        """The running digest's sums (``running.py``), kept by the primitives below."""
+        self.table_digests: dict[str, list[int]] = {}
+        """Per request with a table: ``[its key, the sum of its table's terms]``."""
         self._allocate_arrays(0)
 
     def _allocate_arrays(self, num_gpu_blocks: int) -> None:
@@ -159,7 +168,62 @@ class State:
             return False
         return bool(self.store_pins_buffer[physical] or self.load_pins_buffer[physical])
 
-    # -- primitives (keep arrays, bitmaps and max_used consistent) ------------------------
+    # -- primitives (keep arrays, bitmaps, max_used and the running digest consistent) ----
+    def extend_table(self, req_id: str, block_ids: list[int]) -> None:
+        """Append logical ids to a request's table (a new table if it has none)."""
+        table = self.tables.get(req_id)
+        if table is None:
+            table = self.tables[req_id] = []
+            entry = self.table_digests[req_id] = [running.request_key(req_id), 0]
+        else:
+            entry = self.table_digests[req_id]
+        delta = running.table_terms(entry[0], len(table), block_ids)
+        table.extend(block_ids)
+        entry[1] = (entry[1] + delta) & running.MASK
+        self.digest_tables = (self.digest_tables + delta) & running.MASK
+
+    def pop_table(self, req_id: str) -> list[int] | None:
+        """Remove and return a request's table (None if it has none)."""
+        table = self.tables.pop(req_id, None)
+        if table is not None:
+            _, total = self.table_digests.pop(req_id)
+            self.digest_tables = (self.digest_tables - total) & running.MASK
+        return table
+
+    def replace_table(self, req_id: str, block_ids: list[int]) -> None:
+        """A request's table becomes ``block_ids`` (removed when empty)."""
+        self.pop_table(req_id)
+        if block_ids:
+            self.extend_table(req_id, block_ids)
+
+    def add_job(self, job: Job) -> None:
+        """A new unfinished job (its plan not yet submitted)."""
+        (self.store_jobs if job.kind == "store" else self.load_jobs)[job.job_id] = job
+        job.term = running.job_term(job)
+        delta = job.term + (running.submitted_term(job.job_id) if job.submitted else 0)
+        self.digest_jobs = (self.digest_jobs + delta) & running.MASK
+
+    def mark_submitted(self, job: Job) -> None:
+        """The job's plan is handed to the executor."""
+        if not job.submitted:
+            job.submitted = True
+            delta = running.submitted_term(job.job_id)
+            self.digest_jobs = (self.digest_jobs + delta) & running.MASK
+
+    def remove_job(self, job: Job) -> None:
+        """A job finished."""
+        del (self.store_jobs if job.kind == "store" else self.load_jobs)[job.job_id]
+        delta = job.term + (running.submitted_term(job.job_id) if job.submitted else 0)
+        self.digest_jobs = (self.digest_jobs - delta) & running.MASK
+
+    def recompute_digest(self) -> None:
+        """Rebuild the running digest's sums from scratch (after a restore)."""
+        self.digest_fwd, self.digest_tables, self.table_digests, self.digest_jobs = (
+            running.recompute(self)
+        )
+        for job in [*self.store_jobs.values(), *self.load_jobs.values()]:
+            job.term = running.job_term(job)
+
     def take_free(self, physical: list[int]) -> None:
         """``add_refs`` for distinct blocks the caller has checked are unreferenced."""
         refs = self.refs_buffer
@@ -226,14 +290,6 @@ class State:
             self.used.remove(freed_ids)
             self._refresh_max_used()
 
-    def move_refs(self, sources: IdArray, destinations: IdArray) -> None:
-        """Defrag: each source's refs go to its (free) destination; mappings follow."""
-        self.used.remove(sources)
-        self.used.add(destinations)
-        moved = np.concatenate((sources, destinations))
-        self._swap_arrays(moved, np.concatenate((destinations, sources)))
-        self._refresh_max_used()
-
     def move_blocks(
         self,
         sources: list[int],
@@ -241,9 +297,9 @@ class State:
         vacated: list[tuple[int, int]],
         filled: list[tuple[int, int]],
     ) -> None:
-        """``move_refs`` for the pairing walk's output: ``vacated`` / ``filled`` are the
-        sources / destinations grouped by bitmap word as ``(word index, bit mask)``, so the
-        bitmap changes one word at a time."""
+        """Defrag: each source's refs go to its (free) destination; both mappings follow.
+        ``vacated`` / ``filled`` are the sources / destinations grouped by bitmap word as
+        ``(word index, bit mask)``, so the bitmap changes one word at a time."""
         used = self.used
         for w, mask in vacated:
             used.clear_word_bits(w, mask)
@@ -255,6 +311,10 @@ class State:
             self._swap_arrays(moved, np.concatenate((moved[count:], moved[:count])))
         else:
             refs, fwd, bwd = self.refs_buffer, self.fwd_buffer, self.bwd_buffer
+            logical = [bwd[s] for s in sources] + [bwd[d] for d in destinations]
+            before = running.fwd_terms(logical, sources + destinations)
+            after = running.fwd_terms(logical, destinations + sources)
+            self.digest_fwd = (self.digest_fwd + after - before) & running.MASK
             for s, d in zip(sources, destinations, strict=True):
                 refs[d] = refs[s]
                 refs[s] = 0
@@ -270,6 +330,8 @@ class State:
         ``moved``): ref counts and both mappings."""
         self.refs[partners] = self.refs[moved]
         logical = self.bwd[moved]
+        delta = running.fwd_terms(logical, partners) - running.fwd_terms(logical, moved)
+        self.digest_fwd = (self.digest_fwd + delta) & running.MASK
         self.fwd[logical] = partners
         self.bwd[partners] = logical
 

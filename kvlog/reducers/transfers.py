@@ -227,7 +227,7 @@ def _transfer_plan(state: State, job: Job) -> TransferPlan:
     assert config is not None and job.pairs is not None, "a configured state's job"
     jobs = state.store_jobs if job.kind == "store" else state.load_jobs
     after_job_id = next((j.job_id for j in reversed(jobs.values()) if j.submitted), -1)
-    job.submitted = True
+    state.mark_submitted(job)
     src, dst = job.pairs
     pairs = list(zip(src.tolist(), dst.tolist(), strict=True))
     kind: Literal["store", "load"] = "store" if job.kind == "store" else "load"
@@ -250,10 +250,7 @@ def apply_submit(state: State, event: Transfer, checked: tuple[IdArray, IdArray]
     cpu = np.asarray(event.cpu_block_ids, dtype=np.int64)
     deferred = event.deferred
     job = Job(event.job_id, kind, physical, cpu, pairs, submitted=False)
-    if store:
-        state.store_jobs[event.job_id] = job
-    else:
-        state.load_jobs[event.job_id] = job
+    state.add_job(job)
     state.pin(kind, physical)
     state.last_job_id = event.job_id
     return [] if deferred else _plan(state, job)
@@ -310,7 +307,6 @@ def finish(state: State, event: TransferFinished) -> list[Plan]:
 
 def apply_finish(state: State, event: TransferFinished, job: Job) -> list[Plan]:
     """End a checked job (success or not) and release its pins."""
-    jobs = state.store_jobs if job.kind == "store" else state.load_jobs
-    del jobs[event.job_id]
+    state.remove_job(job)
     state.unpin(job.kind, job.gpu_block_ids)
     return []

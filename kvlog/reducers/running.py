@@ -1,0 +1,167 @@
+"""The running digest (``"v2:"``): the state's digest kept up to date with every change.
+
+The canonical digest (``digest.py``, version 1) hashes the whole state, O(num_gpu_blocks)
+per call, which made every checkpoint cost as much as the pool. This one is a sum, modulo
+2**64, of a 64-bit mix of every item of the state that is not derived from the others, kept
+in three running sums that every primitive of ``State`` updates with what it changes:
+
+- the mapping: one term per logical block whose physical block is not itself
+  (``fwd[L] != L``); the identity contributes nothing, so a fresh pool costs nothing;
+- the tables: one term per ``(request, position, block)``, kept per request as well, so a
+  request that finishes subtracts its sum in O(1);
+- the jobs: one term per unfinished job (a hash of its id, kind, GPU, CPU and sub-block
+  ids), and one more once its plan is submitted.
+
+Ref counts, pins and the inverse mapping are functions of these (``check_invariants``
+asserts so) and need no terms. A checkpoint's digest is then ``"v2:"`` and the sha256 of
+``[2, config, step, last_job_id, the three sums, the quarantined blocks]``: O(1) in the
+pool. It is deterministic across processes and platforms (no Python ``hash``: request ids
+are keyed with blake2b). ``recompute`` rebuilds the sums from scratch (after a restore, and
+in ``check_invariants`` to check the running ones).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import numpy as np
+
+from kvlog.events import CacheConfigured
+
+if TYPE_CHECKING:
+    from kvlog.reducers.state import Job, State
+
+__all__ = [
+    "DIGEST_V2_PREFIX",
+    "checkpoint_digest",
+    "fwd_terms",
+    "job_term",
+    "mix",
+    "recompute",
+    "request_key",
+    "submitted_term",
+    "table_terms",
+]
+
+DIGEST_V2_PREFIX = "v2:"
+"""How a checkpoint names the running digest (a version-1 digest is 64 bare hex digits)."""
+MASK = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+_FWD_KEY = 0x243F6A8885A308D3
+_SUBMITTED_KEY = 0x13198A2E03707344
+_M1, _M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+
+def mix(x: int) -> int:
+    """splitmix64's finalizer on a Python int below 2**64."""
+    x = ((x ^ (x >> 30)) * _M1) & MASK
+    x = ((x ^ (x >> 27)) * _M2) & MASK
+    return x ^ (x >> 31)
+
+
+def _mix_array(x: np.ndarray) -> np.ndarray:
+    """``mix`` on a uint64 array (numpy's uint64 arithmetic wraps modulo 2**64)."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(_M1)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(_M2)
+    out: np.ndarray = x ^ (x >> np.uint64(31))
+    return out
+
+
+def _sum(terms: np.ndarray) -> int:
+    return int(terms.sum(dtype=np.uint64)) if terms.size else 0
+
+
+def request_key(req_id: str) -> int:
+    """A request's 64-bit key (blake2b of its UTF-8 id: the same in every process)."""
+    data = req_id.encode("utf-8", "surrogatepass")
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+def table_terms(key: int, start: int, block_ids: list[int]) -> int:
+    """Sum of the terms of ``block_ids`` at positions ``start, start + 1, ...``."""
+    if len(block_ids) <= 16:
+        total = 0
+        for offset, b in enumerate(block_ids):
+            x = (key + (((start + offset) << 32) | b) * _GOLDEN) & MASK
+            x = ((x ^ (x >> 30)) * _M1) & MASK
+            x = ((x ^ (x >> 27)) * _M2) & MASK
+            total += x ^ (x >> 31)
+        return total & MASK
+    positions = np.arange(start, start + len(block_ids), dtype=np.uint64)
+    items = (positions << np.uint64(32)) | np.asarray(block_ids, dtype=np.uint64)
+    return _sum(_mix_array(np.uint64(key) + items * np.uint64(_GOLDEN)))
+
+
+def fwd_terms(logical: np.ndarray | list[int], physical: np.ndarray | list[int]) -> int:
+    """Sum of the mapping terms of ``fwd[logical[i]] == physical[i]`` (0 where equal)."""
+    if isinstance(logical, list) and len(logical) <= 16:
+        total = 0
+        for low, high in zip(logical, physical, strict=True):
+            if low != high:
+                total += mix((_FWD_KEY + ((low << 32) | high) * _GOLDEN) & MASK)
+        return total & MASK
+    low_ids = np.asarray(logical, dtype=np.uint64)
+    high_ids = np.asarray(physical, dtype=np.uint64)
+    moved = low_ids != high_ids
+    items = (low_ids[moved] << np.uint64(32)) | high_ids[moved]
+    return _sum(_mix_array(np.uint64(_FWD_KEY) + items * np.uint64(_GOLDEN)))
+
+
+def job_term(job: Job) -> int:
+    """A job's term: blake2b of its id, kind, GPU, CPU and sub-block ids."""
+    assert job.pairs is not None, "every job keeps its pairs"
+    subs = job.pairs[1] if job.kind == "store" else job.pairs[0]
+    body = msgspec.msgpack.encode(
+        [
+            job.job_id,
+            job.kind,
+            job.gpu_block_ids.tolist(),
+            job.cpu_block_ids.tolist(),
+            subs.tolist(),
+        ]
+    )
+    return int.from_bytes(hashlib.blake2b(body, digest_size=8).digest(), "little")
+
+
+def submitted_term(job_id: int) -> int:
+    """The term a job adds once its plan is submitted."""
+    return mix((_SUBMITTED_KEY + job_id * _GOLDEN) & MASK)
+
+
+def recompute(state: State) -> tuple[int, int, dict[str, list[int]], int]:
+    """The three running sums and the per-request ``[key, sum]`` from scratch."""
+    n = state.num_gpu_blocks
+    fwd = fwd_terms(np.arange(n, dtype=np.int64), state.fwd.astype(np.int64)) if n else 0
+    per_request = {}
+    tables = 0
+    for req_id, table in state.tables.items():
+        key = request_key(req_id)
+        total = table_terms(key, 0, table)
+        per_request[req_id] = [key, total]
+        tables += total
+    jobs = 0
+    for job in [*state.store_jobs.values(), *state.load_jobs.values()]:
+        jobs += job_term(job) + (submitted_term(job.job_id) if job.submitted else 0)
+    return fwd, tables & MASK, per_request, jobs & MASK
+
+
+def checkpoint_digest(state: State) -> str:
+    """``"v2:"`` + the sha256 of the running sums and the few O(1) fields; O(1) in the pool
+    (the quarantined blocks are those released since the last step)."""
+    body: list[Any] = [
+        2,
+        _config(state.config),
+        state.step,
+        state.last_job_id,
+        state.digest_fwd,
+        state.digest_tables,
+        state.digest_jobs,
+        sorted(state.quarantined),
+    ]
+    return DIGEST_V2_PREFIX + hashlib.sha256(msgspec.msgpack.encode(body)).hexdigest()
+
+
+def _config(config: CacheConfigured | None) -> Any:
+    return None if config is None else msgspec.to_builtins(config)

@@ -280,7 +280,7 @@ def _rebuild(canonical: list[Any]) -> State:
         pinned[np.fromiter(state.quarantined, np.int64, len(state.quarantined))] = True
     state.pinned[:] = pack_words(pinned)
     state._max_used = state.used.highest_at_most(state.num_gpu_blocks - 1)
-    state.recompute_digest()
+    state.running.recompute(state)
     return state
 
 

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DIGEST_V2_PREFIX",
+    "RunningDigest",
     "checkpoint_digest",
     "fwd_terms",
     "job_term",
@@ -130,8 +131,88 @@ def submitted_term(job_id: int) -> int:
     return mix((_SUBMITTED_KEY + job_id * _GOLDEN) & MASK)
 
 
+class RunningDigest:
+    """The three sums of one State, and what changed since they were last brought up to
+    date. The primitives of ``State`` report each change in O(1) (a set or dict entry);
+    ``flush`` hashes the changes since the last flush, in bulk, so the cost is O(changes)
+    however large the pool; jobs are rare and are hashed as they come and go."""
+
+    __slots__ = ("fwd", "jobs", "moved", "per_request", "tables", "tables_grown")
+
+    def __init__(self) -> None:
+        self.fwd = 0
+        self.tables = 0
+        self.jobs = 0
+        self.per_request: dict[str, list[int]] = {}
+        """Per request: ``[key, sum of the hashed terms, number of entries hashed]``."""
+        self.tables_grown: set[str] = set()
+        self.moved: dict[int, int] = {}
+        """Logical blocks whose mapping changed since the last flush -> their physical
+        block at that flush."""
+
+    # -- changes (called by State's primitives) ------------------------------------------
+    def table_grown(self, req_id: str) -> None:
+        self.tables_grown.add(req_id)
+
+    def table_removed(self, req_id: str) -> None:
+        self.tables_grown.discard(req_id)
+        entry = self.per_request.pop(req_id, None)
+        if entry is not None:
+            self.tables = (self.tables - entry[1]) & MASK
+
+    def mapping_moved(self, logical: list[int], physical: list[int]) -> None:
+        """``fwd[logical[i]]`` is about to leave ``physical[i]``."""
+        moved = self.moved
+        for low, high in zip(logical, physical, strict=True):
+            if low not in moved:
+                moved[low] = high
+
+    def job_added(self, job: Job) -> None:
+        job.term = job_term(job)
+        delta = job.term + (submitted_term(job.job_id) if job.submitted else 0)
+        self.jobs = (self.jobs + delta) & MASK
+
+    def job_submitted(self, job_id: int) -> None:
+        self.jobs = (self.jobs + submitted_term(job_id)) & MASK
+
+    def job_removed(self, job: Job) -> None:
+        delta = job.term + (submitted_term(job.job_id) if job.submitted else 0)
+        self.jobs = (self.jobs - delta) & MASK
+
+    # -- bringing the sums up to date ----------------------------------------------------
+    def flush(self, state: State) -> None:
+        """Hash what changed since the last flush: the mapping entries that moved (old
+        terms out, new terms in) and the entries appended to tables."""
+        if self.moved:
+            logical = np.fromiter(self.moved.keys(), np.int64, len(self.moved))
+            before = np.fromiter(self.moved.values(), np.int64, len(self.moved))
+            after = state.fwd[logical].astype(np.int64)
+            self.fwd = (self.fwd + fwd_terms(logical, after) - fwd_terms(logical, before)) & MASK
+            self.moved.clear()
+        total = self.tables
+        for req_id in self.tables_grown:
+            table = state.tables[req_id]
+            entry = self.per_request.get(req_id)
+            if entry is None:
+                entry = self.per_request[req_id] = [request_key(req_id), 0, 0]
+            delta = table_terms(entry[0], entry[2], table[entry[2] :])
+            entry[1] = (entry[1] + delta) & MASK
+            entry[2] = len(table)
+            total += delta
+        self.tables = total & MASK
+        self.tables_grown.clear()
+
+    def recompute(self, state: State) -> None:
+        """All sums from scratch (after a restore); nothing pending."""
+        self.fwd, self.tables, self.per_request, self.jobs = recompute(state)
+        self.tables_grown.clear()
+        self.moved.clear()
+        for job in [*state.store_jobs.values(), *state.load_jobs.values()]:
+            job.term = job_term(job)
+
+
 def recompute(state: State) -> tuple[int, int, dict[str, list[int]], int]:
-    """The three running sums and the per-request ``[key, sum]`` from scratch."""
+    """The three sums and the per-request ``[key, sum, length]`` from scratch."""
     n = state.num_gpu_blocks
     fwd = fwd_terms(np.arange(n, dtype=np.int64), state.fwd.astype(np.int64)) if n else 0
     per_request = {}
@@ -139,7 +220,7 @@ def recompute(state: State) -> tuple[int, int, dict[str, list[int]], int]:
     for req_id, table in state.tables.items():
         key = request_key(req_id)
         total = table_terms(key, 0, table)
-        per_request[req_id] = [key, total]
+        per_request[req_id] = [key, total, len(table)]
         tables += total
     jobs = 0
     for job in [*state.store_jobs.values(), *state.load_jobs.values()]:
@@ -148,16 +229,19 @@ def recompute(state: State) -> tuple[int, int, dict[str, list[int]], int]:
 
 
 def checkpoint_digest(state: State) -> str:
-    """``"v2:"`` + the sha256 of the running sums and the few O(1) fields; O(1) in the pool
-    (the quarantined blocks are those released since the last step)."""
+    """``"v2:"`` + the sha256 of the running sums (brought up to date: O(changes since the
+    last call)) and the few O(1) fields (the quarantined blocks are those released since
+    the last step)."""
+    sums = state.running
+    sums.flush(state)
     body: list[Any] = [
         2,
         _config(state.config),
         state.step,
         state.last_job_id,
-        state.digest_fwd,
-        state.digest_tables,
-        state.digest_jobs,
+        sums.fwd,
+        sums.tables,
+        sums.jobs,
         sorted(state.quarantined),
     ]
     return DIGEST_V2_PREFIX + hashlib.sha256(msgspec.msgpack.encode(body)).hexdigest()

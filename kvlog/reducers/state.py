@@ -83,12 +83,8 @@ class State:
         self.last_swap: SwapPlan | None = None
         """The SwapPlan of the last accepted event if that was a StepEnded that moved
         blocks, else None (for ``check_invariants``; not part of the digest)."""
-        self.digest_fwd = 0
-        self.digest_tables = 0
-        self.digest_jobs = 0
-        """The running digest's sums (``running.py``), kept by the primitives below."""
-        self.table_digests: dict[str, list[int]] = {}
-        """Per request with a table: ``[its key, the sum of its table's terms]``."""
+        self.running = running.RunningDigest()
+        """The running digest's sums (``running.py``), told of every change below."""
         self._allocate_arrays(0)
 
     def _allocate_arrays(self, num_gpu_blocks: int) -> None:
@@ -173,21 +169,16 @@ class State:
         """Append logical ids to a request's table (a new table if it has none)."""
         table = self.tables.get(req_id)
         if table is None:
-            table = self.tables[req_id] = []
-            entry = self.table_digests[req_id] = [running.request_key(req_id), 0]
+            self.tables[req_id] = list(block_ids)
         else:
-            entry = self.table_digests[req_id]
-        delta = running.table_terms(entry[0], len(table), block_ids)
-        table.extend(block_ids)
-        entry[1] = (entry[1] + delta) & running.MASK
-        self.digest_tables = (self.digest_tables + delta) & running.MASK
+            table.extend(block_ids)
+        self.running.tables_grown.add(req_id)
 
     def pop_table(self, req_id: str) -> list[int] | None:
         """Remove and return a request's table (None if it has none)."""
         table = self.tables.pop(req_id, None)
         if table is not None:
-            _, total = self.table_digests.pop(req_id)
-            self.digest_tables = (self.digest_tables - total) & running.MASK
+            self.running.table_removed(req_id)
         return table
 
     def replace_table(self, req_id: str, block_ids: list[int]) -> None:
@@ -197,32 +188,20 @@ class State:
             self.extend_table(req_id, block_ids)
 
     def add_job(self, job: Job) -> None:
-        """A new unfinished job (its plan not yet submitted)."""
+        """A new unfinished job."""
         (self.store_jobs if job.kind == "store" else self.load_jobs)[job.job_id] = job
-        job.term = running.job_term(job)
-        delta = job.term + (running.submitted_term(job.job_id) if job.submitted else 0)
-        self.digest_jobs = (self.digest_jobs + delta) & running.MASK
+        self.running.job_added(job)
 
     def mark_submitted(self, job: Job) -> None:
         """The job's plan is handed to the executor."""
         if not job.submitted:
             job.submitted = True
-            delta = running.submitted_term(job.job_id)
-            self.digest_jobs = (self.digest_jobs + delta) & running.MASK
+            self.running.job_submitted(job.job_id)
 
     def remove_job(self, job: Job) -> None:
         """A job finished."""
         del (self.store_jobs if job.kind == "store" else self.load_jobs)[job.job_id]
-        delta = job.term + (running.submitted_term(job.job_id) if job.submitted else 0)
-        self.digest_jobs = (self.digest_jobs - delta) & running.MASK
-
-    def recompute_digest(self) -> None:
-        """Rebuild the running digest's sums from scratch (after a restore)."""
-        self.digest_fwd, self.digest_tables, self.table_digests, self.digest_jobs = (
-            running.recompute(self)
-        )
-        for job in [*self.store_jobs.values(), *self.load_jobs.values()]:
-            job.term = running.job_term(job)
+        self.running.job_removed(job)
 
     def take_free(self, physical: list[int]) -> None:
         """``add_refs`` for distinct blocks the caller has checked are unreferenced."""
@@ -311,14 +290,15 @@ class State:
             self._swap_arrays(moved, np.concatenate((moved[count:], moved[:count])))
         else:
             refs, fwd, bwd = self.refs_buffer, self.fwd_buffer, self.bwd_buffer
-            logical = [bwd[s] for s in sources] + [bwd[d] for d in destinations]
-            before = running.fwd_terms(logical, sources + destinations)
-            after = running.fwd_terms(logical, destinations + sources)
-            self.digest_fwd = (self.digest_fwd + after - before) & running.MASK
+            was = self.running.moved
             for s, d in zip(sources, destinations, strict=True):
                 refs[d] = refs[s]
                 refs[s] = 0
                 logical_source, logical_destination = bwd[s], bwd[d]
+                if logical_source not in was:
+                    was[logical_source] = s
+                if logical_destination not in was:
+                    was[logical_destination] = d
                 fwd[logical_source] = d
                 fwd[logical_destination] = s
                 bwd[d] = logical_source
@@ -330,8 +310,7 @@ class State:
         ``moved``): ref counts and both mappings."""
         self.refs[partners] = self.refs[moved]
         logical = self.bwd[moved]
-        delta = running.fwd_terms(logical, partners) - running.fwd_terms(logical, moved)
-        self.digest_fwd = (self.digest_fwd + delta) & running.MASK
+        self.running.mapping_moved(logical.tolist(), moved.tolist())
         self.fwd[logical] = partners
         self.bwd[partners] = logical
 

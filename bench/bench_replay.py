@@ -2,6 +2,7 @@
 
     python bench/bench_replay.py            # ~100k+ events (records a log first, ~15 s)
     python bench/bench_replay.py --quick    # ~20k events
+    python bench/bench_replay.py --fifo-blocks 32768 --events 60000  # the FIFO-pool trace
 
 The log is recorded by ``kvlog synth`` (prefix caching, offload, defrag, memory pressure)
 into a temporary directory (or ``--log PATH``, reused when it exists). Every mode reads the
@@ -18,6 +19,9 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kvlog import replay
 from kvlog.log import read_log
@@ -35,6 +39,30 @@ def record(path: str, steps: int) -> int:
     )
     result = run_synth(config, path, sync="none")
     return result.num_events
+
+
+def record_fifo(path: str, num_gpu_blocks: int, num_events: int) -> int:
+    """A log of the FIFO-pool trace of ``bench_step.py`` (defrag firing every step): the
+    trace's warm-up, then steps until ``num_events`` events; default checkpoints."""
+    from bench_step import THRESHOLD, Trace
+
+    from kvlog import Engine
+    from kvlog.events import CacheConfigured
+
+    config = CacheConfigured(num_gpu_blocks=num_gpu_blocks, block_size=16, threshold=THRESHOLD)
+    trace = Trace(num_gpu_blocks, seed=num_gpu_blocks)
+    count = 0
+    with Engine(config, log_path=path, sync="none") as engine:
+        for event in trace.warm_up():
+            engine.apply(event)
+            count += 1
+        step = 0
+        while count < num_events:
+            for event in trace.step(step):
+                engine.apply(event)
+                count += 1
+            step += 1
+    return count
 
 
 def best_of(repeat: int, fn: Callable[[], int]) -> tuple[float, int]:
@@ -56,6 +84,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a ~20k-event log, one repeat")
     parser.add_argument("--log", help="log file to use (recorded there if missing)")
     parser.add_argument("--repeat", type=int, default=0, help="runs per mode (best is kept)")
+    parser.add_argument(
+        "--fifo-blocks",
+        type=int,
+        default=0,
+        help="record bench_step's FIFO-pool trace at this many blocks instead of kvlog synth",
+    )
+    parser.add_argument("--events", type=int, default=60000, help="events of --fifo-blocks")
     args = parser.parse_args(argv)
     steps = 3000 if args.quick else 16000
     repeat = args.repeat or (1 if args.quick else 3)
@@ -63,7 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     path = args.log or os.path.join(directory, "bench.kvlog")
     if not os.path.exists(path):
         started = time.perf_counter()
-        num = record(path, steps)
+        if args.fifo_blocks:
+            num = record_fifo(path, args.fifo_blocks, args.events)
+        else:
+            num = record(path, steps)
         print(f"recorded {num:,} events in {time.perf_counter() - started:.1f} s -> {path}")
     size = os.path.getsize(path)
 

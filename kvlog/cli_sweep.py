@@ -141,7 +141,12 @@ def add_trace_flags(p: argparse.ArgumentParser) -> None:
         type=size_arg,
         help="bytes of one GPU block over all layers (default: 128 KiB per token)",
     )
-    p.add_argument("--snapshot-every", type=int, default=16, help="checkpoints per snapshot")
+    p.add_argument(
+        "--snapshot-every",
+        type=int,
+        default=None,
+        help="checkpoints per snapshot (default: 16, fewer for pools above 64k blocks)",
+    )
     p.add_argument(
         "--scheduler",
         choices=("kvlog", "vllm"),

@@ -22,7 +22,9 @@ So ``apply`` raises only before anything changed, except ``LogPoisoned`` from th
 checkpoint that a ``StepEnded`` may write after it was applied (the engine has then
 stopped; resume the log). Every ``checkpoint_every`` steps the engine appends a
 ``Checkpoint`` record (sequence number of the last applied record and the state digest),
-with a state snapshot every ``snapshot_every`` checkpoints, so a replay verifies as it goes
+with a state snapshot every ``snapshot_every`` checkpoints (by default 16, and no sooner than
+``num_gpu_blocks // 4`` records after the last, so large pools snapshot less often: see
+``Engine._snapshot_due``), so a replay verifies as it goes
 and can start from the latest snapshot; a snapshot of any allowed pool fits the log (it is
 split across records when large). ``close()`` drains the executor's transfers, writes a
 final checkpoint (with a snapshot) and closes the log cleanly.
@@ -78,6 +80,11 @@ __all__ = ["Engine", "available_memory", "check_state_memory", "state_bytes"]
 _EVENT_TYPES = frozenset(typing.get_args(Event))
 STATE_BYTES_PER_BLOCK = 21
 """Bytes the state keeps per GPU block: five int32 arrays, two bitmaps and summaries."""
+DEFAULT_SNAPSHOT_EVERY = 16
+"""Checkpoints between snapshots by default (``snapshot_every=None``)."""
+SNAPSHOT_BLOCKS_PER_RECORD = 4
+"""By default a snapshot waits for ``num_gpu_blocks // 4`` records since the last one: at
+most ~1 us of snapshot per record at any pool size (a 1M-block snapshot takes ~0.25 s)."""
 WORK_BYTES_PER_BLOCK = 24
 """Bytes per GPU block a checkpoint or a restore needs on top, while it runs."""
 
@@ -92,7 +99,7 @@ class Engine:
         executor: Executor | None = None,
         sync: SyncMode = "step",
         checkpoint_every: int = 256,
-        snapshot_every: int = 16,
+        snapshot_every: int | None = None,
         *,
         meta: dict[str, str] | None = None,
         _state: reducers.State | None = None,
@@ -114,6 +121,8 @@ class Engine:
         self._closed = False
         self._num_steps = 0
         self._num_checkpoints = 0
+        self._snapshot_checkpoint = 0  # the checkpoint and the record of the last snapshot
+        self._snapshot_seq = max(_last_event_seq, 0)
         self._last_seq = _last_event_seq
         if _writer is None and log_path is not None:
             self._log = LogWriter(log_path, sync=sync, meta=meta, new=True)
@@ -300,7 +309,7 @@ class Engine:
         executor: Executor | None = None,
         sync: SyncMode = "step",
         checkpoint_every: int = 256,
-        snapshot_every: int = 16,
+        snapshot_every: int | None = None,
     ) -> Engine:
         """An engine continuing from ``snapshot()`` bytes.
 
@@ -349,7 +358,7 @@ class Engine:
         executor: Executor | None = None,
         sync: SyncMode = "step",
         checkpoint_every: int = 256,
-        snapshot_every: int = 16,
+        snapshot_every: int | None = None,
     ) -> Engine:
         """Reopen an existing log (a torn tail is cut, and reported on ``.recovery``) and
         continue it where it ends.
@@ -392,16 +401,31 @@ class Engine:
         if self._log is None:
             return
         self._num_checkpoints += 1
-        with_snapshot = force_snapshot or (
-            self.snapshot_every > 0 and self._num_checkpoints % self.snapshot_every == 0
-        )
+        with_snapshot = force_snapshot or self._snapshot_due()
         # a snapshot holds the canonical digest, which its restore checks
         blob = digest_and_snapshot(self.state)[1] if with_snapshot else b""
+        if with_snapshot:
+            self._snapshot_checkpoint, self._snapshot_seq = self._num_checkpoints, self._last_seq
         digest = running.checkpoint_digest(self.state)  # O(1): the running digest
         record = Checkpoint(
             seq=self._last_seq, digest=digest, step=int(self.state.step), snapshot=blob
         )
         self._log.append(record)
+
+    def _snapshot_due(self) -> bool:
+        """Every ``snapshot_every`` checkpoints; by default (None) every
+        ``DEFAULT_SNAPSHOT_EVERY`` checkpoints and no sooner than ``num_gpu_blocks //
+        SNAPSHOT_BLOCKS_PER_RECORD`` records after the last snapshot, so that a snapshot's
+        O(num_gpu_blocks) cost stays a bounded share of each record's, at any pool size."""
+        since = self._num_checkpoints - self._snapshot_checkpoint
+        every = DEFAULT_SNAPSHOT_EVERY if self.snapshot_every is None else self.snapshot_every
+        if every <= 0 or since < every:
+            return False
+        if self.snapshot_every is None:
+            records = self._last_seq - self._snapshot_seq
+            if records < self.config.num_gpu_blocks // SNAPSHOT_BLOCKS_PER_RECORD:
+                return False
+        return True
 
     def close(self) -> None:
         """Drain transfers (logging them), write a final checkpoint, close the log.
@@ -445,7 +469,10 @@ class Engine:
 def _check_arguments(sync: object, checkpoint_every: object, snapshot_every: object) -> None:
     if sync not in SYNC_MODES:
         raise ConfigError("sync", sync, f"one of {SYNC_MODES}")
-    for name, value in (("checkpoint_every", checkpoint_every), ("snapshot_every", snapshot_every)):
+    checked = [("checkpoint_every", checkpoint_every)]
+    if snapshot_every is not None:
+        checked.append(("snapshot_every", snapshot_every))
+    for name, value in checked:
         if type(value) is not int or value < 0:
             raise ConfigError(name, value, "an int >= 0 (0 = never)")
 

@@ -95,6 +95,22 @@ def table_terms(key: int, start: int, block_ids: list[int]) -> int:
     return _sum(_mix_array(np.uint64(key) + items * np.uint64(_GOLDEN)))
 
 
+def _table_sums(keys: list[int], starts: list[int], tails: list[list[int]]) -> list[int]:
+    """``table_terms(keys[i], starts[i], tails[i])`` for every i, in one numpy pass."""
+    if len(tails) == 1:
+        return [table_terms(keys[0], starts[0], tails[0])]
+    counts = np.fromiter((len(t) for t in tails), np.int64, len(tails))
+    offsets = np.zeros(len(tails), dtype=np.int64)
+    np.cumsum(counts[:-1], out=offsets[1:])
+    flat = np.fromiter((b for t in tails for b in t), np.uint64, int(counts.sum()))
+    positions = np.arange(flat.size, dtype=np.int64) - np.repeat(offsets, counts)
+    positions += np.repeat(np.asarray(starts, dtype=np.int64), counts)
+    entry_keys = np.repeat(np.asarray(keys, dtype=np.uint64), counts)
+    items = (positions.astype(np.uint64) << np.uint64(32)) | flat
+    terms = _mix_array(entry_keys + items * np.uint64(_GOLDEN))
+    return [int(x) for x in np.add.reduceat(terms, offsets, dtype=np.uint64)]
+
+
 def fwd_terms(logical: np.ndarray | list[int], physical: np.ndarray | list[int]) -> int:
     """Sum of the mapping terms of ``fwd[logical[i]] == physical[i]`` (0 where equal)."""
     if isinstance(logical, list) and len(logical) <= 16:
@@ -189,18 +205,32 @@ class RunningDigest:
             after = state.fwd[logical].astype(np.int64)
             self.fwd = (self.fwd + fwd_terms(logical, after) - fwd_terms(logical, before)) & MASK
             self.moved.clear()
-        total = self.tables
+        if self.tables_grown:
+            self._flush_tables(state)
+
+    def _flush_tables(self, state: State) -> None:
+        """Hash every grown table's new entries in one vectorized pass."""
+        entries, keys, starts, tails = [], [], [], []
+        per_request = self.per_request
         for req_id in self.tables_grown:
             table = state.tables[req_id]
-            entry = self.per_request.get(req_id)
+            entry = per_request.get(req_id)
             if entry is None:
-                entry = self.per_request[req_id] = [request_key(req_id), 0, 0]
-            delta = table_terms(entry[0], entry[2], table[entry[2] :])
-            entry[1] = (entry[1] + delta) & MASK
-            entry[2] = len(table)
-            total += delta
-        self.tables = total & MASK
+                entry = per_request[req_id] = [request_key(req_id), 0, 0]
+            tail = table[entry[2] :]
+            if tail:
+                entries.append(entry)
+                keys.append(entry[0])
+                starts.append(entry[2])
+                tails.append(tail)
+                entry[2] = len(table)
         self.tables_grown.clear()
+        if not entries:
+            return
+        sums = _table_sums(keys, starts, tails)
+        for entry, delta in zip(entries, sums, strict=True):
+            entry[1] = (entry[1] + delta) & MASK
+        self.tables = (self.tables + sum(sums)) & MASK
 
     def recompute(self, state: State) -> None:
         """All sums from scratch (after a restore); nothing pending."""

@@ -54,7 +54,7 @@ def run_synth(
     backend: str = "cpu",
     sync: SyncMode = "step",
     checkpoint_every: int = 256,
-    snapshot_every: int = 16,
+    snapshot_every: int | None = None,
 ) -> SynthResult:
     """Run one synthetic workload; with ``out``, record it to that (new) log file."""
     meta = {"workload": "kvlog synth", "synth": json.dumps(_jsonable(config), sort_keys=True)}
@@ -76,7 +76,7 @@ def run_trace(
     backend: str = "cpu",
     sync: SyncMode = "step",
     checkpoint_every: int = 256,
-    snapshot_every: int = 16,
+    snapshot_every: int | None = None,
     source: str = "",
     scheduler: str = "kvlog",
 ) -> SynthResult:
@@ -117,7 +117,7 @@ def _record(
     make_run: Callable[[Engine, CanaryTracker | None], _Runs],
     out: str | os.PathLike[str] | None,
     meta: dict[str, str],
-    options: tuple[bool, str, SyncMode, int, int],
+    options: tuple[bool, str, SyncMode, int, int | None],
 ) -> SynthResult:
     execute, backend, sync, checkpoint_every, snapshot_every = options
     executor = None

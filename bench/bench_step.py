@@ -22,7 +22,6 @@ import collections
 import gc
 import os
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -149,8 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     num_steps = args.steps or (600 if args.quick else 4200)
     sizes = (4096, 32768, 1 << 20) if args.quick else SIZES
     print(f"{num_steps} steps per size, best of {args.repeat}, log on, default checkpoints")
-    print("blocks   events/step  defrag%  kvlog none us/step  us/event   step-sync us/step"
-          "   seed us/step  seed/kvlog")
+    print(
+        "blocks   events/step  defrag%  kvlog none us/step  us/event   step-sync us/step"
+        "   seed us/step  seed/kvlog"
+    )
     per_event: dict[int, float] = {}
     with tempfile.TemporaryDirectory() as directory:
         for size in sizes:
@@ -180,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
             gc.unfreeze()
     small = min(per_event)
     for size in sorted(per_event):
-        print(f"per-event cost at {size} blocks / at {small}: {per_event[size] / per_event[small]:.2f}x")
+        ratio = per_event[size] / per_event[small]
+        print(f"per-event cost at {size} blocks / at {small}: {ratio:.2f}x")
     return 0
 
 

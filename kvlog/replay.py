@@ -40,15 +40,14 @@ from kvlog.events import (
     Plan,
     Record,
     StepEnded,
-    SwapPlan,
     TransferFinished,
-    TransferPlan,
     to_dict,
 )
 from kvlog.log import LogReader
 from kvlog.machine import Machine
 from kvlog.reducers import running
 from kvlog.report import Series
+from kvlog.tally import PlanTally
 
 if TYPE_CHECKING:
     from kvlog.executors import Executor
@@ -187,36 +186,20 @@ class _StatsObserver:
 
     def __init__(self, stats: RunStats) -> None:
         self.stats = stats
-        self._step_swapped = self._step_store = self._step_load = 0
+        self.tally = PlanTally(stats.config.page_size_bytes)
 
     def before(self, state: reducers.State, event: Event) -> None:
         pass
 
     def after(self, state: reducers.State, event: Event, plans: list[Plan]) -> None:
-        s = self.stats
-        s.num_events += 1
-        for plan in plans:
-            if type(plan) is SwapPlan:
-                moved = len(plan.pairs)
-                s.num_swap_plans += 1
-                s.num_swapped_blocks += moved
-                factor = 2 if plan.mode == "swap" else 1
-                s.swap_bytes += moved * factor * s.config.page_size_bytes
-                self._step_swapped += moved
-            elif type(plan) is TransferPlan:
-                if plan.kind == "store":
-                    s.num_stores += 1
-                    s.store_bytes += plan.num_bytes
-                    self._step_store += plan.num_bytes
-                else:
-                    s.num_loads += 1
-                    s.load_bytes += plan.num_bytes
-                    self._step_load += plan.num_bytes
+        self.stats.num_events += 1
+        if plans:
+            self.tally.add(plans)
         if type(event) is StepEnded:
             self._end_step(state, event.step)
 
     def _end_step(self, state: reducers.State, step: int) -> None:
-        s = self.stats
+        s, t = self.stats, self.tally
         top = int(state.max_used)
         s.num_steps += 1
         s.peak_max_used = max(s.peak_max_used, top)
@@ -226,11 +209,22 @@ class _StatsObserver:
                 step,
                 int(state.num_used),
                 top,
-                self._step_swapped,
-                self._step_store,
-                self._step_load,
+                t.step_blocks_moved,
+                t.step_store_bytes,
+                t.step_load_bytes,
             )
-        self._step_swapped = self._step_store = self._step_load = 0
+        t.end_step()
+        self.copy_totals()
+
+    def copy_totals(self) -> None:
+        s, t = self.stats, self.tally
+        s.num_swap_plans, s.num_swapped_blocks, s.swap_bytes = (
+            t.swap_plans,
+            t.blocks_moved,
+            t.swap_bytes,
+        )
+        s.num_stores, s.store_bytes = t.stores, t.store_bytes
+        s.num_loads, s.load_bytes = t.loads, t.load_bytes
 
 
 class _FinishedInLog:
@@ -253,7 +247,8 @@ class _Run:
 
     def __init__(self, label: str, config: CacheConfigured, series: bool) -> None:
         self.stats = RunStats(label, config, series=Series(label) if series else None)
-        self.machine = Machine(observers=[_StatsObserver(self.stats)])
+        self._observer = _StatsObserver(self.stats)
+        self.machine = Machine(observers=[self._observer])
         self.alive = True
 
     @property
@@ -264,6 +259,7 @@ class _Run:
         return self.machine.apply(event)
 
     def finish(self) -> RunStats:
+        self._observer.copy_totals()
         self.stats.final_digest = str(reducers.digest(self.state))
         return self.stats
 

@@ -40,15 +40,16 @@ from kvlog.errors import InvalidEvent, MissingExtra
 from kvlog.events import (
     CacheConfigured,
     Checkpoint,
+    Event,
     Plan,
     StepEnded,
     SwapPlan,
-    TransferPlan,
     validate_event,
 )
 from kvlog.log import LogReader
 from kvlog.machine import Machine
 from kvlog.replay import checkpoint_digest
+from kvlog.tally import PlanTally
 
 __all__ = [
     "POLICY_NAMES",
@@ -162,60 +163,59 @@ class SweepRow:
     rejected: str = ""
 
 
-@dataclass
 class _Tally:
-    """Running sums of a what-if, step by step."""
+    """Running sums of a what-if, step by step: an observer of its machine."""
 
-    config: CacheConfigured
-    cost: CostModel
-    row: SweepRow
-    sum_max_used: int = 0
-    sum_used: int = 0
-    step_store: int = 0
-    step_load: int = 0
-    step_swap_bytes: int = 0
-    step_defrag_s: float = 0.0
-    step_ms: list[float] = field(default_factory=list)
+    def __init__(self, config: CacheConfigured, cost: CostModel, row: SweepRow) -> None:
+        self.config, self.cost, self.row = config, cost, row
+        self.plans = PlanTally(config.page_size_bytes)
+        self.sum_max_used = self.sum_used = 0
+        self.step_defrag_s = 0.0
+        self.step_ms: list[float] = []
 
-    def plans(self, plans: list[Plan]) -> None:
-        row, page = self.row, self.config.page_size_bytes
-        for plan in plans:
-            if type(plan) is SwapPlan:
-                swap = plan.mode == "swap"
-                row.swap_plans += 1
-                row.blocks_moved += len(plan.pairs)
-                moved = len(plan.pairs) * page * (2 if swap else 1)
-                row.swap_bytes += moved
-                self.step_swap_bytes += moved
-                self.step_defrag_s += self.cost.defrag_s(plan.padded_to, page, swap)
-            elif type(plan) is TransferPlan:
-                if plan.kind == "store":
-                    row.stores += 1
-                    row.store_bytes += plan.num_bytes
-                    self.step_store += plan.num_bytes
-                else:
-                    row.loads += 1
-                    row.load_bytes += plan.num_bytes
-                    self.step_load += plan.num_bytes
+    def before(self, state: reducers.State, event: Event) -> None:
+        pass
 
-    def step(self, state: reducers.State) -> None:
-        row, top = self.row, int(state.max_used)
+    def after(self, state: reducers.State, event: Event, plans: list[Plan]) -> None:
+        if plans:
+            self.plans.add(plans)
+            page = self.config.page_size_bytes
+            for plan in plans:
+                if type(plan) is SwapPlan:
+                    swap = plan.mode == "swap"
+                    self.step_defrag_s += self.cost.defrag_s(plan.padded_to, page, swap)
+        if type(event) is StepEnded:
+            self._step(state)
+
+    def _step(self, state: reducers.State) -> None:
+        row, top, t = self.row, int(state.max_used), self.plans
         row.steps += 1
         row.peak_max_used = max(row.peak_max_used, top)
         self.sum_max_used += top
         self.sum_used += int(state.num_used)
         decode = self.cost.decode_s(top, self.config.page_size_bytes)
-        transfer = self.cost.transfer_s(self.step_store, self.step_load)
+        transfer = self.cost.transfer_s(t.step_store_bytes, t.step_load_bytes)
         row.decode_s += decode
         row.transfer_s += transfer
         row.defrag_s += self.step_defrag_s
-        row.peak_step_swap_bytes = max(row.peak_step_swap_bytes, self.step_swap_bytes)
+        row.peak_step_swap_bytes = max(row.peak_step_swap_bytes, t.step_swap_bytes)
         self.step_ms.append(1e3 * (decode + transfer + self.step_defrag_s))
-        self.step_store = self.step_load = self.step_swap_bytes = 0
+        t.end_step()
         self.step_defrag_s = 0.0
 
     def finish(self, state: reducers.State) -> SweepRow:
-        row = self.row
+        row, t = self.row, self.plans
+        row.swap_plans, row.blocks_moved, row.swap_bytes = (
+            t.swap_plans,
+            t.blocks_moved,
+            t.swap_bytes,
+        )
+        row.stores, row.store_bytes, row.loads, row.load_bytes = (
+            t.stores,
+            t.store_bytes,
+            t.loads,
+            t.load_bytes,
+        )
         if row.steps:
             row.mean_max_used = self.sum_max_used / row.steps
             row.mean_used = self.sum_used / row.steps
@@ -236,7 +236,7 @@ def whatif(
     what-if state is not the recorded one) and sum up what it did."""
     name = log or _log_name(os.fspath(path))
     row = SweepRow(name, spec.label, overrides=json.dumps(spec.as_dict(), sort_keys=True))
-    state = reducers.initial_state()
+    machine = Machine()
     tally: _Tally | None = None
     for seq, record in LogReader(path).records():
         if isinstance(record, Checkpoint):
@@ -246,17 +246,15 @@ def whatif(
                 record = msgspec.structs.replace(record, **spec.as_dict())
                 validate_event(record)
                 tally = _Tally(record, cost, row)
-            state, plans = reducers.reduce(state, record)
+                machine.observers.append(tally)
+            machine.apply(record)
         except InvalidEvent as exc:
             row.rejected = f"seq {seq}: {exc}"
             break
         if tally is None:
             row.rejected = f"seq {seq}: the log does not start with CacheConfigured"
             break
-        tally.plans(plans)
-        if type(record) is StepEnded:
-            tally.step(state)
-    return tally.finish(state) if tally is not None else row
+    return tally.finish(machine.state) if tally is not None else row
 
 
 def _log_name(path: str) -> str:

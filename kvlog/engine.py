@@ -69,8 +69,14 @@ from kvlog.events import (
 from kvlog.events.validate import normalize_event
 from kvlog.log import MAX_RECORD_BYTES, SYNC_MODES, LogReader, LogWriter, Recovery, SyncMode
 from kvlog.machine import Machine
+from kvlog.memory import (
+    available_memory,
+    check_state_memory,
+    state_bytes,
+)
 from kvlog.reducers import running
 from kvlog.reducers.digest import digest_and_snapshot
+from kvlog.replay import replay_state
 
 if TYPE_CHECKING:
     from kvlog.executors import Executor, TransferResult
@@ -78,15 +84,11 @@ if TYPE_CHECKING:
 __all__ = ["Engine", "available_memory", "check_state_memory", "state_bytes"]
 
 _EVENT_TYPES = frozenset(typing.get_args(Event))
-STATE_BYTES_PER_BLOCK = 21
-"""Bytes the state keeps per GPU block: five int32 arrays, two bitmaps and summaries."""
 DEFAULT_SNAPSHOT_EVERY = 16
 """Checkpoints between snapshots by default (``snapshot_every=None``)."""
 SNAPSHOT_BLOCKS_PER_RECORD = 4
 """By default a snapshot waits for ``num_gpu_blocks // 4`` records since the last one: at
 most ~1 us of snapshot per record at any pool size (a 1M-block snapshot takes ~0.25 s)."""
-WORK_BYTES_PER_BLOCK = 24
-"""Bytes per GPU block a checkpoint or a restore needs on top, while it runs."""
 
 
 class Engine:
@@ -339,17 +341,7 @@ class Engine:
             if writer is not None:
                 writer.close()
             raise
-        return cls(
-            state.config,
-            None,
-            executor,
-            sync,
-            checkpoint_every,
-            snapshot_every,
-            _state=state,
-            _last_event_seq=last,
-            _writer=writer,
-        )
+        return cls._continued(state, last, writer, executor, sync, checkpoint_every, snapshot_every)
 
     @classmethod
     def resume(
@@ -368,8 +360,6 @@ class Engine:
         flight: the caller decides (``apply(TransferFinished(job_id, success=False))`` when
         their data is gone).
         """
-        from kvlog.replay import replay_state
-
         _check_arguments(sync, checkpoint_every, snapshot_every)
         writer = _open_existing(log_path, sync)
         try:
@@ -379,6 +369,21 @@ class Engine:
         except BaseException:
             writer.close()
             raise
+        return cls._continued(state, last, writer, executor, sync, checkpoint_every, snapshot_every)
+
+    @classmethod
+    def _continued(
+        cls,
+        state: reducers.State,
+        last: int,
+        writer: LogWriter | None,
+        executor: Executor | None,
+        sync: SyncMode,
+        checkpoint_every: int,
+        snapshot_every: int | None,
+    ) -> Engine:
+        """An engine over a rebuilt state, continuing ``writer``'s log (if any)."""
+        assert state.config is not None, "only a configured state continues"
         return cls(
             state.config,
             None,
@@ -492,50 +497,6 @@ def _configured(config: CacheConfigured) -> tuple[CacheConfigured, reducers.Stat
     except MemoryError as exc:
         raise StateTooLarge(f"cannot allocate the state: {exc!r}", config) from exc
     return config, state
-
-
-def state_bytes(config: CacheConfigured) -> int:
-    """Bytes the state of ``config`` keeps (without request tables and jobs)."""
-    return STATE_BYTES_PER_BLOCK * int(config.num_gpu_blocks)
-
-
-def available_memory() -> int | None:
-    """Bytes this process may still allocate: MemAvailable, capped by a cgroup limit; None
-    where neither can be read."""
-    found: list[int] = []
-    try:
-        with open("/proc/meminfo", encoding="ascii") as file:
-            for line in file:
-                if line.startswith("MemAvailable:"):
-                    found.append(int(line.split()[1]) * 1024)
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        with open("/sys/fs/cgroup/memory.max", encoding="ascii") as limit_file:
-            limit = limit_file.read().strip()
-        with open("/sys/fs/cgroup/memory.current", encoding="ascii") as current_file:
-            current = int(current_file.read().strip())
-        if limit != "max":
-            found.append(max(int(limit) - current, 0))
-    except (OSError, ValueError):
-        pass
-    return min(found) if found else None
-
-
-def check_state_memory(config: CacheConfigured, *, resident: bool = False) -> None:
-    """``StateTooLarge`` when the state of ``config`` (plus the room a checkpoint needs)
-    does not fit in the memory this machine has available. ``resident``: the state is
-    already allocated; only the working room must fit."""
-    need = WORK_BYTES_PER_BLOCK * int(config.num_gpu_blocks)
-    if not resident:
-        need += state_bytes(config)
-    free = available_memory()
-    if free is not None and need > free:
-        raise StateTooLarge(
-            f"{config.num_gpu_blocks:,} GPU blocks need about {need / 2**20:,.0f} MiB for the "
-            f"state and its checkpoints; {free / 2**20:,.0f} MiB are available",
-            config,
-        )
 
 
 def _check_record_size(event: Event) -> None:

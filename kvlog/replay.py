@@ -31,7 +31,6 @@ import msgspec
 
 from kvlog import reducers
 from kvlog.canary import CanaryReport, CanaryTracker, make_canary_executor
-from kvlog.engine import check_state_memory
 from kvlog.errors import CorruptLogError, InvalidEvent, NotConfigured
 from kvlog.events import (
     CacheConfigured,
@@ -45,6 +44,7 @@ from kvlog.events import (
 )
 from kvlog.log import LogReader
 from kvlog.machine import Machine
+from kvlog.memory import check_state_memory
 from kvlog.reducers import running
 from kvlog.report import Series
 from kvlog.tally import PlanTally

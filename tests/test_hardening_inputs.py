@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-import kvlog.engine as engine_module
+import kvlog.memory as memory_module
 from kvlog import Engine, errors, reducers
 from kvlog.events import (
     BlocksAllocated,
@@ -287,7 +287,7 @@ def test_a_refused_constructor_on_a_touched_file_releases_it(tmp_path: Path) -> 
 def test_a_pool_this_machine_cannot_hold_is_refused_before_logging(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(engine_module, "available_memory", lambda: 10 << 20)
+    monkeypatch.setattr(memory_module, "available_memory", lambda: 10 << 20)
     path = tmp_path / "a.kvlog"
     fds = _fds()
     with pytest.raises(errors.StateTooLarge) as info:

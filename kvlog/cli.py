@@ -86,7 +86,7 @@ def _add_policy(p: argparse.ArgumentParser, defaults: bool) -> None:
         "--no-defrag",
         dest="defrag",
         action="store_false",
-        default=True if defaults else None,
+        default=d.defrag if defaults else None,
         help="turn defragmentation off",
     )
     if not defaults:

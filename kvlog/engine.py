@@ -79,7 +79,7 @@ from kvlog.reducers.digest import digest_and_snapshot
 from kvlog.replay import replay_state
 
 if TYPE_CHECKING:
-    from kvlog.executors import Executor, TransferResult
+    from kvlog.executors import Executor, TransferCompletion
 
 __all__ = ["Engine", "available_memory", "check_state_memory", "state_bytes"]
 
@@ -210,14 +210,14 @@ class Engine:
             _check_record_size(event)
         return checked
 
-    def poll(self) -> list[TransferResult]:
+    def poll(self) -> list[TransferCompletion]:
         """Finished transfers from the executor, each logged and reduced as TransferFinished."""
         self._check_open()
         if self.executor is None:
             return []
         return self._finish(self.executor.poll())
 
-    def wait(self, job_ids: Iterable[int] | None = None) -> list[TransferResult]:
+    def wait(self, job_ids: Iterable[int] | None = None) -> list[TransferCompletion]:
         """Block until those transfers (all in flight, by default) finish; like ``poll``."""
         self._check_open()
         if self.executor is None:
@@ -227,7 +227,7 @@ class Engine:
             return []
         return self._finish(self.executor.wait(ids))
 
-    def _finish(self, results: Sequence[TransferResult]) -> list[TransferResult]:
+    def _finish(self, results: Sequence[TransferCompletion]) -> list[TransferCompletion]:
         for result in results:
             self.apply(TransferFinished(job_id=result.job_id, success=result.success))
         return list(results)

@@ -29,7 +29,7 @@ from test_executor_helpers import (
 
 from kvlog.errors import ExecutorError
 from kvlog.events import SwapPlan, TransferPlan
-from kvlog.executors import Executor, FakeDevice, TransferResult, make_executor
+from kvlog.executors import Executor, FakeDevice, TransferCompletion, make_executor
 
 NUM_BLOCKS = 20
 BLOCK_SIZE = 2
@@ -50,7 +50,7 @@ class _Jobs:
         self.plans: dict[int, TransferPlan] = {}
         self.kind_of: dict[int, str] = {}
         self.next_id = 1
-        self.reported: list[TransferResult] = []
+        self.reported: list[TransferCompletion] = []
 
     def submit(self, plan: TransferPlan) -> None:
         self.plans[plan.job_id] = plan
@@ -74,7 +74,7 @@ class _Jobs:
     def after(self, kind: str) -> int:
         return max((j for j, plan in self.plans.items() if plan.kind == kind), default=-1)
 
-    def finish(self, results: list[TransferResult]) -> None:
+    def finish(self, results: list[TransferCompletion]) -> None:
         for result in results:
             assert result.success, result.error
             plan = self.plans.pop(result.job_id)

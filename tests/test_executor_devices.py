@@ -20,7 +20,7 @@ from test_executor_helpers import config_for, load_plan, make_kv_caches, store_p
 
 from kvlog.errors import BackendUnavailable, ExecutorError
 from kvlog.events import SwapPlan
-from kvlog.executors import CpuDevice, StreamDevice, make_executor
+from kvlog.executors import CpuDevice, FakeDevice, StreamDevice, make_executor
 from kvlog.executors import devices as devices_module
 
 N, BS, CPU = 12, 2, 4
@@ -57,6 +57,23 @@ def test_unknown_backend_and_bad_failure_rate_are_refused() -> None:
         make_executor(kv_caches, config_for(N, BS), backend="tpu", layout=layout)
     with pytest.raises(ValueError, match="failure_rate"):
         CpuDevice(failure_rate=-0.1)
+
+
+def test_device_is_an_abstract_base() -> None:
+    with pytest.raises(TypeError, match="abstract"):
+        devices_module.Device()  # type: ignore[abstract]
+
+    class Partial(devices_module.Device):
+        def compute_stream(self) -> Any:
+            return None
+
+    with pytest.raises(TypeError, match="abstract"):
+        Partial()
+    assert all(
+        issubclass(backend, devices_module.Device)
+        for backend in (CpuDevice, StreamDevice, FakeDevice)
+    )
+    CpuDevice().progress()  # the one default: a no-op
 
 
 class _Stream:

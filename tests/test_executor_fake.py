@@ -9,7 +9,7 @@ import torch
 from test_executor_helpers import config_for, load_plan, make_kv_caches, store_plan
 
 from kvlog.events import SwapPlan
-from kvlog.executors import Executor, FakeDevice, TransferResult, make_executor
+from kvlog.executors import Executor, FakeDevice, TransferCompletion, make_executor
 
 N, BS, CPU = 16, 2, 4
 
@@ -108,7 +108,7 @@ def test_the_same_seed_gives_the_same_completions() -> None:
 
 def test_recycled_events_never_deadlock_a_long_queue() -> None:
     executor = fake(seed=4, max_delay_polls=3)
-    results: list[TransferResult] = []
+    results: list[TransferCompletion] = []
     for job_id in range(60):
         executor.execute(store_plan(job_id, [job_id % N], [job_id % CPU], 1, after=job_id - 1))
         if job_id % 3 == 0:

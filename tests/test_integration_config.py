@@ -7,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvlog.errors import ConfigError
+from kvlog.events import CacheConfigured
 from kvlog.integrations.config import FacadeConfig, config_from_env, parse_bool
 
 
@@ -14,6 +15,11 @@ def test_defaults_without_environment() -> None:
     assert config_from_env({}) == FacadeConfig(
         defrag=True, threshold=32, with_graphs=False, log_path=None, sync="step"
     )
+
+
+def test_policy_defaults_are_cache_configured_ones() -> None:
+    event = CacheConfigured(num_gpu_blocks=8, block_size=4)
+    assert (FacadeConfig().defrag, FacadeConfig().threshold) == (event.defrag, event.threshold)
 
 
 def test_every_variable_is_read() -> None:

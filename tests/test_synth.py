@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import typing
 from collections import defaultdict
 
+import msgspec
 import pytest
 
 from kvlog.events import (
+    CONFIG_DEFAULTS,
     BlocksAllocated,
+    CacheConfigured,
     Checkpoint,
     LoadRequested,
     RequestFinished,
@@ -29,6 +34,31 @@ SMALL = SynthConfig(
     prefix_len_max_blocks=6,
 )
 OFFLOAD = SMALL.replace(num_cpu_blocks=96, block_size_factor=2)
+
+
+def test_synth_config_takes_cache_configured_fields_and_defaults() -> None:
+    hints = typing.get_type_hints(SynthConfig)
+    defaults = {f.name: f.default for f in dataclasses.fields(SynthConfig)}
+    for field in msgspec.structs.fields(CacheConfigured):
+        if field.name == "quarantine_released":  # the vLLM connector's, not a synth knob
+            assert field.name not in hints
+            continue
+        assert hints[field.name] == field.type, field.name
+        if field.name not in ("num_gpu_blocks", "block_size", "page_size_bytes"):  # geometry
+            assert defaults[field.name] == CONFIG_DEFAULTS[field.name] == field.default
+    config = SynthConfig(threshold=7, policy="tail", max_bytes_per_step=1 << 20)
+    event = config.cache_config()
+    assert event == CacheConfigured(
+        num_gpu_blocks=config.num_gpu_blocks,
+        block_size=config.block_size,
+        page_size_bytes=config.page_size_bytes,
+        threshold=7,
+        policy="tail",
+        max_bytes_per_step=1 << 20,
+    )
+    assert config.replace(pad_sizes=[8, 16]).cache_config(page_size_bytes=4) == (
+        msgspec.structs.replace(event, pad_sizes=(8, 16), page_size_bytes=4)
+    )
 
 
 def events(path: str) -> list[object]:

@@ -2,6 +2,7 @@
 
 from kvlog.events.codec import decode, decode_plan, encode, to_dict, to_json
 from kvlog.events.types import (
+    CONFIG_DEFAULTS,
     DEFAULT_PAD_SIZES,
     DEFRAG_POLICIES,
     SCHEMA_VERSION,
@@ -26,6 +27,7 @@ from kvlog.events.types import (
 from kvlog.events.validate import validate_event
 
 __all__ = [
+    "CONFIG_DEFAULTS",
     "DEFAULT_PAD_SIZES",
     "DEFRAG_POLICIES",
     "SCHEMA_VERSION",

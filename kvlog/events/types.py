@@ -7,11 +7,14 @@ the end with a default; no field is reordered or retyped.
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any, Literal
 
 import msgspec
 
 __all__ = [
+    "CONFIG_DEFAULTS",
     "DEFAULT_PAD_SIZES",
     "DEFRAG_POLICIES",
     "SCHEMA_VERSION",
@@ -71,6 +74,20 @@ class CacheConfigured(_Tagged, frozen=True):
     """``"tail"`` makes no plan of fewer than ``min(policy_min_swaps, cap)`` pairs."""
     max_bytes_per_step: int = 0
     """Any policy: one step's defrag moves at most this many bytes (0: no cap)."""
+
+
+CONFIG_DEFAULTS: Mapping[str, Any] = MappingProxyType(
+    dict(
+        zip(
+            CacheConfigured.__struct_fields__[-len(CacheConfigured.__struct_defaults__) :],
+            CacheConfigured.__struct_defaults__,
+            strict=True,
+        )
+    )
+)
+"""``CacheConfigured``'s defaults by field name (every field but the required geometry):
+the one definition of the policy defaults, which ``SynthConfig`` and the facades' config
+take theirs from."""
 
 
 class BlocksAllocated(_Tagged, frozen=True):

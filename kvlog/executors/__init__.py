@@ -2,7 +2,7 @@
 
     executor = make_executor(kv_caches, config, backend="cpu", layout="auto", seed=0)
     executor.execute(plan)            # SwapPlan now; TransferPlan queued on a stream
-    results = executor.poll()         # finished TransferResults, in submit order
+    results = executor.poll()         # finished TransferCompletions, in submit order
     executor.wait(); executor.shutdown()
 
 See ``layouts`` for the accepted KV-cache layouts, ``devices`` and ``fake`` for the
@@ -13,7 +13,7 @@ from kvlog.executors.devices import BACKENDS, CpuDevice, Device, InjectedFailure
 from kvlog.executors.executor import Executor, make_executor
 from kvlog.executors.fake import FakeDevice
 from kvlog.executors.layouts import LAYOUTS, CacheLayout, CanonicalTensor, register_layout
-from kvlog.executors.transfer import TransferResult
+from kvlog.executors.transfer import TransferCompletion
 
 __all__ = [
     "BACKENDS",
@@ -26,7 +26,7 @@ __all__ = [
     "FakeDevice",
     "InjectedFailure",
     "StreamDevice",
-    "TransferResult",
+    "TransferCompletion",
     "make_executor",
     "register_layout",
 ]

@@ -1,8 +1,10 @@
 """Device backends behind one small interface: streams, events, record/wait/query, enqueue.
 
-The transfer executor is written once against :class:`Device`; a backend only says how to
-make streams and events, how to order them, and how to run a piece of copy work in stream
-order. Stream and event objects are the backend's own handles (``Any`` here).
+The transfer executor is written once against :class:`Device`, an abstract base class: a
+backend subclasses it and only says how to make streams and events, how to order them, and
+how to run a piece of copy work in stream order (the abstract methods); the base keeps the
+shared parts (seeded failure injection, the device-type check, a no-op ``progress``). Stream
+and event objects are the backend's own handles (``Any`` here).
 
 - :class:`CpuDevice` (``"cpu"``): copies run synchronously at submit; events complete at
   once; ``host_like`` tells the executors to use run-coalesced slice copies.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import random
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -45,8 +48,9 @@ class InjectedFailure(RuntimeError):
     """A copy failure injected on purpose (``failure_rate``) to exercise the failure path."""
 
 
-class Device:
-    """The interface every backend implements; the defaults suit synchronous devices."""
+class Device(ABC):
+    """The interface every backend implements: the abstract methods below, plus the shared
+    failure injection and device check. ``progress`` defaults to a no-op (hardware)."""
 
     name: str = "device"
     host_like: bool = False
@@ -73,42 +77,49 @@ class Device:
         """Draw one seeded failure decision (always False at the default rate 0)."""
         return self.failure_rate > 0.0 and self._failures.random() < self.failure_rate
 
+    @abstractmethod
     def compute_stream(self) -> Any:
-        raise NotImplementedError
+        """The stream the model's compute runs on (what transfers order against)."""
 
+    @abstractmethod
     def new_stream(self) -> Any:
-        raise NotImplementedError
+        """A new side stream for copies."""
 
+    @abstractmethod
     def new_event(self) -> Any:
-        raise NotImplementedError
+        """A new (timing) event."""
 
+    @abstractmethod
     def record(self, event: Any, stream: Any) -> None:
-        raise NotImplementedError
+        """Record ``event`` at the current end of ``stream``."""
 
+    @abstractmethod
     def wait_event(self, stream: Any, event: Any) -> None:
         """Make ``stream`` wait for the latest record of ``event`` (as of this call)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def wait_stream(self, stream: Any, other: Any) -> None:
         """Make ``stream`` wait for everything queued on ``other`` so far."""
-        raise NotImplementedError
 
+    @abstractmethod
     def query(self, event: Any) -> bool:
-        raise NotImplementedError
+        """Whether the latest record of ``event`` has completed (never blocks)."""
 
+    @abstractmethod
     def synchronize(self, event: Any) -> None:
         """Block the host until ``event`` completes (never the whole device)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def elapsed_s(self, start: Any, end: Any) -> float:
-        raise NotImplementedError
+        """Seconds between two completed events."""
 
+    @abstractmethod
     def enqueue(self, stream: Any, work: Work, on_error: ErrorHandler) -> None:
         """Run ``work`` in ``stream`` order; an exception from it goes to ``on_error``."""
-        raise NotImplementedError
 
     def progress(self) -> None:
         """Let asynchronous work advance; called once per ``poll()`` (a no-op on hardware)."""
+        return  # a concrete default, deliberately not abstract: hardware advances alone
 
 
 class _HostEvent:

@@ -20,7 +20,7 @@ from kvlog.executors.devices import BACKENDS, CpuDevice, Device, StreamDevice
 from kvlog.executors.fake import FakeDevice
 from kvlog.executors.layouts import CacheLayout, KVCaches, register_layout
 from kvlog.executors.swap import SwapExecutor
-from kvlog.executors.transfer import TransferExecutor, TransferResult
+from kvlog.executors.transfer import TransferCompletion, TransferExecutor
 
 __all__ = ["Executor", "make_executor"]
 
@@ -91,7 +91,7 @@ class Executor:
         ]
         self._swaps = SwapExecutor(layout, device)
         self._transfers = TransferExecutor(layout, self._cpu_views, device)
-        self._finished: list[TransferResult] = []
+        self._finished: list[TransferCompletion] = []
         self._shut_down = False
 
     @property
@@ -125,12 +125,12 @@ class Executor:
         else:
             raise ExecutorError(f"unknown plan type {type(plan).__name__}")
 
-    def poll(self) -> list[TransferResult]:
+    def poll(self) -> list[TransferCompletion]:
         """Finished jobs since the last call, in submit order per direction."""
         results, self._finished = self._finished, []
         return results + (self._transfers.poll() if not self._shut_down else [])
 
-    def wait(self, job_ids: Iterable[int] | None = None) -> list[TransferResult]:
+    def wait(self, job_ids: Iterable[int] | None = None) -> list[TransferCompletion]:
         """Block until ``job_ids`` (default: every job in flight) finish; return results."""
         results, self._finished = self._finished, []
         return results + (self._transfers.wait(job_ids) if not self._shut_down else [])

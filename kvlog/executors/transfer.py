@@ -12,7 +12,7 @@ pool of streams and events and a queue of jobs in submit order. A job:
    and records its end event.
 
 ``poll()`` returns the finished jobs (their end event has completed) in submit order per
-direction, merged in submit order, as :class:`TransferResult`. A copy that fails reports
+direction, merged in submit order, as :class:`TransferCompletion`. A copy that fails reports
 ``success=False`` (with the error text) and never raises out of ``poll()``.
 """
 
@@ -33,11 +33,14 @@ from kvlog.executors.copies import build_device_transfer_program, build_host_pro
 from kvlog.executors.devices import Device
 from kvlog.executors.layouts import CacheLayout
 
-__all__ = ["TransferExecutor", "TransferResult"]
+__all__ = ["TransferCompletion", "TransferExecutor"]
 
 
-class TransferResult(msgspec.Struct, frozen=True):
+class TransferCompletion(msgspec.Struct, frozen=True):
     """A finished transfer job: whether it worked, its size and how long it took.
+
+    The executor's (and the Engine's) report; the vLLM-shaped result the offloading
+    facades hand to vLLM is :class:`kvlog.integrations.offload.TransferResult`.
 
     ``num_bytes`` is the job's size (pairs times the layout's ``page_size_bytes``), also
     for a failed job; ``error`` says why a job failed (empty on success).
@@ -114,7 +117,7 @@ class TransferExecutor:
     def _event(self, direction: _Direction) -> Any:
         return direction.events.pop() if direction.events else self._device.new_event()
 
-    def poll(self) -> list[TransferResult]:
+    def poll(self) -> list[TransferCompletion]:
         """Finished jobs, in submit order per direction; never raises for a failed copy."""
         self._device.progress()
         finished: list[_Job] = []
@@ -124,7 +127,7 @@ class TransferExecutor:
         finished.sort(key=lambda job: job.seq)
         return [self._result(job) for job in finished]
 
-    def wait(self, job_ids: Iterable[int] | None = None) -> list[TransferResult]:
+    def wait(self, job_ids: Iterable[int] | None = None) -> list[TransferCompletion]:
         """Block until the given jobs (default: all in flight) finish; return what finished.
 
         Ids that are not in flight have already finished and are ignored. The result holds
@@ -209,7 +212,7 @@ class TransferExecutor:
         del self._in_flight[job.job_id]
         return job
 
-    def _result(self, job: _Job) -> TransferResult:
+    def _result(self, job: _Job) -> TransferCompletion:
         direction = self._directions[job.kind]
         try:
             elapsed_s = self._device.elapsed_s(job.start, job.end)
@@ -218,7 +221,7 @@ class TransferExecutor:
         direction.streams.append(job.stream)
         direction.events.extend((job.start, job.end))
         job.keepalive = None
-        return TransferResult(job.job_id, not job.error, job.num_bytes, elapsed_s, job.error)
+        return TransferCompletion(job.job_id, not job.error, job.num_bytes, elapsed_s, job.error)
 
 
 def _fail(job: _Job, error: BaseException) -> None:

@@ -17,6 +17,7 @@ from typing import Literal
 import msgspec
 
 from kvlog.errors import ConfigError
+from kvlog.events import CONFIG_DEFAULTS
 
 __all__ = [
     "ENV_DEFRAG",
@@ -50,10 +51,11 @@ class FacadeConfig(msgspec.Struct, frozen=True):
     ``threshold``: the trigger slack (``max_used - threshold > num_used``);
     ``with_graphs``: wrap swaps in HPU graphs / ``torch.compile`` (HPU only);
     ``log_path``: the log file, or None for no log; ``sync``: the log's group commit.
+    ``defrag`` and ``threshold`` default to ``CacheConfigured``'s (``CONFIG_DEFAULTS``).
     """
 
-    defrag: bool = True
-    threshold: int = 32
+    defrag: bool = CONFIG_DEFAULTS["defrag"]
+    threshold: int = CONFIG_DEFAULTS["threshold"]
     with_graphs: bool = False
     log_path: str | None = None
     sync: SyncMode = "step"

@@ -28,7 +28,7 @@ import numpy as np
 
 from kvlog.errors import TransferSpecError
 from kvlog.events import LoadRequested, StoreRequested, TransferSubmitted
-from kvlog.executors import TransferResult as ExecutorResult
+from kvlog.executors import TransferCompletion
 from kvlog.integrations.defrag import OnlineDefragmenter
 from kvlog.integrations.session import JobKind, KvCacheSession
 
@@ -44,7 +44,12 @@ __all__ = [
 
 
 class TransferResult(msgspec.Struct, frozen=True):
-    """vLLM's ``TransferResult`` fields: job id, success, bytes and seconds, direction."""
+    """vLLM's ``TransferResult`` fields: job id, success, bytes and seconds, direction.
+
+    What ``get_finished()`` returns, built from the executor's
+    :class:`~kvlog.executors.TransferCompletion`; ``num_bytes`` / ``elapsed_s`` read the
+    same values under the executor's names.
+    """
 
     job_id: int
     success: bool
@@ -64,7 +69,7 @@ class TransferResult(msgspec.Struct, frozen=True):
 _TYPES: dict[JobKind, tuple[str, str]] = {"store": ("GPU", "CPU"), "load": ("CPU", "GPU")}
 
 
-def _result(kind: JobKind, r: ExecutorResult) -> TransferResult:
+def _result(kind: JobKind, r: TransferCompletion) -> TransferResult:
     return TransferResult(r.job_id, r.success, r.num_bytes, r.elapsed_s, _TYPES[kind])
 
 

@@ -23,6 +23,7 @@ import torch
 from kvlog.engine import Engine
 from kvlog.errors import ConfigError, LayoutError
 from kvlog.events import (
+    CONFIG_DEFAULTS,
     DEFAULT_PAD_SIZES,
     BlocksAllocated,
     CacheConfigured,
@@ -30,7 +31,7 @@ from kvlog.events import (
     Plan,
     RequestFinished,
 )
-from kvlog.executors import TransferResult, make_executor
+from kvlog.executors import TransferCompletion, make_executor
 from kvlog.executors.layouts import KVCaches, register_layout
 from kvlog.integrations.books import Claim, RequestBooks
 from kvlog.integrations.config import FacadeConfig
@@ -116,7 +117,7 @@ class KvCacheSession:
         *,
         prefix_caching: bool = False,
         backend: Backend = "auto",
-        max_swaps: int = DEFAULT_PAD_SIZES[-1],
+        max_swaps: int = CONFIG_DEFAULTS["max_swaps"],
         pad_sizes: Sequence[int] = DEFAULT_PAD_SIZES,
         executor_options: Mapping[str, Any] | None = None,
     ) -> None:
@@ -132,7 +133,7 @@ class KvCacheSession:
         self.quarantine = False
         self._engine: Engine | None = None
         self._kinds: dict[int, JobKind] = {}
-        self._finished: dict[JobKind, list[TransferResult]] = {"store": [], "load": []}
+        self._finished: dict[JobKind, list[TransferCompletion]] = {"store": [], "load": []}
         self._holds: dict[int, str] = {}
         self._num_holds = 0
         self.books = RequestBooks()
@@ -269,9 +270,9 @@ class KvCacheSession:
             return
         self._route(self._engine.poll())
 
-    def take_finished(self, kinds: Iterable[JobKind]) -> list[TransferResult]:
+    def take_finished(self, kinds: Iterable[JobKind]) -> list[TransferCompletion]:
         self.poll()
-        out: list[TransferResult] = []
+        out: list[TransferCompletion] = []
         for kind in kinds:
             out.extend(self._finished[kind])
             self._finished[kind].clear()
@@ -286,7 +287,7 @@ class KvCacheSession:
             return
         self._route(self._engine.wait(ids))
 
-    def _route(self, results: Iterable[TransferResult]) -> None:
+    def _route(self, results: Iterable[TransferCompletion]) -> None:
         for result in results:
             kind = self._kinds.pop(result.job_id, "store")
             self._finished[kind].append(result)

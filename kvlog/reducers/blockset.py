@@ -19,7 +19,6 @@ such ids, and callers bound their scans (defrag never pairs a destination above 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterator
 
 import numpy as np
 import numpy.typing as npt
@@ -141,11 +140,6 @@ class BlockSet:
         out.nonempty[:], out.notfull[:] = summaries(out.words)
         return out
 
-    def to_mask(self) -> npt.NDArray[np.bool_]:
-        """A bool array of ``size``; O(size)."""
-        bits = np.unpackbits(self.words.view(np.uint8), bitorder="little")
-        return bits[: self.size].astype(bool)
-
     def contains(self, block_id: int) -> bool:
         """Whether ``block_id`` is a member."""
         return bool((self.word_buffer[block_id >> 6] >> (block_id & 63)) & 1)
@@ -244,42 +238,6 @@ class BlockSet:
                 return -1
             bits = self.word_buffer[w]
         return (w << 6) | (bits.bit_length() - 1)
-
-    def descending(self, limit: int, exclude: WordArray | None = None) -> Iterator[int]:
-        """Members ``<= limit`` from the highest down, skipping bits set in ``exclude``."""
-        if limit < 0 or self.size == 0:
-            return
-        limit = min(limit, self.size - 1)
-        words = self.word_buffer
-        w = limit >> 6
-        top = (2 << (limit & 63)) - 1
-        while w >= 0:
-            bits = words[w] & top
-            if exclude is not None:
-                bits &= ~int(exclude[w])
-            while bits:
-                b = bits.bit_length() - 1
-                yield (w << 6) | b
-                bits ^= 1 << b
-            w, top = self.prev_nonempty(w - 1), _MASK64
-
-    def ascending_clear(self, start: int, exclude: WordArray | None = None) -> Iterator[int]:
-        """Non-members ``>= start`` from the lowest up, skipping bits set in ``exclude``.
-
-        May yield ids at or above ``size`` from the last word's unused bits.
-        """
-        words = self.word_buffer
-        w = self.next_notfull(start >> 6)
-        bottom = _MASK64 >> (start & 63) << (start & 63) if w == start >> 6 else _MASK64
-        while w >= 0:
-            bits = ~words[w] & bottom
-            if exclude is not None:
-                bits &= ~int(exclude[w])
-            while bits:
-                bit = bits & -bits
-                yield (w << 6) | (bit.bit_length() - 1)
-                bits ^= bit
-            w, bottom = self.next_notfull(w + 1), _MASK64
 
 
 def pack_words(mask: npt.NDArray[np.bool_]) -> WordArray:

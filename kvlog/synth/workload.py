@@ -13,26 +13,31 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvlog.events import DEFAULT_PAD_SIZES, CacheConfigured
+from kvlog.events import CONFIG_DEFAULTS, CacheConfigured
 
 __all__ = ["Request", "SynthConfig", "Workload"]
 
 
 @dataclass(frozen=True)
 class SynthConfig:
-    """Everything that decides a synthetic run (the same config and seed give the same log)."""
+    """Everything that decides a synthetic run (the same config and seed give the same log).
+
+    Every ``CacheConfigured`` field but ``quarantine_released`` (the vLLM connector's) is a
+    field here, of the same name and type; their defaults are ``CacheConfigured``'s
+    (``CONFIG_DEFAULTS``) except the geometry, which a synthetic run has to pick.
+    """
 
     seed: int = 0
     steps: int = 2000
     num_gpu_blocks: int = 1024
     block_size: int = 16
-    num_cpu_blocks: int = 0
-    block_size_factor: int = 1
-    prefix_caching: bool = False
-    defrag: bool = True
-    threshold: int = 32
-    max_swaps: int = 512
-    pad_sizes: tuple[int, ...] = DEFAULT_PAD_SIZES
+    num_cpu_blocks: int = CONFIG_DEFAULTS["num_cpu_blocks"]
+    block_size_factor: int = CONFIG_DEFAULTS["block_size_factor"]
+    prefix_caching: bool = CONFIG_DEFAULTS["prefix_caching"]
+    defrag: bool = CONFIG_DEFAULTS["defrag"]
+    threshold: int = CONFIG_DEFAULTS["threshold"]
+    max_swaps: int = CONFIG_DEFAULTS["max_swaps"]
+    pad_sizes: tuple[int, ...] = CONFIG_DEFAULTS["pad_sizes"]
     page_size_bytes: int = 2 * 32 * 8 * 128 * 2 * 16  # K+V, 32 layers, 8 heads x 128, bf16
     arrival_rate: float = 0.25
     prompt_len_mean: float = 400.0
@@ -48,32 +53,25 @@ class SynthConfig:
     transfer_failure_rate: float = 0.0
     watermark_blocks: int = 4
     check_every: int = 0
-    policy: str = "seed"
-    policy_ratio_pct: int = 150
-    policy_min_swaps: int = 4
-    max_bytes_per_step: int = 0
+    policy: str = CONFIG_DEFAULTS["policy"]
+    policy_ratio_pct: int = CONFIG_DEFAULTS["policy_ratio_pct"]
+    policy_min_swaps: int = CONFIG_DEFAULTS["policy_min_swaps"]
+    max_bytes_per_step: int = CONFIG_DEFAULTS["max_bytes_per_step"]
 
     def cache_config(self, page_size_bytes: int | None = None) -> CacheConfigured:
-        """The ``CacheConfigured`` event this run starts its log with."""
-        return CacheConfigured(
-            num_gpu_blocks=self.num_gpu_blocks,
-            block_size=self.block_size,
-            num_cpu_blocks=self.num_cpu_blocks,
-            block_size_factor=self.block_size_factor,
-            prefix_caching=self.prefix_caching,
-            defrag=self.defrag,
-            threshold=self.threshold,
-            max_swaps=self.max_swaps,
-            pad_sizes=tuple(self.pad_sizes),
-            page_size_bytes=self.page_size_bytes if page_size_bytes is None else page_size_bytes,
-            policy=self.policy,
-            policy_ratio_pct=self.policy_ratio_pct,
-            policy_min_swaps=self.policy_min_swaps,
-            max_bytes_per_step=self.max_bytes_per_step,
-        )
+        """The ``CacheConfigured`` event this run starts its log with: every field of it
+        that this config has (the others at their defaults)."""
+        values = {n: getattr(self, n) for n in CacheConfigured.__struct_fields__ if n in _FIELDS}
+        values["pad_sizes"] = tuple(self.pad_sizes)
+        if page_size_bytes is not None:
+            values["page_size_bytes"] = page_size_bytes
+        return CacheConfigured(**values)
 
     def replace(self, **changes: object) -> SynthConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+_FIELDS = frozenset(f.name for f in dataclasses.fields(SynthConfig))
 
 
 @dataclass(eq=False)

@@ -162,9 +162,10 @@ class RunningDigest:
         self.per_request: dict[str, list[int]] = {}
         """Per request: ``[key, sum of the hashed terms, number of entries hashed]``."""
         self.tables_grown: set[str] = set()
-        self.moved: dict[int, int] = {}
-        """Logical blocks whose mapping changed since the last flush -> their physical
-        block at that flush."""
+        self.moved: list[tuple[Any, Any]] = []
+        """Mapping changes since the last flush, in order: ``(logical ids, their physical
+        ids before the change)``, lists or arrays; a logical block's first entry holds
+        its physical block at the last flush."""
 
     # -- changes (called by State's primitives) ------------------------------------------
     def table_grown(self, req_id: str) -> None:
@@ -176,12 +177,10 @@ class RunningDigest:
         if entry is not None:
             self.tables = (self.tables - entry[1]) & MASK
 
-    def mapping_moved(self, logical: list[int], physical: list[int]) -> None:
-        """``fwd[logical[i]]`` is about to leave ``physical[i]``."""
-        moved = self.moved
-        for low, high in zip(logical, physical, strict=True):
-            if low not in moved:
-                moved[low] = high
+    def mapping_moved(self, logical: Any, physical: Any) -> None:
+        """``fwd[logical[i]]`` is about to leave ``physical[i]`` (lists or arrays; O(1)
+        now, the rest happens at the flush)."""
+        self.moved.append((logical, physical))
 
     def job_added(self, job: Job) -> None:
         job.term = job_term(job)
@@ -200,13 +199,20 @@ class RunningDigest:
         """Hash what changed since the last flush: the mapping entries that moved (old
         terms out, new terms in) and the entries appended to tables."""
         if self.moved:
-            logical = np.fromiter(self.moved.keys(), np.int64, len(self.moved))
-            before = np.fromiter(self.moved.values(), np.int64, len(self.moved))
+            logical, before = self._first_moves()
             after = state.fwd[logical].astype(np.int64)
             self.fwd = (self.fwd + fwd_terms(logical, after) - fwd_terms(logical, before)) & MASK
-            self.moved.clear()
         if self.tables_grown:
             self._flush_tables(state)
+
+    def _first_moves(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every logical block moved since the flush, with its physical block at the
+        flush (its first recorded one); clears the record."""
+        logical = np.concatenate([np.asarray(a, dtype=np.int64) for a, _ in self.moved])
+        before = np.concatenate([np.asarray(b, dtype=np.int64) for _, b in self.moved])
+        self.moved.clear()
+        unique, first = np.unique(logical, return_index=True)
+        return unique, before[first]
 
     def _flush_tables(self, state: State) -> None:
         """Hash every grown table's new entries in one vectorized pass."""

@@ -290,19 +290,18 @@ class State:
             self._swap_arrays(moved, np.concatenate((moved[count:], moved[:count])))
         else:
             refs, fwd, bwd = self.refs_buffer, self.fwd_buffer, self.bwd_buffer
-            was = self.running.moved
+            logical: list[int] = []
             for s, d in zip(sources, destinations, strict=True):
                 refs[d] = refs[s]
                 refs[s] = 0
                 logical_source, logical_destination = bwd[s], bwd[d]
-                if logical_source not in was:
-                    was[logical_source] = s
-                if logical_destination not in was:
-                    was[logical_destination] = d
+                logical += (logical_source, logical_destination)
                 fwd[logical_source] = d
                 fwd[logical_destination] = s
                 bwd[d] = logical_source
                 bwd[s] = logical_destination
+            before = [block for pair in zip(sources, destinations, strict=True) for block in pair]
+            self.running.mapping_moved(logical, before)
         self._refresh_max_used()
 
     def _swap_arrays(self, moved: IdArray, partners: IdArray) -> None:
@@ -310,7 +309,7 @@ class State:
         ``moved``): ref counts and both mappings."""
         self.refs[partners] = self.refs[moved]
         logical = self.bwd[moved]
-        self.running.mapping_moved(logical.tolist(), moved.tolist())
+        self.running.mapping_moved(logical, moved)
         self.fwd[logical] = partners
         self.bwd[partners] = logical
 

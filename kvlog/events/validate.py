@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import typing
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -160,29 +161,50 @@ def _validate_groups(e: StoreRequested | LoadRequested) -> None:
         )
 
 
+def _validate_blocks_event(event: Any) -> None:
+    _req_id(event, event.req_id)
+    validate_block_ids(event, "block_ids", event.block_ids)
+
+
+def _validate_request_event(event: Any) -> None:
+    _req_id(event, event.req_id)
+
+
+def _validate_step(event: Any) -> None:
+    _int(event, "step", event.step, 0)
+
+
+def _validate_job_id(event: Any) -> None:
+    _int(event, "job_id", event.job_id, 0)
+
+
+def _validate_finished(event: Any) -> None:
+    _int(event, "job_id", event.job_id, 0)
+    if type(event.success) is not bool:
+        raise InvalidEvent("success must be a bool", event)
+
+
+_VALIDATORS: dict[type, Callable[[Any], None]] = {
+    CacheConfigured: _validate_config,
+    BlocksAllocated: _validate_blocks_event,
+    BlocksReleased: _validate_blocks_event,
+    RequestFinished: _validate_request_event,
+    RequestPreempted: _validate_request_event,
+    StepEnded: _validate_step,
+    StoreRequested: _validate_transfer,
+    LoadRequested: _validate_transfer,
+    TransferSubmitted: _validate_job_id,
+    TransferFinished: _validate_finished,
+}
+assert set(_VALIDATORS) == _EVENT_TYPES, "every event type has exactly one validator"
+
+
 def validate_event(event: object) -> None:
     """Raise ``InvalidEvent`` if ``event`` is not a well-formed event on its own."""
-    if type(event) not in _EVENT_TYPES:  # a subclass would not decode from the log
+    validator = _VALIDATORS.get(type(event))  # exact types: a subclass would not decode
+    if validator is None:
         raise InvalidEvent(f"not a kvlog event: {type(event).__name__}", None)
-    if isinstance(event, CacheConfigured):
-        _validate_config(event)
-    elif isinstance(event, (BlocksAllocated, BlocksReleased)):
-        _req_id(event, event.req_id)
-        validate_block_ids(event, "block_ids", event.block_ids)
-    elif isinstance(event, (RequestFinished, RequestPreempted)):
-        _req_id(event, event.req_id)
-    elif isinstance(event, StepEnded):
-        _int(event, "step", event.step, 0)
-    elif isinstance(event, (StoreRequested, LoadRequested)):
-        _validate_transfer(event)
-    elif isinstance(event, TransferSubmitted):
-        _int(event, "job_id", event.job_id, 0)
-    elif isinstance(event, TransferFinished):
-        _int(event, "job_id", event.job_id, 0)
-        if type(event.success) is not bool:
-            raise InvalidEvent("success must be a bool", event)
-    else:
-        raise InvalidEvent(f"not a kvlog event: {type(event).__name__}", None)
+    validator(event)
 
 
 def normalize_event(event: Any) -> Any:

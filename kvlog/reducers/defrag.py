@@ -117,20 +117,36 @@ def check_allocate(state: State, event: BlocksAllocated) -> Allocation:
     if len(block_ids) <= SCALAR_LIMIT:  # the common decode case: a block or two
         if block_ids and max(block_ids) >= config.num_gpu_blocks:
             check_block_range(event, "block_ids", block_ids, config.num_gpu_blocks)
-        fwd = state.fwd_buffer
-        physical = [fwd[b] for b in block_ids]
-        refs, loads = state.refs_buffer, state.load_pins_buffer
-        if config.prefix_caching:
-            if not any(loads[p] for p in physical):
-                return physical, False
-        elif not any(refs[p] or loads[p] for p in physical):
-            stores = state.store_pins_buffer
-            return physical, not any(stores[p] for p in physical)
+        found = _small_allocation(state, block_ids, config.prefix_caching)
+        if found is not None:
+            return found
     logical = check_block_range(event, "block_ids", block_ids, config.num_gpu_blocks)
     array = state.fwd[logical].astype(np.int64)
     if array.size:
         _check_exclusive(state, event, logical, array)
     return array, False
+
+
+def _small_allocation(
+    state: State, block_ids: list[int], prefix_caching: bool
+) -> Allocation | None:
+    """``check_allocate`` for a few in-range ids when nothing refuses them (plain loops:
+    the decode step's path); None when something might (the vectorized check decides)."""
+    fwd, loads = state.fwd_buffer, state.load_pins_buffer
+    physical = [fwd[b] for b in block_ids]
+    if prefix_caching:
+        for p in physical:
+            if loads[p]:
+                return None
+        return physical, False
+    refs, stores = state.refs_buffer, state.store_pins_buffer
+    free = True
+    for p in physical:
+        if refs[p] or loads[p]:
+            return None
+        if stores[p]:
+            free = False
+    return physical, free
 
 
 def apply_allocate(state: State, event: BlocksAllocated, checked: Allocation) -> list[Plan]:

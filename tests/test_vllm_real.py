@@ -36,10 +36,17 @@ def test_kvlog_in_real_vllm(cfg: harness.RunConfig, tmp_path: Path) -> None:
     assert (res.loads_sync > 0) == cfg.sync_loads
     assert res.replay_ok is True
     if cfg.defrag:
-        # defrag cannot fire while the pool is full and compact (it is, for the preemptions)
-        # or only pinned blocks are out of place: about 15-30% of steps
-        floor = max(50, res.steps // 10)
-        assert res.swap_steps >= floor, f"defrag fired on {res.swap_steps}/{res.steps} steps"
+        fired = f"defrag planned swaps on {res.swap_steps}/{res.steps} steps"
+        if cfg.name in harness.DEFRAG_MOST_STEPS:
+            # issue 10: threshold 0 on the harness's most-steps workload, defrag fires on
+            # most steps (it measures 57-75%): it cannot on steps whose pool is full or
+            # compact, or whose only holes were freed this step (quarantined) or are pinned
+            assert res.swap_steps * 2 > res.steps, fired
+        else:
+            # the default workload (96 blocks of 16 tokens, threshold 1) keeps the pool full
+            # or compact on most steps: about 15-30% of steps
+            floor = max(50, res.steps // 10)
+            assert res.swap_steps >= floor, fired
         assert res.table_checks > 0
 
 

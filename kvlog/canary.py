@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 import numpy as np
@@ -36,6 +36,9 @@ from kvlog.events import (
     StoreRequested,
     TransferFinished,
 )
+
+if TYPE_CHECKING:
+    from kvlog.executors import Executor
 
 __all__ = [
     "PENDING",
@@ -347,7 +350,7 @@ def _cpu_part(data: bytes, k: int, factor: int, pages: list[int]) -> bytes:
 
 def make_canary_executor(
     config: CacheConfigured, backend: str = "cpu"
-) -> tuple[Any, CanaryTracker]:
+) -> tuple[Executor, CanaryTracker]:
     """A small CPU-tensor executor for ``config`` (2 layers, K and V, slot-major) and its
     canary tracker. Page bytes are tiny: canaries need distinct bytes, not real sizes."""
     import torch

@@ -387,7 +387,7 @@ class _Replayer:
         self.whatif: _Run | None = None
         self.other: _Other | None = None if against is None else _Other(against, series)
         self.tracker: CanaryTracker | None = None
-        self.executor: Any = None
+        self.executor: Executor | None = None
         self.last_event_seq = -1
         self.last_event: Event | None = None
         self.last_verified_seq = -1
@@ -565,7 +565,7 @@ class _Replayer:
             )
         if self.tracker is not None:
             effective = self.whatif or self.recorded
-            assert effective is not None, "execute without a run"
+            assert effective is not None and self.executor is not None, "execute without a run"
             self.executor.wait()
             result.canary = self.tracker.check(effective.state)
             self.executor.shutdown()

@@ -295,7 +295,8 @@ class Engine:
 
     def running_digest(self) -> str:
         """The digest checkpoints record (``"v2:..."``): kept up to date with every change,
-        O(1) to read (``kvlog.reducers.running``); equal states, equal running digests."""
+        O(changes since the last call) to read (``kvlog.reducers.running``); equal states,
+        equal running digests."""
         return running.checkpoint_digest(self.state)
 
     def snapshot(self) -> bytes:
@@ -411,7 +412,7 @@ class Engine:
         blob = digest_and_snapshot(self.state)[1] if with_snapshot else b""
         if with_snapshot:
             self._snapshot_checkpoint, self._snapshot_seq = self._num_checkpoints, self._last_seq
-        digest = running.checkpoint_digest(self.state)  # O(1): the running digest
+        digest = running.checkpoint_digest(self.state)  # O(changes since the last one)
         record = Checkpoint(
             seq=self._last_seq, digest=digest, step=int(self.state.step), snapshot=blob
         )
@@ -490,10 +491,10 @@ def _configured(config: CacheConfigured) -> tuple[CacheConfigured, reducers.Stat
     config = normalize_event(config)
     if type(config) is not CacheConfigured:
         raise NotConfigured("the first event must be CacheConfigured", config)
-    reducers.validate(state, config)
+    checked = reducers.check(state, config)
     check_state_memory(config)
     try:
-        state, _ = reducers.reduce(state, config)
+        reducers.commit(state, checked)
     except MemoryError as exc:
         raise StateTooLarge(f"cannot allocate the state: {exc!r}", config) from exc
     return config, state

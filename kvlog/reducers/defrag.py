@@ -65,19 +65,16 @@ from kvlog.reducers.state import State
 
 __all__ = [
     "Allocation",
-    "allocate",
     "apply_allocate",
     "apply_configure",
     "apply_release_blocks",
     "check_allocate",
     "check_block_range",
     "check_configure",
-    "configure",
     "end_step",
     "pad_bucket",
     "pair_up",
     "release",
-    "release_blocks",
 ]
 
 
@@ -85,12 +82,6 @@ def check_configure(state: State, event: CacheConfigured) -> None:
     """A second CacheConfigured is refused."""
     if state.config is not None:
         raise AlreadyConfigured("the cache is already configured", event)
-
-
-def configure(state: State, event: CacheConfigured) -> list[Plan]:
-    """``check_configure`` then ``apply_configure``."""
-    check_configure(state, event)
-    return apply_configure(state, event, None)
 
 
 def apply_configure(state: State, event: CacheConfigured, checked: None) -> list[Plan]:
@@ -168,11 +159,6 @@ def apply_allocate(state: State, event: BlocksAllocated, checked: Allocation) ->
     return transfers.flush(state, reused) if reused else []
 
 
-def allocate(state: State, event: BlocksAllocated) -> list[Plan]:
-    """``check_allocate`` then ``apply_allocate``."""
-    return apply_allocate(state, event, check_allocate(state, event))
-
-
 def _check_exclusive(
     state: State, event: BlocksAllocated, logical: IdArray, physical: IdArray
 ) -> None:
@@ -226,11 +212,6 @@ def check_release_blocks(state: State, event: BlocksReleased) -> list[int]:
         )
     fwd = state.fwd_buffer
     return [fwd[b] for b in event.block_ids]
-
-
-def release_blocks(state: State, event: BlocksReleased) -> list[Plan]:
-    """``check_release_blocks`` then ``apply_release_blocks``."""
-    return apply_release_blocks(state, event, check_release_blocks(state, event))
 
 
 def apply_release_blocks(state: State, event: BlocksReleased, physical: list[int]) -> list[Plan]:

@@ -25,7 +25,7 @@ in-flight bound (``TooManyJobs``).
   stores a chunk that a sync load just filled; it loads into a block whose flushed store
   has not run yet): a job's plan comes after a ``FencePlan`` on the submitted, unfinished
   jobs of the other direction that touch its blocks, so they run in submission order.
-  (Allocating a block an unfinished load writes is refused in ``defrag.allocate``.)
+  (Allocating a block an unfinished load writes is refused in ``defrag.check_allocate``.)
   Several stores may read one block: pins are counts.
 - A deferred job (``deferred=True``: the scheduler decided it; a store's KV may still be
   being computed) pins at once and plans at ``TransferSubmitted``; a deferred store plans
@@ -69,10 +69,7 @@ __all__ = [
     "check_submitted",
     "cpu_sub_blocks",
     "expand_sub_blocks",
-    "finish",
     "flush",
-    "submit",
-    "submitted",
 ]
 
 Transfer = StoreRequested | LoadRequested
@@ -235,11 +232,6 @@ def _transfer_plan(state: State, job: Job) -> TransferPlan:
     return TransferPlan(job.job_id, kind, pairs, num_bytes, after_job_id)
 
 
-def submit(state: State, event: Transfer) -> list[Plan]:
-    """``check_submit`` then ``apply_submit``."""
-    return apply_submit(state, event, check_submit(state, event))
-
-
 def apply_submit(state: State, event: Transfer, checked: tuple[IdArray, IdArray]) -> list[Plan]:
     """Pin a checked store's or load's GPU blocks and return its TransferPlan (none yet for
     a deferred job)."""
@@ -264,11 +256,6 @@ def check_submitted(state: State, event: TransferSubmitted) -> Job | None:
         why = "finished already" if event.job_id <= state.last_job_id else "was never submitted"
         raise UnknownJob(f"job {event.job_id} is not in flight (it {why})", event)
     return None if job.submitted else job
-
-
-def submitted(state: State, event: TransferSubmitted) -> list[Plan]:
-    """``check_submitted`` then ``apply_submitted``."""
-    return apply_submitted(state, event, check_submitted(state, event))
 
 
 def apply_submitted(state: State, event: TransferSubmitted, job: Job | None) -> list[Plan]:
@@ -298,11 +285,6 @@ def check_finish(state: State, event: TransferFinished) -> Job:
             event,
         )
     return job
-
-
-def finish(state: State, event: TransferFinished) -> list[Plan]:
-    """``check_finish`` then ``apply_finish``."""
-    return apply_finish(state, event, check_finish(state, event))
 
 
 def apply_finish(state: State, event: TransferFinished, job: Job) -> list[Plan]:

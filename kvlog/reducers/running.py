@@ -85,10 +85,7 @@ def table_terms(key: int, start: int, block_ids: list[int]) -> int:
     if len(block_ids) <= 16:
         total = 0
         for offset, b in enumerate(block_ids):
-            x = (key + (((start + offset) << 32) | b) * _GOLDEN) & MASK
-            x = ((x ^ (x >> 30)) * _M1) & MASK
-            x = ((x ^ (x >> 27)) * _M2) & MASK
-            total += x ^ (x >> 31)
+            total += mix((key + (((start + offset) << 32) | b) * _GOLDEN) & MASK)
         return total & MASK
     positions = np.arange(start, start + len(block_ids), dtype=np.uint64)
     items = (positions << np.uint64(32)) | np.asarray(block_ids, dtype=np.uint64)
@@ -96,7 +93,10 @@ def table_terms(key: int, start: int, block_ids: list[int]) -> int:
 
 
 def _table_sums(keys: list[int], starts: list[int], tails: list[list[int]]) -> list[int]:
-    """``table_terms(keys[i], starts[i], tails[i])`` for every i, in one numpy pass."""
+    """``table_terms(keys[i], starts[i], tails[i])`` for every i (each tail non-empty), in
+    one numpy pass."""
+    if not tails:
+        return []
     if len(tails) == 1:
         return [table_terms(keys[0], starts[0], tails[0])]
     counts = np.fromiter((len(t) for t in tails), np.int64, len(tails))
@@ -149,7 +149,7 @@ def submitted_term(job_id: int) -> int:
 
 class RunningDigest:
     """The three sums of one State, and what changed since they were last brought up to
-    date. The primitives of ``State`` report each change in O(1) (a set or dict entry);
+    date. The primitives of ``State`` report each change in O(1) (a set entry, a list append);
     ``flush`` hashes the changes since the last flush, in bulk, so the cost is O(changes)
     however large the pool; jobs are rare and are hashed as they come and go."""
 
@@ -239,29 +239,34 @@ class RunningDigest:
         self.tables = (self.tables + sum(sums)) & MASK
 
     def recompute(self, state: State) -> None:
-        """All sums from scratch (after a restore); nothing pending."""
-        self.fwd, self.tables, self.per_request, self.jobs = recompute(state)
+        """All sums from scratch (after a restore), each job's term kept; nothing pending."""
+        self.fwd, self.tables, self.per_request, self.jobs = recompute(state, keep_terms=True)
         self.tables_grown.clear()
         self.moved.clear()
-        for job in [*state.store_jobs.values(), *state.load_jobs.values()]:
-            job.term = job_term(job)
 
 
-def recompute(state: State) -> tuple[int, int, dict[str, list[int]], int]:
-    """The three sums and the per-request ``[key, sum, length]`` from scratch."""
+def recompute(
+    state: State, *, keep_terms: bool = False
+) -> tuple[int, int, dict[str, list[int]], int]:
+    """The three sums and the per-request ``[key, sum, length]`` from scratch (tables are
+    never empty); ``keep_terms``: also store each job's term on it."""
     n = state.num_gpu_blocks
     fwd = fwd_terms(np.arange(n, dtype=np.int64), state.fwd.astype(np.int64)) if n else 0
-    per_request = {}
-    tables = 0
-    for req_id, table in state.tables.items():
-        key = request_key(req_id)
-        total = table_terms(key, 0, table)
-        per_request[req_id] = [key, total, len(table)]
-        tables += total
+    req_ids = list(state.tables)
+    keys = [request_key(req_id) for req_id in req_ids]
+    tables = [state.tables[req_id] for req_id in req_ids]
+    sums = _table_sums(keys, [0] * len(tables), tables)
+    per_request = {
+        req_id: [key, total, len(table)]
+        for req_id, key, total, table in zip(req_ids, keys, sums, tables, strict=True)
+    }
     jobs = 0
     for job in [*state.store_jobs.values(), *state.load_jobs.values()]:
-        jobs += job_term(job) + (submitted_term(job.job_id) if job.submitted else 0)
-    return fwd, tables & MASK, per_request, jobs & MASK
+        term = job_term(job)
+        if keep_terms:
+            job.term = term
+        jobs += term + (submitted_term(job.job_id) if job.submitted else 0)
+    return fwd, sum(sums) & MASK, per_request, jobs & MASK
 
 
 def checkpoint_digest(state: State) -> str:

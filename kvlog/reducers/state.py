@@ -172,7 +172,7 @@ class State:
             self.tables[req_id] = list(block_ids)
         else:
             table.extend(block_ids)
-        self.running.tables_grown.add(req_id)
+        self.running.table_grown(req_id)
 
     def pop_table(self, req_id: str) -> list[int] | None:
         """Remove and return a request's table (None if it has none)."""

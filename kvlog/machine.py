@@ -30,13 +30,16 @@ __all__ = ["Machine", "Observer"]
 
 
 class Observer(Protocol):
-    """Watches every committed event (never a refused one); must not change the state."""
+    """Watches every committed event (never a refused one); must not change the state.
+    A class that subclasses it explicitly inherits both hooks as no-ops."""
 
     def before(self, state: State, event: Event) -> None:
         """Called before the state changes by ``event``."""
+        return None
 
     def after(self, state: State, event: Event, plans: list[Plan]) -> None:
         """Called after the change and after the executor took the plans."""
+        return None
 
 
 class Machine:

@@ -43,7 +43,7 @@ from kvlog.events import (
     to_dict,
 )
 from kvlog.log import LogReader
-from kvlog.machine import Machine
+from kvlog.machine import Machine, Observer
 from kvlog.memory import check_state_memory
 from kvlog.reducers import running
 from kvlog.report import Series
@@ -181,15 +181,12 @@ def _plans_dicts(plans: list[Plan]) -> list[dict[str, Any]]:
     return [to_dict(p) for p in plans]
 
 
-class _StatsObserver:
+class _StatsObserver(Observer):
     """Counts what one policy did (``RunStats``), step by step: an observer of its machine."""
 
     def __init__(self, stats: RunStats) -> None:
         self.stats = stats
         self.tally = PlanTally(stats.config.page_size_bytes)
-
-    def before(self, state: reducers.State, event: Event) -> None:
-        pass
 
     def after(self, state: reducers.State, event: Event, plans: list[Plan]) -> None:
         self.stats.num_events += 1
@@ -214,9 +211,9 @@ class _StatsObserver:
                 t.step_load_bytes,
             )
         t.end_step()
-        self.copy_totals()
 
     def copy_totals(self) -> None:
+        """The tally's run totals into ``RunStats`` (at the end of the run)."""
         s, t = self.stats, self.tally
         s.num_swap_plans, s.num_swapped_blocks, s.swap_bytes = (
             t.swap_plans,
@@ -227,7 +224,7 @@ class _StatsObserver:
         s.num_loads, s.load_bytes = t.loads, t.load_bytes
 
 
-class _FinishedInLog:
+class _FinishedInLog(Observer):
     """Replaying with an executor: a logged ``TransferFinished`` first waits for that job
     on the replay's own executor (the recording's executor had finished it)."""
 
@@ -237,9 +234,6 @@ class _FinishedInLog:
     def before(self, state: reducers.State, event: Event) -> None:
         if type(event) is TransferFinished:
             self.executor.wait([event.job_id])
-
-    def after(self, state: reducers.State, event: Event, plans: list[Plan]) -> None:
-        pass
 
 
 class _Run:
@@ -266,7 +260,8 @@ class _Run:
 
 def checkpoint_digest(state: reducers.State, recorded: str) -> str:
     """The state's digest by the algorithm a checkpoint's digest names: the running digest
-    for ``"v2:..."`` (O(1)), else the canonical version-1 digest of the whole state."""
+    for ``"v2:..."`` (O(changes since its last call)), else the canonical version-1 digest
+    of the whole state."""
     if recorded.startswith(running.DIGEST_V2_PREFIX):
         return running.checkpoint_digest(state)
     return str(reducers.digest(state))

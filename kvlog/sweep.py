@@ -47,7 +47,7 @@ from kvlog.events import (
     validate_event,
 )
 from kvlog.log import LogReader
-from kvlog.machine import Machine
+from kvlog.machine import Machine, Observer
 from kvlog.replay import checkpoint_digest
 from kvlog.tally import PlanTally
 
@@ -163,7 +163,7 @@ class SweepRow:
     rejected: str = ""
 
 
-class _Tally:
+class _Tally(Observer):
     """Running sums of a what-if, step by step: an observer of its machine."""
 
     def __init__(self, config: CacheConfigured, cost: CostModel, row: SweepRow) -> None:
@@ -172,9 +172,6 @@ class _Tally:
         self.sum_max_used = self.sum_used = 0
         self.step_defrag_s = 0.0
         self.step_ms: list[float] = []
-
-    def before(self, state: reducers.State, event: Event) -> None:
-        pass
 
     def after(self, state: reducers.State, event: Event, plans: list[Plan]) -> None:
         if plans:

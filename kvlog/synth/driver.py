@@ -38,11 +38,12 @@ from kvlog.events import (
     SwapPlan,
     TransferFinished,
 )
+from kvlog.machine import Observer
 from kvlog.reducers import State
 from kvlog.synth.pool import BlockPool, CpuCache
 from kvlog.synth.workload import Request, SynthConfig, Workload
 
-__all__ = ["SynthResult", "SynthRun"]
+__all__ = ["RunCounts", "SynthResult", "SynthRun"]
 
 _MAX_WAITING = 1024
 
@@ -95,14 +96,12 @@ class _Job:
     gpu_blocks: list[int]
 
 
-class _Counts:
-    """Counts the run's events and defrag plans (an observer of the engine's machine)."""
+class RunCounts(Observer):
+    """Counts a synthetic run's events and defrag plans into its result (an observer of
+    the engine's machine)."""
 
     def __init__(self, result: SynthResult) -> None:
         self.result = result
-
-    def before(self, state: State, event: Event) -> None:
-        pass
 
     def after(self, state: State, event: Event, plans: list[Plan]) -> None:
         self.result.num_events += 1
@@ -136,7 +135,7 @@ class SynthRun:
         cap = (config.num_gpu_blocks - 1 - config.watermark_blocks) * config.block_size // 2
         self.max_tokens = max(cap, config.block_size)
         observers = engine.machine.observers
-        observers.append(_Counts(self.result))
+        observers.append(RunCounts(self.result))
         if tracker is not None:
             observers.append(tracker)  # sees every event, the polled TransferFinished too
 

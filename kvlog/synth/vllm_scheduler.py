@@ -28,9 +28,8 @@ from kvlog.events import (
     RequestFinished,
     RequestPreempted,
     StepEnded,
-    SwapPlan,
 )
-from kvlog.synth.driver import SynthResult
+from kvlog.synth.driver import RunCounts, SynthResult
 from kvlog.synth.serving import TraceConfig
 from kvlog.synth.traces import HASH_BLOCK_TOKENS, TraceRequest
 
@@ -158,6 +157,7 @@ class VllmTraceRun:
         self.scheduler = _build_scheduler(config)
         self.pending: deque[tuple[int, TraceRequest]] = deque(enumerate(requests))
         self.result = SynthResult(config.synth, engine.log_path)
+        engine.machine.observers.append(RunCounts(self.result))
 
     def run(self) -> SynthResult:
         started = time.perf_counter()
@@ -240,8 +240,5 @@ class VllmTraceRun:
         )
 
     def _emit(self, event: Any) -> None:
-        for plan in self.engine.apply(event):
-            if isinstance(plan, SwapPlan):
-                self.result.num_swap_plans += 1
-                self.result.num_swapped_blocks += len(plan.pairs)
-        self.result.num_events += 1
+        """One scheduler input to the engine (``RunCounts`` counts it)."""
+        self.engine.apply(event)

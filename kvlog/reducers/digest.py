@@ -30,7 +30,7 @@ import numpy as np
 
 from kvlog import crc32c as _crc32c
 from kvlog.errors import CorruptLogError
-from kvlog.events import CacheConfigured, SwapPlan, decode_plan, encode
+from kvlog.events import CONFIG_DEFAULTS, CacheConfigured, SwapPlan, decode_plan, encode
 from kvlog.reducers.blockset import BlockSet, pack_words
 from kvlog.reducers.consistency import check_consistent
 from kvlog.reducers.state import Job, State
@@ -56,13 +56,6 @@ _RAW, _ZLIB, _SPARSE = 0, 1, 2
 
 
 _SCHEMA1_CONFIG = frozenset(CacheConfigured.__struct_fields__[:10])
-_CONFIG_DEFAULTS = dict(
-    zip(
-        CacheConfigured.__struct_fields__[-len(CacheConfigured.__struct_defaults__) :],
-        CacheConfigured.__struct_defaults__,
-        strict=True,
-    )
-)
 
 
 def _config(config: CacheConfigured | None) -> dict[str, Any] | None:
@@ -72,7 +65,7 @@ def _config(config: CacheConfigured | None) -> dict[str, Any] | None:
         return None
     out: dict[str, Any] = msgspec.to_builtins(config)
     for name in CacheConfigured.__struct_fields__:
-        if name not in _SCHEMA1_CONFIG and getattr(config, name) == _CONFIG_DEFAULTS[name]:
+        if name not in _SCHEMA1_CONFIG and getattr(config, name) == CONFIG_DEFAULTS[name]:
             del out[name]
     return out
 

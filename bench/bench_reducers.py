@@ -20,7 +20,6 @@ defrag), and kvlog's no-defrag step cost at the largest size over the smallest.
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import sys
 import time
@@ -28,80 +27,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_step import ARRIVALS, GROWTHS, Trace, seed_apply
 from seed_model import SeedDefragmenter
 
-from kvlog.events import (
-    BlocksAllocated,
-    CacheConfigured,
-    Event,
-    RequestFinished,
-    StepEnded,
-    SwapPlan,
-)
+from kvlog.events import CacheConfigured, SwapPlan
 from kvlog.reducers import initial_state, reduce
 
 SIZES = (4096, 32768, 131072)
-ARRIVALS, GROWTHS, TARGET = (0, 0, 1, 1, 2), 8, 0.8
-
-
-class Trace:
-    """The simulated scheduler: FIFO free list, live tables, seeded randomness."""
-
-    def __init__(self, num_gpu_blocks: int, seed: int) -> None:
-        self.rng = random.Random(seed)
-        self.num_gpu_blocks = num_gpu_blocks
-        self.free = list(range(1, num_gpu_blocks))
-        self.tables: dict[str, list[int]] = {}
-        self.live: list[str] = []
-        self.next_req = 0
-        self.used = 0
-
-    def _take(self, req_id: str, k: int) -> BlocksAllocated:
-        blocks, self.free = self.free[:k], self.free[k:]
-        self.tables.setdefault(req_id, []).extend(blocks)
-        self.used += len(blocks)
-        return BlocksAllocated(req_id=req_id, block_ids=blocks)
-
-    def _arrive(self) -> BlocksAllocated:
-        req_id = f"req-{self.next_req}"
-        self.next_req += 1
-        self.live.append(req_id)
-        return self._take(req_id, self.rng.randint(4, 64))
-
-    def _finish(self) -> RequestFinished:
-        i = self.rng.randrange(len(self.live))
-        self.live[i], self.live[-1] = self.live[-1], self.live[i]
-        req_id = self.live.pop()
-        blocks = self.tables.pop(req_id)
-        self.free.extend(blocks)
-        self.used -= len(blocks)
-        return RequestFinished(req_id=req_id)
-
-    def warm_up(self) -> list[Event]:
-        events: list[Event] = []
-        while self.used < TARGET * self.num_gpu_blocks:
-            events.append(self._arrive())
-        return events
-
-    def step(self, step: int) -> list[Event]:
-        events: list[Event] = []
-        while self.used > TARGET * self.num_gpu_blocks - max(ARRIVALS) * 64:
-            events.append(self._finish())
-        events.extend(self._arrive() for _ in range(self.rng.choice(ARRIVALS)))
-        for _ in range(GROWTHS):
-            events.append(self._take(self.rng.choice(self.live), 1))
-        events.append(StepEnded(step=step))
-        return events
-
-
-def seed_apply(seed: SeedDefragmenter, event: Event) -> list[tuple[int, int]]:
-    if isinstance(event, BlocksAllocated):
-        seed.allocate(event.req_id, event.block_ids)
-    elif isinstance(event, RequestFinished):
-        seed.release(event.req_id)
-    elif isinstance(event, StepEnded):
-        return seed.defragment()
-    return []
 
 
 def run_size(num_gpu_blocks: int, num_steps: int, threshold: int) -> dict[str, list[float]]:

@@ -96,6 +96,17 @@ class Trace:
         return events
 
 
+def seed_apply(seed: SeedDefragmenter, event: Event) -> list[tuple[int, int]]:
+    """One event on the seed side; the pairs of its ``defragment()`` at ``StepEnded``."""
+    if isinstance(event, BlocksAllocated):
+        seed.allocate(event.req_id, event.block_ids)
+    elif isinstance(event, RequestFinished):
+        seed.release(event.req_id)
+    elif isinstance(event, StepEnded):
+        return seed.defragment()
+    return []
+
+
 def seed_run(size: int, warm: list[Event], steps: list[list[Event]]) -> tuple[float, list]:
     """The seed's mean us per step, and its pairs per step."""
     seed = SeedDefragmenter(threshold=THRESHOLD)
@@ -105,14 +116,7 @@ def seed_run(size: int, warm: list[Event], steps: list[list[Event]]) -> tuple[fl
     clock, total, pairs = time.perf_counter_ns, 0, []
     for events in steps:
         t0 = clock()
-        got = []
-        for event in events:
-            if type(event) is BlocksAllocated:
-                seed.allocate(event.req_id, event.block_ids)
-            elif type(event) is RequestFinished:
-                seed.release(event.req_id)
-            else:
-                got = seed.defragment()
+        got = [pair for event in events for pair in seed_apply(seed, event)]
         total += clock() - t0
         pairs.append(got)
     return total / 1e3 / len(steps), pairs

@@ -1,7 +1,7 @@
 """The defrag pairing walk (kvlog/reducers/pairing.py) against a brute-force statement of the
 rule, on dense pools built from runs of blocks: whole-run takes, partial runs at a cap, word
 boundaries, both cursors meeting inside one word, pinned blocks on both sides, the last
-word's unused bits, and the per-word masks the move applies.
+word's unused bits; and the move that follows keeps the bitmaps and summaries exact.
 
 The pools come from events (allocations of runs, stores pinning used blocks, loads pinning
 free ones), so the bitmaps are the ones the reducers keep; the expected pairs are computed
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -24,7 +25,7 @@ from kvlog.events import (
     StoreRequested,
     SwapPlan,
 )
-from kvlog.reducers import State, check_invariants, initial_state, reduce
+from kvlog.reducers import State, check_invariants, initial_state, kernels, reduce
 from kvlog.reducers.defrag import pair_up
 from kvlog.reducers.pairing import walk
 
@@ -82,7 +83,7 @@ def pools(draw: st.DrawFn) -> tuple[CacheConfigured, list[Event]]:
 
 
 @given(pools())
-def test_walk_pairs_like_the_rule_and_its_masks_match_the_ids(
+def test_walk_pairs_like_the_rule_and_the_move_keeps_the_bitmaps(
     pool: tuple[CacheConfigured, list[Event]],
 ) -> None:
     _, events = pool
@@ -90,14 +91,9 @@ def test_walk_pairs_like_the_rule_and_its_masks_match_the_ids(
     for event in events:
         reduce(state, event)
     expected = expected_pairs(state)
-    sources, destinations, vacated, filled = walk(state)
-    assert list(zip(sources, destinations, strict=True)) == expected
-    assert pair_up(state) == (sources, destinations)
-    for masks, ids in ((vacated, sources), (filled, destinations)):
-        words = [w for w, _ in masks]
-        assert len(set(words)) == len(words), "a word appears twice in the masks"
-        bits = sorted((w << 6) | i for w, mask in masks for i in range(64) if mask >> i & 1)
-        assert bits == sorted(ids)
+    sources, destinations = walk(state)
+    assert list(zip(sources.tolist(), destinations.tolist(), strict=True)) == expected
+    assert pair_up(state) == (sources.tolist(), destinations.tolist())
     _, plans = reduce(state, StepEnded(step=0))
     if expected:
         assert isinstance(plans[0], SwapPlan) and plans[0].pairs == expected
@@ -115,7 +111,7 @@ def test_cursors_meeting_inside_one_word() -> None:
     reduce(state, BlocksAllocated(req_id="b", block_ids=list(range(20, 30))))
     pairs = [(29, 10), (28, 11), (27, 12), (26, 13), (25, 14), (24, 15), (23, 16), (22, 17)]
     pairs += [(21, 18), (20, 19)]
-    assert walk(state)[:2] == ([s for s, _ in pairs], [d for _, d in pairs])
+    assert pair_up(state) == ([s for s, _ in pairs], [d for _, d in pairs])
     _, plans = reduce(state, StepEnded(step=0))
     assert isinstance(plans[0], SwapPlan) and plans[0].pairs == pairs
     assert state.max_used == 19 and state.num_used == 20
@@ -132,3 +128,37 @@ def test_a_cap_inside_a_run_takes_its_top_and_bottom() -> None:
     assert plans[0].pairs == list(zip(range(199, 182, -1), range(1, 18), strict=True))
     assert state.max_used == 182
     check_invariants(state)
+
+
+@given(pools())
+def test_the_compiled_walk_and_move_equal_their_python_source(
+    pool: tuple[CacheConfigured, list[Event]],
+) -> None:
+    """numba compiles ``kernels.py``; its source, run as Python, must decide the same (a
+    guard against numba's integer typing changing a bit operation)."""
+    _, events = pool
+    compiled, interpreted = initial_state(), initial_state()
+    for event in events:
+        reduce(compiled, event)
+        reduce(interpreted, event)
+    config = compiled.config
+    assert config is not None
+    arrays = (compiled.used.words, compiled.used.nonempty, compiled.used.notfull)
+    pair_arrays = [np.zeros(config.max_swaps, dtype=np.int64) for _ in range(4)]
+    args = (*arrays, compiled.pinned, max(compiled.max_used, 0), config.max_swaps)
+    count = kernels.seed_walk(*args, *pair_arrays[:2])
+    assert kernels._seed_walk(*args, *pair_arrays[2:]) == count
+    assert np.array_equal(pair_arrays[0][:count], pair_arrays[2][:count])
+    assert np.array_equal(pair_arrays[1][:count], pair_arrays[3][:count])
+    sources, destinations = pair_arrays[0][:count], pair_arrays[1][:count]
+    deltas = []
+    for state, move in ((compiled, kernels.move), (interpreted, kernels._move)):
+        used = state.used
+        arrays = (used.words, used.nonempty, used.notfull, state.refs, state.fwd, state.bwd)
+        with np.errstate(over="ignore"):  # the interpreted uint64 sums wrap, as meant
+            deltas.append(int(move(*arrays, sources, destinations)))
+    assert deltas[0] == deltas[1]
+    for name in ("words", "nonempty", "notfull"):
+        assert np.array_equal(getattr(compiled.used, name), getattr(interpreted.used, name))
+    for name in ("refs", "fwd", "bwd"):
+        assert np.array_equal(getattr(compiled, name), getattr(interpreted, name))

@@ -24,19 +24,16 @@ from kvlog.reducers.blockset import BlockSet
 
 @contextmanager
 def scalar_limit(limit: int) -> Iterator[None]:
-    """Every module that reads ``SCALAR_LIMIT`` sees ``limit`` inside the block, and so
-    does ``move_blocks`` (its own limit for defrag pairs)."""
+    """Every module that reads ``SCALAR_LIMIT`` sees ``limit`` inside the block."""
     modules = (blockset, defrag, state)
-    saved = [module.SCALAR_LIMIT for module in modules], state._MOVE_LOOP_LIMIT
+    saved = [module.SCALAR_LIMIT for module in modules]
     for module in modules:
         module.SCALAR_LIMIT = limit  # type: ignore[attr-defined]
-    state._MOVE_LOOP_LIMIT = limit
     try:
         yield
     finally:
-        for module, value in zip(modules, saved[0], strict=True):
+        for module, value in zip(modules, saved, strict=True):
             module.SCALAR_LIMIT = value  # type: ignore[attr-defined]
-        state._MOVE_LOOP_LIMIT = saved[1]
 
 
 @given(reducer_programs())

@@ -36,9 +36,9 @@ Cost, none of it proportional to the pool: an event costs O(its blocks) (a Pytho
 over ``array.array`` buffers for up to ``SCALAR_LIMIT`` ids, vectorized numpy beyond); the
 trigger is O(1) (``num_used`` and ``max_used`` are kept incrementally; ``max_used`` is
 searched again only when its block is freed or moved, downward through the summary bitmap);
-pairing is one loop that walks the ``used`` bitmap from both ends a word at a time as Python
-ints, skipping 4096-block runs through the summaries, and costs O(pairs) plus the words it
-passes; the move then writes each touched bitmap word once.
+pairing is one compiled loop (``kernels.py``) that walks the ``used`` bitmap from both ends a
+word at a time, skipping 4096-block runs through the summaries, and costs O(pairs) plus the
+words it passes; the move is one compiled loop over the pairs.
 """
 
 from __future__ import annotations
@@ -248,12 +248,12 @@ def end_step(state: State, event: StepEnded) -> list[Plan]:
     if not config.defrag:
         state.lift_quarantine()
         return []
-    sources, destinations, vacated, filled = policies.walk(state)
+    sources, destinations = policies.walk(state)
     state.lift_quarantine()
-    if not sources:
+    if not len(sources):
         return []
-    state.move_blocks(sources, destinations, vacated, filled)
-    pairs = list(zip(sources, destinations, strict=True))
+    state.move_blocks(sources, destinations)
+    pairs = list(zip(sources.tolist(), destinations.tolist(), strict=True))
     mode: Literal["swap", "move"] = "swap" if config.prefix_caching else "move"
     padded_to = pad_bucket(len(pairs), config.pad_sizes)
     return [SwapPlan(step=event.step, pairs=pairs, padded_to=padded_to, mode=mode)]
@@ -269,5 +269,5 @@ def pad_bucket(num_pairs: int, pad_sizes: tuple[int, ...]) -> int:
 
 def pair_up(state: State) -> tuple[list[int], list[int]]:
     """Sources and destinations of this step's defrag (equal lengths; empty: no plan)."""
-    sources, destinations, _, _ = policies.walk(state)
-    return sources, destinations
+    sources, destinations = policies.walk(state)
+    return sources.tolist(), destinations.tolist()

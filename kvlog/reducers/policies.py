@@ -24,9 +24,9 @@ bytes, counted like replay counts them (``page_size_bytes`` per pair, twice that
 max_bytes_per_step // bytes per pair)``, and a budget below one pair means no defrag. With
 ``page_size_bytes == 0`` the budget caps nothing.
 
-The ``"seed"`` rule without a byte cap runs :func:`kvlog.reducers.pairing.walk` (word at a
-time); the others run :func:`compact`, a walk that takes one id at a time and starts its
-destinations wherever the policy says. Both return the same ``Walk`` shape, so
+The ``"seed"`` rule without a byte cap runs :func:`kvlog.reducers.pairing.walk` (compiled,
+word at a time); the others run :func:`compact`, a walk that takes one id at a time and
+starts its destinations wherever the policy says. Both return the same ``Walk`` shape, so
 ``State.move_blocks`` applies either. Pure: no torch, no I/O, no clock, no randomness.
 """
 
@@ -34,9 +34,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
+
 from kvlog.events import CacheConfigured
 from kvlog.reducers import pairing
-from kvlog.reducers.pairing import Walk, WordMasks
+from kvlog.reducers.pairing import Walk
 from kvlog.reducers.state import State
 
 __all__ = ["compact", "fires", "first_destination", "pair_limit", "walk"]
@@ -45,22 +47,23 @@ _MASK64 = (1 << 64) - 1
 
 
 def walk(state: State) -> Walk:
-    """This step's defrag under the configured policy: ``(sources, destinations, vacated,
-    filled)`` as :func:`kvlog.reducers.pairing.walk` returns them; all empty for no plan."""
+    """This step's defrag under the configured policy: ``(sources, destinations)`` as
+    :func:`kvlog.reducers.pairing.walk` returns them; both empty for no plan."""
     config = state.config
     assert config is not None, "a defrag walk needs a configured state"
     if config.policy == "seed" and not config.max_bytes_per_step:
         return pairing.walk(state)
     max_used, num_used = state.max_used, state.num_used
+    none = state.pair_sources[:0]
     if max_used < 0 or not fires(config, max_used, num_used):
-        return [], [], [], []
+        return none, none
     limit = pair_limit(config)
     if limit <= 0:
-        return [], [], [], []
-    moved = compact(state, first_destination(config, num_used), limit)
-    if config.policy == "tail" and len(moved[0]) < min(config.policy_min_swaps, limit):
-        return [], [], [], []
-    return moved
+        return none, none
+    sources, destinations = compact(state, first_destination(config, num_used), limit)
+    if config.policy == "tail" and len(sources) < min(config.policy_min_swaps, limit):
+        return none, none
+    return sources, destinations
 
 
 def fires(config: CacheConfigured, max_used: int, num_used: int) -> bool:
@@ -89,7 +92,7 @@ def pair_limit(config: CacheConfigured) -> int:
 def compact(state: State, first: int, limit: int) -> Walk:
     """Pair the unpinned used blocks from the highest down with the unpinned free blocks
     from ``first`` up, while the free block is below the used one, for at most ``limit``
-    pairs; returns them with their bits grouped per bitmap word."""
+    pairs."""
     sources: list[int] = []
     destinations: list[int] = []
     if limit > 0:
@@ -100,7 +103,7 @@ def compact(state: State, first: int, limit: int) -> Walk:
             destinations.append(dst)
             if len(sources) == limit:
                 break
-    return sources, destinations, _word_masks(sources), _word_masks(destinations)
+    return np.array(sources, dtype=np.int64), np.array(destinations, dtype=np.int64)
 
 
 def _sources(state: State) -> Iterator[int]:
@@ -133,11 +136,3 @@ def _holes(state: State, first: int) -> Iterator[int]:
             yield (w << 6) | (low.bit_length() - 1)
             bits ^= low
         w = used.next_notfull(w + 1)
-
-
-def _word_masks(ids: list[int]) -> WordMasks:
-    """``(word index, bit mask)`` per bitmap word that ``ids`` touch, in first-touch order."""
-    masks: dict[int, int] = {}
-    for b in ids:
-        masks[b >> 6] = masks.get(b >> 6, 0) | (1 << (b & 63))
-    return list(masks.items())

@@ -23,6 +23,7 @@ in ``check_invariants`` to check the running ones).
 from __future__ import annotations
 
 import hashlib
+import itertools
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -35,6 +36,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DIGEST_V2_PREFIX",
+    "FWD_KEY",
+    "GOLDEN",
+    "M1",
+    "M2",
     "RunningDigest",
     "checkpoint_digest",
     "fwd_terms",
@@ -49,23 +54,24 @@ __all__ = [
 DIGEST_V2_PREFIX = "v2:"
 """How a checkpoint names the running digest (a version-1 digest is 64 bare hex digits)."""
 MASK = (1 << 64) - 1
-_GOLDEN = 0x9E3779B97F4A7C15
-_FWD_KEY = 0x243F6A8885A308D3
+GOLDEN = 0x9E3779B97F4A7C15
+FWD_KEY = 0x243F6A8885A308D3
 _SUBMITTED_KEY = 0x13198A2E03707344
-_M1, _M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+M1, M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+"""splitmix64's constants and the mapping terms' key (``kernels.py`` computes the same terms)."""
 
 
 def mix(x: int) -> int:
     """splitmix64's finalizer on a Python int below 2**64."""
-    x = ((x ^ (x >> 30)) * _M1) & MASK
-    x = ((x ^ (x >> 27)) * _M2) & MASK
+    x = ((x ^ (x >> 30)) * M1) & MASK
+    x = ((x ^ (x >> 27)) * M2) & MASK
     return x ^ (x >> 31)
 
 
 def _mix_array(x: np.ndarray) -> np.ndarray:
     """``mix`` on a uint64 array (numpy's uint64 arithmetic wraps modulo 2**64)."""
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(_M1)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(_M2)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(M1)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(M2)
     out: np.ndarray = x ^ (x >> np.uint64(31))
     return out
 
@@ -85,11 +91,11 @@ def table_terms(key: int, start: int, block_ids: list[int]) -> int:
     if len(block_ids) <= 16:
         total = 0
         for offset, b in enumerate(block_ids):
-            total += mix((key + (((start + offset) << 32) | b) * _GOLDEN) & MASK)
+            total += mix((key + (((start + offset) << 32) | b) * GOLDEN) & MASK)
         return total & MASK
     positions = np.arange(start, start + len(block_ids), dtype=np.uint64)
     items = (positions << np.uint64(32)) | np.asarray(block_ids, dtype=np.uint64)
-    return _sum(_mix_array(np.uint64(key) + items * np.uint64(_GOLDEN)))
+    return _sum(_mix_array(np.uint64(key) + items * np.uint64(GOLDEN)))
 
 
 def _table_sums(keys: list[int], starts: list[int], tails: list[list[int]]) -> list[int]:
@@ -99,15 +105,15 @@ def _table_sums(keys: list[int], starts: list[int], tails: list[list[int]]) -> l
         return []
     if len(tails) == 1:
         return [table_terms(keys[0], starts[0], tails[0])]
-    counts = np.fromiter((len(t) for t in tails), np.int64, len(tails))
+    counts = np.fromiter(map(len, tails), np.int64, len(tails))
     offsets = np.zeros(len(tails), dtype=np.int64)
     np.cumsum(counts[:-1], out=offsets[1:])
-    flat = np.fromiter((b for t in tails for b in t), np.uint64, int(counts.sum()))
+    flat = np.array(list(itertools.chain.from_iterable(tails)), dtype=np.uint64)
     positions = np.arange(flat.size, dtype=np.int64) - np.repeat(offsets, counts)
     positions += np.repeat(np.asarray(starts, dtype=np.int64), counts)
     entry_keys = np.repeat(np.asarray(keys, dtype=np.uint64), counts)
     items = (positions.astype(np.uint64) << np.uint64(32)) | flat
-    terms = _mix_array(entry_keys + items * np.uint64(_GOLDEN))
+    terms = _mix_array(entry_keys + items * np.uint64(GOLDEN))
     return [int(x) for x in np.add.reduceat(terms, offsets, dtype=np.uint64)]
 
 
@@ -117,13 +123,13 @@ def fwd_terms(logical: np.ndarray | list[int], physical: np.ndarray | list[int])
         total = 0
         for low, high in zip(logical, physical, strict=True):
             if low != high:
-                total += mix((_FWD_KEY + ((low << 32) | high) * _GOLDEN) & MASK)
+                total += mix((FWD_KEY + ((low << 32) | high) * GOLDEN) & MASK)
         return total & MASK
     low_ids = np.asarray(logical, dtype=np.uint64)
     high_ids = np.asarray(physical, dtype=np.uint64)
     moved = low_ids != high_ids
     items = (low_ids[moved] << np.uint64(32)) | high_ids[moved]
-    return _sum(_mix_array(np.uint64(_FWD_KEY) + items * np.uint64(_GOLDEN)))
+    return _sum(_mix_array(np.uint64(FWD_KEY) + items * np.uint64(GOLDEN)))
 
 
 def job_term(job: Job) -> int:
@@ -144,7 +150,7 @@ def job_term(job: Job) -> int:
 
 def submitted_term(job_id: int) -> int:
     """The term a job adds once its plan is submitted."""
-    return mix((_SUBMITTED_KEY + job_id * _GOLDEN) & MASK)
+    return mix((_SUBMITTED_KEY + job_id * GOLDEN) & MASK)
 
 
 class RunningDigest:
@@ -153,7 +159,7 @@ class RunningDigest:
     ``flush`` hashes the changes since the last flush, in bulk, so the cost is O(changes)
     however large the pool; jobs are rare and are hashed as they come and go."""
 
-    __slots__ = ("fwd", "jobs", "moved", "per_request", "tables", "tables_grown")
+    __slots__ = ("fwd", "jobs", "per_request", "tables", "tables_grown")
 
     def __init__(self) -> None:
         self.fwd = 0
@@ -162,10 +168,6 @@ class RunningDigest:
         self.per_request: dict[str, list[int]] = {}
         """Per request: ``[key, sum of the hashed terms, number of entries hashed]``."""
         self.tables_grown: set[str] = set()
-        self.moved: list[tuple[Any, Any]] = []
-        """Mapping changes since the last flush, in order: ``(logical ids, their physical
-        ids before the change)``, lists or arrays; a logical block's first entry holds
-        its physical block at the last flush."""
 
     # -- changes (called by State's primitives) ------------------------------------------
     def table_grown(self, req_id: str) -> None:
@@ -177,10 +179,9 @@ class RunningDigest:
         if entry is not None:
             self.tables = (self.tables - entry[1]) & MASK
 
-    def mapping_moved(self, logical: Any, physical: Any) -> None:
-        """``fwd[logical[i]]`` is about to leave ``physical[i]`` (lists or arrays; O(1)
-        now, the rest happens at the flush)."""
-        self.moved.append((logical, physical))
+    def mapping_moved(self, delta: int) -> None:
+        """The mapping sum changed by ``delta`` (the defrag move computes it as it moves)."""
+        self.fwd = (self.fwd + delta) & MASK
 
     def job_added(self, job: Job) -> None:
         job.term = job_term(job)
@@ -196,23 +197,10 @@ class RunningDigest:
 
     # -- bringing the sums up to date ----------------------------------------------------
     def flush(self, state: State) -> None:
-        """Hash what changed since the last flush: the mapping entries that moved (old
-        terms out, new terms in) and the entries appended to tables."""
-        if self.moved:
-            logical, before = self._first_moves()
-            after = state.fwd[logical].astype(np.int64)
-            self.fwd = (self.fwd + fwd_terms(logical, after) - fwd_terms(logical, before)) & MASK
+        """Hash what changed since the last flush: the entries appended to tables (the
+        mapping's changes were summed as they happened)."""
         if self.tables_grown:
             self._flush_tables(state)
-
-    def _first_moves(self) -> tuple[np.ndarray, np.ndarray]:
-        """Every logical block moved since the flush, with its physical block at the
-        flush (its first recorded one); clears the record."""
-        logical = np.concatenate([np.asarray(a, dtype=np.int64) for a, _ in self.moved])
-        before = np.concatenate([np.asarray(b, dtype=np.int64) for _, b in self.moved])
-        self.moved.clear()
-        unique, first = np.unique(logical, return_index=True)
-        return unique, before[first]
 
     def _flush_tables(self, state: State) -> None:
         """Hash every grown table's new entries in one vectorized pass."""
@@ -242,7 +230,6 @@ class RunningDigest:
         """All sums from scratch (after a restore), each job's term kept; nothing pending."""
         self.fwd, self.tables, self.per_request, self.jobs = recompute(state, keep_terms=True)
         self.tables_grown.clear()
-        self.moved.clear()
 
 
 def recompute(

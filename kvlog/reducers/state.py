@@ -25,7 +25,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvlog.events import CacheConfigured, SwapPlan
-from kvlog.reducers import running
+from kvlog.reducers import kernels, running
 from kvlog.reducers.blockset import SCALAR_LIMIT, BlockSet, IdArray, clear_bits, set_bits
 from kvlog.reducers.buffers import int32_buffer, uint64_buffer
 
@@ -33,8 +33,6 @@ __all__ = ["MAX_JOBS_IN_FLIGHT", "Job", "State", "initial_state"]
 
 MAX_JOBS_IN_FLIGHT = 1 << 16
 """Bound on unfinished transfer jobs (stores and loads together)."""
-_MOVE_LOOP_LIMIT = 12
-"""Up to this many defrag pairs, ``move_blocks`` updates the arrays in a Python loop."""
 
 
 class Job:
@@ -86,6 +84,7 @@ class State:
         self.running = running.RunningDigest()
         """The running digest's sums (``running.py``), told of every change below."""
         self._allocate_arrays(0)
+        self.pair_sources = self.pair_destinations = np.zeros(0, dtype=np.int64)
 
     def _allocate_arrays(self, num_gpu_blocks: int) -> None:
         identity = np.arange(num_gpu_blocks, dtype=np.int32)
@@ -103,6 +102,9 @@ class State:
         """Take the geometry (called once, by the CacheConfigured reducer)."""
         self.config = config
         self._allocate_arrays(config.num_gpu_blocks)
+        self.pair_sources = np.zeros(config.max_swaps, dtype=np.int64)
+        self.pair_destinations = np.zeros(config.max_swaps, dtype=np.int64)
+        """Scratch for the defrag walk's pairs (at most ``max_swaps``: preallocated)."""
 
     # -- queries (module contract) -----------------------------------------------------
     @property
@@ -269,49 +271,16 @@ class State:
             self.used.remove(freed_ids)
             self._refresh_max_used()
 
-    def move_blocks(
-        self,
-        sources: list[int],
-        destinations: list[int],
-        vacated: list[tuple[int, int]],
-        filled: list[tuple[int, int]],
-    ) -> None:
-        """Defrag: each source's refs go to its (free) destination; both mappings follow.
-        ``vacated`` / ``filled`` are the sources / destinations grouped by bitmap word as
-        ``(word index, bit mask)``, so the bitmap changes one word at a time."""
+    def move_blocks(self, sources: IdArray, destinations: IdArray) -> None:
+        """Defrag: each source's refs go to its (free) destination; both mappings, the used
+        bitmap and the running digest follow (``kernels.move``: one compiled loop)."""
         used = self.used
-        for w, mask in vacated:
-            used.clear_word_bits(w, mask)
-        for w, mask in filled:
-            used.set_word_bits(w, mask)
-        if len(sources) > _MOVE_LOOP_LIMIT:
-            count = len(sources)
-            moved = np.array(sources + destinations, dtype=np.int64)
-            self._swap_arrays(moved, np.concatenate((moved[count:], moved[:count])))
-        else:
-            refs, fwd, bwd = self.refs_buffer, self.fwd_buffer, self.bwd_buffer
-            logical: list[int] = []
-            for s, d in zip(sources, destinations, strict=True):
-                refs[d] = refs[s]
-                refs[s] = 0
-                logical_source, logical_destination = bwd[s], bwd[d]
-                logical += (logical_source, logical_destination)
-                fwd[logical_source] = d
-                fwd[logical_destination] = s
-                bwd[d] = logical_source
-                bwd[s] = logical_destination
-            before = [block for pair in zip(sources, destinations, strict=True) for block in pair]
-            self.running.mapping_moved(logical, before)
+        delta = kernels.move(
+            used.words, used.nonempty, used.notfull, self.refs, self.fwd, self.bwd,
+            sources, destinations,
+        )  # fmt: skip
+        self.running.mapping_moved(int(delta))
         self._refresh_max_used()
-
-    def _swap_arrays(self, moved: IdArray, partners: IdArray) -> None:
-        """Block ``moved[i]`` trades places with ``partners[i]`` (a permutation of
-        ``moved``): ref counts and both mappings."""
-        self.refs[partners] = self.refs[moved]
-        logical = self.bwd[moved]
-        self.running.mapping_moved(logical, moved)
-        self.fwd[logical] = partners
-        self.bwd[partners] = logical
 
     def _refresh_max_used(self) -> None:
         if self._max_used >= 0 and not self.used.contains(self._max_used):

@@ -1,9 +1,9 @@
 """The reducers' two code paths agree: Python-int loops over ``array.array`` buffers (events
-of up to ``SCALAR_LIMIT`` blocks, the common case) and vectorized numpy (larger events).
+of up to ``SCALAR_LIMIT`` blocks, the common case) and compiled loops (larger events).
 
 Hypothesis programs use small pools, so most events take the loop path; here the limit is
-forced to 0 (every update vectorized) and the programs must still match the seed pair for
-pair, and BlockSet's loop and vectorized updates must leave identical bitmaps.
+forced to 0 (every update compiled) and the programs must still match the seed pair for
+pair, and BlockSet's loop and compiled updates must leave identical bitmaps.
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ from strategies import reducer_programs
 from test_reducer_differential import run_both
 
 from kvlog.events import Event
-from kvlog.reducers import blockset, defrag, state
+from kvlog.reducers import blockset, defrag
 from kvlog.reducers.blockset import BlockSet
 
 
 @contextmanager
 def scalar_limit(limit: int) -> Iterator[None]:
     """Every module that reads ``SCALAR_LIMIT`` sees ``limit`` inside the block."""
-    modules = (blockset, defrag, state)
+    modules = (blockset, defrag)
     saved = [module.SCALAR_LIMIT for module in modules]
     for module in modules:
         module.SCALAR_LIMIT = limit  # type: ignore[attr-defined]

@@ -90,6 +90,8 @@ SYNC_MODES: tuple[str, ...] = ("none", "step", "always")
 _RECORD_TYPES = frozenset(typing.get_args(Record))
 _EMPTY_FRAME = bytes(FRAME_BYTES)
 _CRC = struct.Struct("<I")
+_COPY_BYTES = 4096
+"""Up to this payload size, ``_frame`` checksums a copy of the record (cheaper than a view)."""
 _encoder = msgspec.msgpack.Encoder()  # the configuration of kvlog.events.encode
 _logger = logging.getLogger("kvlog.log")
 _OPEN_FLAGS = os.O_RDWR | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOCTTY", 0)
@@ -196,8 +198,12 @@ class LogWriter:
             del buffer[start:]
             raise RecordRejected(f"record of {length} bytes > {MAX_RECORD_BYTES}")
         FRAME_HEAD.pack_into(buffer, start + 4, length, seq)
-        with memoryview(buffer)[start + 4 :] as checked:
-            _CRC.pack_into(buffer, start, _crc32c.crc32c(checked, self._seed))
+        if length <= _COPY_BYTES:  # copying a small record is cheaper than a memoryview
+            crc = _crc32c.crc32c(buffer[start + 4 :], self._seed)
+        else:
+            with memoryview(buffer)[start + 4 :] as checked:
+                crc = _crc32c.crc32c(checked, self._seed)
+        _CRC.pack_into(buffer, start, crc)
         self.next_seq = seq + 1
         return seq
 

@@ -6,10 +6,10 @@ A :class:`BlockSet` holds a subset of ``range(size)``: bit ``i`` of ``words[w]``
 the highest member or the lowest non-member costs a few word operations, not a pass over the
 cache. Each bitmap is a numpy array (``words``, ``nonempty``, ``notfull``) sharing memory
 with an ``array.array`` (``word_buffer``, ``nonempty_buffer``, ``notfull_buffer``, see
-``buffers.py``): per-id loops read and write Python ints through the buffers, vectorized
-updates go through numpy. Updates touch the changed ids only, O(len(ids)): a Python-int loop
-up to ``SCALAR_LIMIT`` ids (one word write per run of ids in the same word), vectorized
-numpy (``ufunc.at``) beyond; whole-word updates (``set_word_bits`` / ``clear_word_bits``)
+``buffers.py``): per-id loops read and write Python ints through the buffers, compiled
+loops (``kernels.py``) the numpy views. Updates touch the changed ids only, O(len(ids)): a
+Python-int loop up to ``SCALAR_LIMIT`` ids (one word write per run of ids in the same
+word), a compiled loop beyond; whole-word updates (``set_word_bits`` / ``clear_word_bits``)
 serve callers that have grouped their ids already.
 
 Bits at or above ``size`` in the last word are always clear: a scan for clear bits can yield
@@ -23,6 +23,7 @@ from array import array
 import numpy as np
 import numpy.typing as npt
 
+from kvlog.reducers import kernels
 from kvlog.reducers.buffers import WordArray, uint64_buffer
 
 __all__ = [
@@ -48,8 +49,9 @@ _CHUNK = 256
 _NEAR = 32
 """Summary words a scan reads one by one (Python ints) before it switches to numpy."""
 _MASK64 = (1 << 64) - 1
-SCALAR_LIMIT = 128
-"""Up to this many ids, updates loop over Python ints: cheaper than a dozen numpy calls."""
+SCALAR_LIMIT = 16
+"""Up to this many ids, updates loop over Python ints; beyond, one compiled loop
+(``kernels.py``) is cheaper than the Python loop plus converting the ids to an array."""
 
 
 def set_bits(words: WordArray, ids: IdArray) -> None:
@@ -149,12 +151,7 @@ class BlockSet:
         if ids.size <= SCALAR_LIMIT:
             self.add_ids(ids.tolist())
             return
-        words = ids >> 6
-        np.bitwise_or.at(self.words, words, BIT[ids & 63])
-        np.bitwise_or.at(self.nonempty, words >> 6, BIT[words & 63])
-        full = words[self.words[words] == ALL_ONES]
-        if full.size:
-            np.bitwise_and.at(self.notfull, full >> 6, ~BIT[full & 63])
+        kernels.set_members(self.words, self.nonempty, self.notfull, ids, True)
         self.count += int(ids.size)
 
     def remove(self, ids: IdArray) -> None:
@@ -162,12 +159,7 @@ class BlockSet:
         if ids.size <= SCALAR_LIMIT:
             self.remove_ids(ids.tolist())
             return
-        words = ids >> 6
-        np.bitwise_and.at(self.words, words, ~BIT[ids & 63])
-        np.bitwise_or.at(self.notfull, words >> 6, BIT[words & 63])
-        empty = words[self.words[words] == 0]
-        if empty.size:
-            np.bitwise_and.at(self.nonempty, empty >> 6, ~BIT[empty & 63])
+        kernels.set_members(self.words, self.nonempty, self.notfull, ids, False)
         self.count -= int(ids.size)
 
     def add_ids(self, ids: list[int]) -> None:

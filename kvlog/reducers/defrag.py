@@ -33,7 +33,7 @@ pair then swaps the two blocks' ref counts and the mappings of both original log
 (the seed's ``swap_refs`` and ``update_mapping``).
 
 Cost, none of it proportional to the pool: an event costs O(its blocks) (a Python-int loop
-over ``array.array`` buffers for up to ``SCALAR_LIMIT`` ids, vectorized numpy beyond); the
+over ``array.array`` buffers for up to ``SCALAR_LIMIT`` ids, a compiled loop beyond); the
 trigger is O(1) (``num_used`` and ``max_used`` are kept incrementally; ``max_used`` is
 searched again only when its block is freed or moved, downward through the summary bitmap);
 pairing is one compiled loop (``kernels.py``) that walks the ``used`` bitmap from both ends a
@@ -58,7 +58,7 @@ from kvlog.events import (
     StepEnded,
     SwapPlan,
 )
-from kvlog.reducers import policies, transfers
+from kvlog.reducers import kernels, policies, transfers
 from kvlog.reducers.blockset import SCALAR_LIMIT, IdArray
 from kvlog.reducers.ranges import check_block_range
 from kvlog.reducers.state import State
@@ -112,10 +112,18 @@ def check_allocate(state: State, event: BlocksAllocated) -> Allocation:
         if found is not None:
             return found
     logical = check_block_range(event, "block_ids", block_ids, config.num_gpu_blocks)
-    array = state.fwd[logical].astype(np.int64)
-    if array.size:
-        _check_exclusive(state, event, logical, array)
-    return array, False
+    physical = np.empty(logical.size, dtype=np.int64)
+    status = kernels.allocation(
+        state.fwd, state.refs, state.store_pins, state.load_pins, logical,
+        config.prefix_caching, physical,
+    )  # fmt: skip
+    if status == _REFUSED:
+        _refuse_allocation(state, event, logical, physical)
+    return physical, status == _FREE
+
+
+_FREE, _REFUSED = 0, 2
+"""``kernels.allocation``'s verdicts: all free and unpinned; refused."""
 
 
 def _small_allocation(
@@ -150,19 +158,24 @@ def apply_allocate(state: State, event: BlocksAllocated, checked: Allocation) ->
     physical, free = checked
     state.extend_table(event.req_id, block_ids)
     if free:
-        state.take_free(physical)  # type: ignore[arg-type]
+        state.take_free(physical)
         return []
-    refs, stores = state.refs_buffer, state.store_pins_buffer
-    ids = physical if isinstance(physical, list) else physical.tolist()
-    reused = [p for p in ids if stores[p] and not refs[p]]
+    if isinstance(physical, list):
+        refs, stores = state.refs_buffer, state.store_pins_buffer
+        reused = [p for p in physical if stores[p] and not refs[p]]
+    else:
+        reused = physical[(state.store_pins[physical] > 0) & (state.refs[physical] == 0)].tolist()
     state.add_refs(physical)
     return transfers.flush(state, reused) if reused else []
 
 
-def _check_exclusive(
+def _refuse_allocation(
     state: State, event: BlocksAllocated, logical: IdArray, physical: IdArray
 ) -> None:
-    """No block an unfinished load writes; without prefix caching, no block in use."""
+    """Raise the refusal of an allocation ``kernels.allocation`` refused: a block an
+    unfinished load writes, or (without prefix caching) a block in use. (The kernel stops
+    at the first refused block: ``physical`` is resolved again here, whole.)"""
+    physical = state.fwd[logical].astype(np.int64)
     written = np.flatnonzero(state.load_pins[physical] > 0)
     if written.size:
         p = int(physical[written[0]])
@@ -172,17 +185,18 @@ def _check_exclusive(
             f"unfinished load job {job}",
             event,
         )
-    if state.config is not None and state.config.prefix_caching:
-        return
     taken = np.flatnonzero(state.refs[physical] > 0)
-    if taken.size:
-        b = int(logical[taken[0]])
-        owner = next((r for r, t in sorted(state.tables.items()) if b in t), "?")
-        raise BlockInUse(
-            f"block {b} (physical {int(physical[taken[0]])}) is held by live request "
-            f"{owner!r} and prefix caching is off",
-            event,
-        )
+    assert taken.size, "kernels.allocation refused an allocation that nothing refuses"
+    assert state.config is not None and not state.config.prefix_caching, (
+        "kernels.allocation refused a shared block under prefix caching"
+    )
+    b = int(logical[taken[0]])
+    owner = next((r for r, t in sorted(state.tables.items()) if b in t), "?")
+    raise BlockInUse(
+        f"block {b} (physical {int(physical[taken[0]])}) is held by live request "
+        f"{owner!r} and prefix caching is off",
+        event,
+    )
 
 
 def release(state: State, event: RequestFinished | RequestPreempted) -> list[Plan]:
@@ -195,7 +209,7 @@ def release(state: State, event: RequestFinished | RequestPreempted) -> list[Pla
         fwd = state.fwd_buffer
         physical: IdArray | list[int] = [fwd[b] for b in table]
     else:
-        physical = state.fwd[np.asarray(table, dtype=np.int64)].astype(np.int64)
+        physical = state.fwd[table].astype(np.int64)
     _drop(state, physical)
     return []
 
@@ -232,12 +246,10 @@ def apply_release_blocks(state: State, event: BlocksReleased, physical: list[int
 
 def _drop(state: State, physical: IdArray | list[int]) -> None:
     """One reference fewer each; with ``quarantine_released``, the freed ones wait."""
-    state.drop_refs(physical)
+    freed = state.drop_refs(physical)
     assert state.config is not None, "reduce() dispatches only configured states here"
-    if state.config.quarantine_released:
-        refs = state.refs_buffer
-        ids = physical if isinstance(physical, list) else physical.tolist()
-        state.quarantine([p for p in ids if not refs[p]])
+    if state.config.quarantine_released and len(freed):
+        state.quarantine(freed if isinstance(freed, list) else freed.tolist())
 
 
 def end_step(state: State, event: StepEnded) -> list[Plan]:

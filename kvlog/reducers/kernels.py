@@ -1,12 +1,14 @@
-"""The defrag step's per-block loops, compiled: the seed rule's pairing walk and the move.
+"""The reducers' per-block loops, compiled: the seed rule's pairing walk, the move, and the
+reference counting of allocations and releases.
 
-These two loops are most of a defrag step's cost in Python (a step at 32k blocks moves
-about 55 blocks spread over a few dozen bitmap words), so they are written once, in the
-subset of Python that numba compiles, and run compiled (``numba.njit``, cached on disk; the
-first call in a process without a cache compiles, about a second). With
-``NUMBA_DISABLE_JIT=1`` the same source runs as plain Python: slow, the same decisions.
+These loops are most of a step's cost in Python (a defrag step at 32k blocks moves about 55
+blocks spread over a few dozen bitmap words; a request arrives or finishes with tens of
+blocks), so they are written once, in the subset of Python that numba compiles, and run
+compiled (``numba.njit``, cached on disk: ``load`` compiles them, or reads the cache, once
+per process). With ``NUMBA_DISABLE_JIT=1`` the same source runs as plain Python: slow, the
+same decisions.
 
-Both work on the :class:`~kvlog.reducers.state.State` arrays in place (numpy views of the
+They work on the :class:`~kvlog.reducers.state.State` arrays in place (numpy views of the
 ``array.array`` buffers): the ``used`` bitmap (``words``) with its ``nonempty`` / ``notfull``
 summaries (bit ``i`` of summary word ``j``: word ``64 * j + i`` has a set / a clear bit),
 the ``pinned`` bitmap, and ``refs`` / ``fwd`` / ``bwd``. Pure: no I/O, no clock, no
@@ -14,7 +16,7 @@ randomness; results go to caller-owned, preallocated output arrays. The move als
 what it changed in the running digest's mapping sum (``running.py``: the same splitmix64
 terms, in wrapping uint64 arithmetic), so a checkpoint has nothing left to hash for it.
 
-The rule (``defrag.py``): sources are the used, unpinned blocks from ``max_used`` down,
+The defrag rule (``defrag.py``): sources are the used, unpinned blocks from ``max_used`` down,
 destinations the free, unpinned blocks from 1 up; pair source ``i`` with destination ``i``
 while the destination is below the source, for at most ``limit`` pairs. Cost: O(pairs +
 words the cursors pass); the summaries skip empty (sources) or full (destinations) runs of
@@ -30,13 +32,25 @@ import numpy as np
 
 from kvlog.reducers import running
 
-__all__ = ["move", "seed_walk"]
+__all__ = [
+    "add_refs",
+    "allocation",
+    "drop_refs",
+    "load",
+    "move",
+    "seed_walk",
+    "set_members",
+]
 
 _ALL = np.uint64(0xFFFF_FFFF_FFFF_FFFF)
 _ONE = np.uint64(1)
 _ZERO = np.uint64(0)
 _FWD_KEY, _GOLDEN = np.uint64(running.FWD_KEY), np.uint64(running.GOLDEN)
 _M1, _M2 = np.uint64(running.M1), np.uint64(running.M2)
+_DE_BRUIJN = np.uint64(0x03F79D71B4CB0A89)
+_DE_BRUIJN_INDEX = np.zeros(64, dtype=np.int64)
+for _bit in range(64):
+    _DE_BRUIJN_INDEX[((1 << _bit) * 0x03F79D71B4CB0A89 & (2**64 - 1)) >> 58] = _bit
 
 
 def _fwd_term(logical: int, physical: int) -> Any:
@@ -47,6 +61,42 @@ def _fwd_term(logical: int, physical: int) -> Any:
     x = (x ^ (x >> np.uint64(30))) * _M1
     x = (x ^ (x >> np.uint64(27))) * _M2
     return x ^ (x >> np.uint64(31))
+
+
+def _add_member(words: Any, nonempty: Any, notfull: Any, block_id: int) -> None:
+    """Set a clear bit of the ``used`` bitmap, summaries included."""
+    w = block_id >> 6
+    if words[w] == _ZERO:
+        nonempty[w >> 6] |= _ONE << np.uint64(w & 63)
+    words[w] |= _ONE << np.uint64(block_id & 63)
+    if words[w] == _ALL:
+        notfull[w >> 6] &= ~(_ONE << np.uint64(w & 63))
+
+
+def _remove_member(words: Any, nonempty: Any, notfull: Any, block_id: int) -> None:
+    """Clear a set bit of the ``used`` bitmap, summaries included."""
+    w = block_id >> 6
+    if words[w] == _ALL:
+        notfull[w >> 6] |= _ONE << np.uint64(w & 63)
+    words[w] &= ~(_ONE << np.uint64(block_id & 63))
+    if words[w] == _ZERO:
+        nonempty[w >> 6] &= ~(_ONE << np.uint64(w & 63))
+
+
+def _lowest_bit(x: Any) -> int:
+    """Index of the lowest set bit of a non-zero uint64 (a de Bruijn multiply)."""
+    return int(_DE_BRUIJN_INDEX[((x & (~x + _ONE)) * _DE_BRUIJN) >> np.uint64(58)])
+
+
+def _highest_bit(x: Any) -> int:
+    """Index of the highest set bit of a non-zero uint64."""
+    x |= x >> np.uint64(1)
+    x |= x >> np.uint64(2)
+    x |= x >> np.uint64(4)
+    x |= x >> np.uint64(8)
+    x |= x >> np.uint64(16)
+    x |= x >> np.uint64(32)
+    return _lowest_bit(x ^ (x >> np.uint64(1)))
 
 
 def _prev_word(words: Any, pinned: Any, nonempty: Any, w: int) -> int:
@@ -101,12 +151,7 @@ def _seed_walk(
             if dw < 0:
                 break
             free_bits = ~(words[dw] | pinned[dw])
-        top = 63
-        while source_bits >> np.uint64(top) == _ZERO:
-            top -= 1
-        low = 0
-        while ((free_bits >> np.uint64(low)) & _ONE) == _ZERO:
-            low += 1
+        top, low = _highest_bit(source_bits), _lowest_bit(free_bits)
         source, destination = (sw << 6) | top, (dw << 6) | low
         if destination > source:
             break
@@ -139,24 +184,102 @@ def _move(
         refs[d], refs[s] = refs[s], 0
         fwd[logical_source], fwd[logical_destination] = d, s
         bwd[d], bwd[s] = logical_source, logical_destination
-        w = s >> 6
-        if words[w] == _ALL:
-            notfull[w >> 6] |= _ONE << np.uint64(w & 63)
-        words[w] &= ~(_ONE << np.uint64(s & 63))
-        if words[w] == _ZERO:
-            nonempty[w >> 6] &= ~(_ONE << np.uint64(w & 63))
-        w = d >> 6
-        if words[w] == _ZERO:
-            nonempty[w >> 6] |= _ONE << np.uint64(w & 63)
-        words[w] |= _ONE << np.uint64(d & 63)
-        if words[w] == _ALL:
-            notfull[w >> 6] &= ~(_ONE << np.uint64(w & 63))
+        _remove_member(words, nonempty, notfull, s)
+        _add_member(words, nonempty, notfull, d)
     return delta
+
+
+def _add_refs(words: Any, nonempty: Any, notfull: Any, refs: Any, physical: Any) -> Any:
+    """One more reference to each of ``physical`` (distinct ids); a block that becomes used
+    joins the bitmap. Returns (blocks that became used, the highest of them or -1)."""
+    fresh, top = 0, -1
+    for i in range(len(physical)):
+        p = physical[i]
+        refs[p] += 1
+        if refs[p] == 1:
+            _add_member(words, nonempty, notfull, p)
+            fresh += 1
+            top = max(top, p)
+    return fresh, top
+
+
+def _drop_refs(
+    words: Any, nonempty: Any, notfull: Any, refs: Any, physical: Any, freed: Any
+) -> int:
+    """One reference fewer to each of ``physical`` (a repeated id drops one each); a block
+    that becomes free leaves the bitmap and is written to ``freed``. Returns how many."""
+    count = 0
+    for i in range(len(physical)):
+        p = physical[i]
+        refs[p] -= 1
+        if refs[p] == 0:
+            _remove_member(words, nonempty, notfull, p)
+            freed[count] = p
+            count += 1
+    return count
+
+
+def _set_members(words: Any, nonempty: Any, notfull: Any, block_ids: Any, add: bool) -> None:
+    """Add (or remove) distinct non-members (members) to (from) a bitmap."""
+    for i in range(len(block_ids)):
+        if add:
+            _add_member(words, nonempty, notfull, block_ids[i])
+        else:
+            _remove_member(words, nonempty, notfull, block_ids[i])
+
+
+def _allocation(
+    fwd: Any, refs: Any, store_pins: Any, load_pins: Any, logical: Any, shared: bool, physical: Any
+) -> int:
+    """Resolve an allocation's logical ids into ``physical``; 0: every block is free and
+    unpinned, 1: accepted but not all free (shared under prefix caching, or read by an
+    unfinished store), 2: refused (an unfinished load writes one, or, without prefix
+    caching, one is in use)."""
+    status = 0
+    for i in range(len(logical)):
+        p = fwd[logical[i]]
+        physical[i] = p
+        if load_pins[p] or (refs[p] and not shared):
+            return 2
+        if refs[p] or store_pins[p]:
+            status = 1
+    return status
 
 
 _jit = numba.njit(cache=True, nogil=True)
 _fwd_term = _jit(_fwd_term)
+_add_member = _jit(_add_member)
+_remove_member = _jit(_remove_member)
+_lowest_bit = _jit(_lowest_bit)
+_highest_bit = _jit(_highest_bit)
 _prev_word = _jit(_prev_word)
 _next_word = _jit(_next_word)
 seed_walk = _jit(_seed_walk)
 move = _jit(_move)
+add_refs = _jit(_add_refs)
+drop_refs = _jit(_drop_refs)
+set_members = _jit(_set_members)
+allocation = _jit(_allocation)
+
+
+_loaded = False
+
+
+def load() -> None:
+    """Compile the kernels (or load them from numba's on-disk cache) now, once per process:
+    a configured State calls this, so that the first defrag step of a serving loop does not
+    pay it (about 0.2 s from the cache, a few seconds without)."""
+    global _loaded
+    if _loaded:
+        return
+    words = np.zeros(1, dtype=np.uint64)
+    ids = np.zeros(1, dtype=np.int64)
+    blocks = np.zeros(1, dtype=np.int32)
+    none = ids[:0]
+    seed_walk(words, words, words, words, 0, 1, ids, ids)
+    move(words, words, words, blocks, blocks, blocks, none, none)
+    add_refs(words, words, words, blocks, none)
+    drop_refs(words, words, words, blocks, none, ids)
+    set_members(words, words, words, none, True)
+    allocation(blocks, blocks, blocks, blocks, none, False, ids)
+    _loaded = True

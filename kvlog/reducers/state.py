@@ -26,7 +26,7 @@ import numpy.typing as npt
 
 from kvlog.events import CacheConfigured, SwapPlan
 from kvlog.reducers import kernels, running
-from kvlog.reducers.blockset import SCALAR_LIMIT, BlockSet, IdArray, clear_bits, set_bits
+from kvlog.reducers.blockset import BlockSet, IdArray, clear_bits, set_bits
 from kvlog.reducers.buffers import int32_buffer, uint64_buffer
 
 __all__ = ["MAX_JOBS_IN_FLIGHT", "Job", "State", "initial_state"]
@@ -105,6 +105,7 @@ class State:
         self.pair_sources = np.zeros(config.max_swaps, dtype=np.int64)
         self.pair_destinations = np.zeros(config.max_swaps, dtype=np.int64)
         """Scratch for the defrag walk's pairs (at most ``max_swaps``: preallocated)."""
+        kernels.load()
 
     # -- queries (module contract) -----------------------------------------------------
     @property
@@ -205,8 +206,11 @@ class State:
         del (self.store_jobs if job.kind == "store" else self.load_jobs)[job.job_id]
         self.running.job_removed(job)
 
-    def take_free(self, physical: list[int]) -> None:
+    def take_free(self, physical: IdArray | list[int]) -> None:
         """``add_refs`` for distinct blocks the caller has checked are unreferenced."""
+        if not isinstance(physical, list):
+            self.add_refs(physical)
+            return
         refs = self.refs_buffer
         if len(physical) == 1:  # the decode step's usual allocation
             top = physical[0]
@@ -221,55 +225,54 @@ class State:
             self._max_used = top
 
     def add_refs(self, physical: IdArray | list[int]) -> None:
-        """One more reference to each of ``physical`` (distinct ids)."""
-        if isinstance(physical, list) or physical.size <= SCALAR_LIMIT:
-            refs, fresh = self.refs_buffer, []
-            for p in physical if isinstance(physical, list) else physical.tolist():
-                count = refs[p] + 1
-                refs[p] = count
-                if count == 1:
-                    fresh.append(p)
-            if fresh:
-                self.used.add_ids(fresh)
-                self._max_used = max(self._max_used, *fresh)
+        """One more reference to each of ``physical`` (distinct ids): a Python loop over a
+        short list, ``kernels.add_refs`` over an array."""
+        if not isinstance(physical, list):
+            used = self.used
+            fresh, top = kernels.add_refs(
+                used.words, used.nonempty, used.notfull, self.refs, physical
+            )
+            used.count += fresh
+            self._max_used = max(self._max_used, int(top))
             return
-        self.refs[physical] += 1
-        fresh_ids = physical[self.refs[physical] == 1]
-        if fresh_ids.size:
-            self.used.add(fresh_ids)
-            self._max_used = max(self._max_used, int(fresh_ids.max()))
+        refs, fresh_ids = self.refs_buffer, []
+        for p in physical:
+            count = refs[p] + 1
+            refs[p] = count
+            if count == 1:
+                fresh_ids.append(p)
+        if fresh_ids:
+            self.used.add_ids(fresh_ids)
+            self._max_used = max(self._max_used, *fresh_ids)
 
-    def drop_refs(self, physical: IdArray | list[int]) -> None:
-        """One reference fewer to each of ``physical`` (repeats drop one each)."""
-        if isinstance(physical, list) or physical.size <= SCALAR_LIMIT:
-            ids = physical if isinstance(physical, list) else physical.tolist()
+    def drop_refs(self, physical: IdArray | list[int]) -> IdArray | list[int]:
+        """One reference fewer to each of ``physical`` (repeats drop one each); the blocks
+        this freed. A Python loop over a short list, ``kernels.drop_refs`` over an array."""
+        if not isinstance(physical, list):
+            used = self.used
+            freed_ids = np.empty(len(physical), dtype=np.int64)
+            count = kernels.drop_refs(
+                used.words, used.nonempty, used.notfull, self.refs, physical, freed_ids
+            )
+            used.count -= count
+            freed: IdArray | list[int] = freed_ids[:count]
+        elif self.config is not None and not self.config.prefix_caching:
             refs = self.refs_buffer
-            if self.config is not None and not self.config.prefix_caching:
-                for p in ids:  # no sharing: every count is 1 and no table repeats a block
-                    refs[p] = 0
-                freed = ids
-            else:
-                freed = []
-                for p in ids:
-                    count = refs[p] - 1
-                    refs[p] = count
-                    if not count:
-                        freed.append(p)
-            if freed:
-                self.used.remove_ids(freed)
-                self._refresh_max_used()
-            return
-        if self.config is not None and not self.config.prefix_caching:
-            self.refs[physical] -= 1  # no sharing: a table never repeats a block
+            for p in physical:  # no sharing: every count is 1 and no table repeats a block
+                refs[p] = 0
+            self.used.remove_ids(physical)
+            freed = physical
         else:
-            np.subtract.at(self.refs, physical, 1)
-        freed_ids = physical[self.refs[physical] == 0]
-        if freed_ids.size:
-            if freed_ids.size > 1:  # a table may repeat a block under prefix caching
-                freed_ids = np.sort(freed_ids)
-                freed_ids = freed_ids[np.concatenate(([True], freed_ids[1:] != freed_ids[:-1]))]
-            self.used.remove(freed_ids)
+            refs, freed = self.refs_buffer, []
+            for p in physical:
+                count = refs[p] - 1
+                refs[p] = count
+                if not count:
+                    freed.append(p)
+            self.used.remove_ids(freed)
+        if len(freed):
             self._refresh_max_used()
+        return freed
 
     def move_blocks(self, sources: IdArray, destinations: IdArray) -> None:
         """Defrag: each source's refs go to its (free) destination; both mappings, the used

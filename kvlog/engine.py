@@ -179,8 +179,15 @@ class Engine:
 
     def apply(self, event: Event) -> list[Plan]:
         """Check, log, change, execute one event (one step of the machine); the plans."""
-        self._check_open()
-        checked = self._check(event)
+        if self._closed or (self._log is not None and self._log.poisoned):
+            self._check_open()
+        try:
+            checked = self._check_once(event)
+        except (InvalidEvent, RecordRejected):
+            plain = _plain_event(event)
+            if plain is event:
+                raise
+            checked = self._check_once(plain)
         if self._log is not None:
             self._last_seq = self._log.append(checked.event)  # RecordRejected: no change
         plans = self._machine.commit(checked)
@@ -190,21 +197,10 @@ class Engine:
                 self._checkpoint()
         return plans
 
-    def _check(self, event: Event) -> reducers.Checked:
-        """The event checked against the state (numpy ids made plain), or the refusal
-        (nothing changed). With a log, the writer refuses a record too large to hold; without
-        one the same bound is checked here, so both refuse the same events."""
-        try:
-            return self._check_once(event)
-        except (InvalidEvent, RecordRejected):
-            plain = normalize_event(event)
-            if plain is event:
-                raise
-        return self._check_once(plain)
-
     def _check_once(self, event: Event) -> reducers.Checked:
-        if type(event) not in _EVENT_TYPES:
-            raise RecordRejected(f"not an event: {type(event).__name__}")
+        """The event checked against the state, or the refusal (nothing changed). With a
+        log, the writer refuses a record too large to hold; without one the same bound is
+        checked here, so both refuse the same events."""
         checked = self._machine.check(event)
         if self._log is None:
             _check_record_size(event)
@@ -498,6 +494,15 @@ def _configured(config: CacheConfigured) -> tuple[CacheConfigured, reducers.Stat
     except MemoryError as exc:
         raise StateTooLarge(f"cannot allocate the state: {exc!r}", config) from exc
     return config, state
+
+
+def _plain_event(event: Event) -> Event:
+    """An event that failed its check, with numpy ids made plain (vLLM hands int32 arrays);
+    itself when nothing changed. A non-event is ``RecordRejected``."""
+    if type(event) not in _EVENT_TYPES:
+        raise RecordRejected(f"not an event: {type(event).__name__}")
+    plain: Event = normalize_event(event)
+    return plain
 
 
 def _check_record_size(event: Event) -> None:

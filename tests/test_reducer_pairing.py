@@ -151,13 +151,17 @@ def test_the_compiled_walk_and_move_equal_their_python_source(
     assert np.array_equal(pair_arrays[0][:count], pair_arrays[2][:count])
     assert np.array_equal(pair_arrays[1][:count], pair_arrays[3][:count])
     sources, destinations = pair_arrays[0][:count], pair_arrays[1][:count]
-    deltas = []
+    results = []
     for state, move in ((compiled, kernels.move), (interpreted, kernels._move)):
         used = state.used
         arrays = (used.words, used.nonempty, used.notfull, state.refs, state.fwd, state.bwd)
         with np.errstate(over="ignore"):  # the interpreted uint64 sums wrap, as meant
-            deltas.append(int(move(*arrays, sources, destinations)))
-    assert deltas[0] == deltas[1]
+            delta, max_used = move(*arrays, sources, destinations, compiled.max_used)
+        results.append((int(delta), int(max_used)))
+    assert results[0] == results[1]
+    assert results[0][1] == max(
+        (b for b in range(config.num_gpu_blocks) if compiled.refs[b]), default=-1
+    )
     for name in ("words", "nonempty", "notfull"):
         assert np.array_equal(getattr(compiled.used, name), getattr(interpreted.used, name))
     for name in ("refs", "fwd", "bwd"):

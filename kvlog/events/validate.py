@@ -35,6 +35,7 @@ from kvlog.events.types import (
 
 __all__ = [
     "MAX_BLOCKS",
+    "VALIDATORS",
     "MAX_GPU_BLOCKS",
     "MAX_ID",
     "normalize_event",
@@ -53,6 +54,7 @@ while it is written; the Engine also refuses a pool this machine cannot hold
 (``StateTooLarge``). Large snapshots are split across log records, so every pool up to
 the bound checkpoints."""
 MAX_REQ_ID_LENGTH = 4096
+_INT_ONLY = {int}
 _EVENT_TYPES = frozenset(typing.get_args(Event))
 
 
@@ -67,6 +69,18 @@ def validate_block_ids(event: Event, name: str, block_ids: object) -> None:
     """Block ids must be a list of distinct non-negative ints (upper bound is stateful)."""
     if not isinstance(block_ids, (list, tuple)):
         raise InvalidEvent(f"{name} must be a list of ints", event)
+    if len(block_ids) == 1:  # the decode step's allocation
+        b = block_ids[0]
+        if type(b) is int and 0 <= b <= MAX_BLOCKS:
+            return
+    elif (
+        block_ids
+        and set(map(type, block_ids)) == _INT_ONLY
+        and min(block_ids) >= 0
+        and max(block_ids) <= MAX_BLOCKS
+        and len(set(block_ids)) == len(block_ids)
+    ):  # C-level checks of the whole list; the loop below names the first bad id
+        return
     for b in block_ids:
         if type(b) is not int:
             raise InvalidEvent(f"{name} holds {b!r}, not an int", event)
@@ -184,7 +198,7 @@ def _validate_finished(event: Any) -> None:
         raise InvalidEvent("success must be a bool", event)
 
 
-_VALIDATORS: dict[type, Callable[[Any], None]] = {
+VALIDATORS: dict[type, Callable[[Any], None]] = {  # each event type's stateless checks
     CacheConfigured: _validate_config,
     BlocksAllocated: _validate_blocks_event,
     BlocksReleased: _validate_blocks_event,
@@ -196,12 +210,12 @@ _VALIDATORS: dict[type, Callable[[Any], None]] = {
     TransferSubmitted: _validate_job_id,
     TransferFinished: _validate_finished,
 }
-assert set(_VALIDATORS) == _EVENT_TYPES, "every event type has exactly one validator"
+assert set(VALIDATORS) == _EVENT_TYPES, "every event type has exactly one validator"
 
 
 def validate_event(event: object) -> None:
     """Raise ``InvalidEvent`` if ``event`` is not a well-formed event on its own."""
-    validator = _VALIDATORS.get(type(event))  # exact types: a subclass would not decode
+    validator = VALIDATORS.get(type(event))  # exact types: a subclass would not decode
     if validator is None:
         raise InvalidEvent(f"not a kvlog event: {type(event).__name__}", None)
     validator(event)

@@ -30,6 +30,7 @@ from kvlog.events import (
     TransferSubmitted,
     validate_event,
 )
+from kvlog.events.validate import VALIDATORS
 from kvlog.reducers import defrag, transfers
 from kvlog.reducers.state import State
 
@@ -48,7 +49,8 @@ def _no_check(apply: Callable[[State, Any], list[Plan]]) -> _Apply:
     return lambda state, event, checked: apply(state, event)
 
 
-_STEPS: dict[type, tuple[_Check, _Apply]] = {
+_PAIRS: dict[type, tuple[_Check, _Apply]] = {
+    CacheConfigured: (defrag.check_configure, defrag.apply_configure),
     BlocksAllocated: (defrag.check_allocate, defrag.apply_allocate),
     RequestFinished: (_unchecked, _no_check(defrag.release)),
     RequestPreempted: (_unchecked, _no_check(defrag.release)),
@@ -59,6 +61,12 @@ _STEPS: dict[type, tuple[_Check, _Apply]] = {
     TransferSubmitted: (transfers.check_submitted, transfers.apply_submitted),
     BlocksReleased: (defrag.check_release_blocks, defrag.apply_release_blocks),
 }
+"""Per event type: its check against the state and its apply."""
+_STEPS: dict[type, tuple[Callable[[Any], None], _Check, _Apply]] = {
+    event_type: (VALIDATORS[event_type], check_event, apply_event)
+    for event_type, (check_event, apply_event) in _PAIRS.items()
+}
+"""Per event type: its stateless validation, its check against the state, its apply."""
 
 
 class Checked(NamedTuple):
@@ -73,14 +81,15 @@ class Checked(NamedTuple):
 def check(state: State, event: Event) -> Checked:
     """Raise what ``reduce`` would raise for this event (an ``InvalidEvent`` subclass or
     ``NotConfigured``), changing nothing; else the event, checked, ready for ``commit``."""
-    validate_event(event)
-    steps = _STEPS.get(type(event))
-    if steps is not None and state.config is not None:
-        return Checked(event, steps[1], steps[0](state, event))
-    if type(event) is CacheConfigured:
-        defrag.check_configure(state, event)
-        return Checked(event, defrag.apply_configure, None)
-    raise NotConfigured("the first event must be CacheConfigured", event)
+    steps = _STEPS.get(type(event))  # exact types: a subclass would not decode
+    if steps is None:
+        validate_event(event)  # raises: not a kvlog event
+        raise AssertionError(f"{type(event).__name__} validates but has no reducer")
+    validate, check_event, apply_event = steps
+    validate(event)
+    if state.config is None and type(event) is not CacheConfigured:
+        raise NotConfigured("the first event must be CacheConfigured", event)
+    return Checked(event, apply_event, check_event(state, event))
 
 
 def commit(state: State, checked: Checked) -> list[Plan]:

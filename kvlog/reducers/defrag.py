@@ -205,12 +205,9 @@ def release(state: State, event: RequestFinished | RequestPreempted) -> list[Pla
     table = state.pop_table(event.req_id)
     if table is None:
         return []
-    if len(table) <= SCALAR_LIMIT:
-        fwd = state.fwd_buffer
-        physical: IdArray | list[int] = [fwd[b] for b in table]
-    else:
-        physical = state.fwd[table].astype(np.int64)
-    _drop(state, physical)
+    freed = state.drop_logical(table)
+    if len(freed):
+        _quarantine(state, freed if isinstance(freed, list) else freed.tolist())
     return []
 
 
@@ -240,16 +237,15 @@ def apply_release_blocks(state: State, event: BlocksReleased, physical: list[int
         else:
             kept.append(b)
     state.replace_table(event.req_id, kept)
-    _drop(state, physical)
+    _quarantine(state, state.drop_refs(physical))
     return []
 
 
-def _drop(state: State, physical: IdArray | list[int]) -> None:
-    """One reference fewer each; with ``quarantine_released``, the freed ones wait."""
-    freed = state.drop_refs(physical)
+def _quarantine(state: State, freed: list[int]) -> None:
+    """With ``quarantine_released``, blocks freed now are no destination until StepEnded."""
     assert state.config is not None, "reduce() dispatches only configured states here"
-    if state.config.quarantine_released and len(freed):
-        state.quarantine(freed if isinstance(freed, list) else freed.tolist())
+    if state.config.quarantine_released and freed:
+        state.quarantine(freed)
 
 
 def end_step(state: State, event: StepEnded) -> list[Plan]:

@@ -171,10 +171,12 @@ def _move(
     bwd: Any,
     sources: Any,
     destinations: Any,
+    max_used: int,
 ) -> Any:
     """Each source hands its refs and logical id to its (free) destination, which hands its
     logical id back: ref counts, both mappings and the used bitmap with its summaries
-    follow. Returns the change of the running digest's mapping sum (uint64, wrapping)."""
+    follow. Returns the change of the running digest's mapping sum (uint64, wrapping) and
+    the highest used block after the move (at most ``max_used``, the highest before)."""
     delta = _ZERO
     for i in range(len(sources)):
         s, d = sources[i], destinations[i]
@@ -186,7 +188,23 @@ def _move(
         bwd[d], bwd[s] = logical_source, logical_destination
         _remove_member(words, nonempty, notfull, s)
         _add_member(words, nonempty, notfull, d)
-    return delta
+    return delta, _highest_member(words, nonempty, max_used)
+
+
+def _highest_member(words: Any, nonempty: Any, limit: int) -> int:
+    """The highest member of the bitmap at or below ``limit``, or -1."""
+    if limit < 0:
+        return -1
+    w = limit >> 6
+    bits = words[w] & (_ALL >> np.uint64(63 - (limit & 63)))
+    while bits == _ZERO:
+        w -= 1
+        while w >= 0 and nonempty[w >> 6] << np.uint64(63 - (w & 63)) == _ZERO:
+            w = ((w >> 6) << 6) - 1  # nothing at or below w in its summary word
+        if w < 0:
+            return -1
+        bits = words[w]
+    return (w << 6) | _highest_bit(bits)
 
 
 def _add_refs(words: Any, nonempty: Any, notfull: Any, refs: Any, physical: Any) -> Any:
@@ -204,13 +222,14 @@ def _add_refs(words: Any, nonempty: Any, notfull: Any, refs: Any, physical: Any)
 
 
 def _drop_refs(
-    words: Any, nonempty: Any, notfull: Any, refs: Any, physical: Any, freed: Any
+    words: Any, nonempty: Any, notfull: Any, refs: Any, fwd: Any, logical: Any, freed: Any
 ) -> int:
-    """One reference fewer to each of ``physical`` (a repeated id drops one each); a block
-    that becomes free leaves the bitmap and is written to ``freed``. Returns how many."""
+    """One reference fewer to the physical block of each of ``logical`` (a repeated id
+    drops one each); a block that becomes free leaves the bitmap and is written to
+    ``freed``. Returns how many."""
     count = 0
-    for i in range(len(physical)):
-        p = physical[i]
+    for i in range(len(logical)):
+        p = fwd[logical[i]]
         refs[p] -= 1
         if refs[p] == 0:
             _remove_member(words, nonempty, notfull, p)
@@ -252,6 +271,7 @@ _add_member = _jit(_add_member)
 _remove_member = _jit(_remove_member)
 _lowest_bit = _jit(_lowest_bit)
 _highest_bit = _jit(_highest_bit)
+_highest_member = _jit(_highest_member)
 _prev_word = _jit(_prev_word)
 _next_word = _jit(_next_word)
 seed_walk = _jit(_seed_walk)
@@ -277,9 +297,9 @@ def load() -> None:
     blocks = np.zeros(1, dtype=np.int32)
     none = ids[:0]
     seed_walk(words, words, words, words, 0, 1, ids, ids)
-    move(words, words, words, blocks, blocks, blocks, none, none)
+    move(words, words, words, blocks, blocks, blocks, none, none, 0)
     add_refs(words, words, words, blocks, none)
-    drop_refs(words, words, words, blocks, none, ids)
+    drop_refs(words, words, words, blocks, blocks, none, ids)
     set_members(words, words, words, none, True)
     allocation(blocks, blocks, blocks, blocks, none, False, ids)
     _loaded = True

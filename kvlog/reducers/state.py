@@ -26,7 +26,7 @@ import numpy.typing as npt
 
 from kvlog.events import CacheConfigured, SwapPlan
 from kvlog.reducers import kernels, running
-from kvlog.reducers.blockset import BlockSet, IdArray, clear_bits, set_bits
+from kvlog.reducers.blockset import SCALAR_LIMIT, BlockSet, IdArray, clear_bits, set_bits
 from kvlog.reducers.buffers import int32_buffer, uint64_buffer
 
 __all__ = ["MAX_JOBS_IN_FLIGHT", "Job", "State", "initial_state"]
@@ -245,45 +245,52 @@ class State:
             self.used.add_ids(fresh_ids)
             self._max_used = max(self._max_used, *fresh_ids)
 
-    def drop_refs(self, physical: IdArray | list[int]) -> IdArray | list[int]:
+    def drop_refs(self, physical: list[int]) -> list[int]:
         """One reference fewer to each of ``physical`` (repeats drop one each); the blocks
-        this freed. A Python loop over a short list, ``kernels.drop_refs`` over an array."""
-        if not isinstance(physical, list):
-            used = self.used
-            freed_ids = np.empty(len(physical), dtype=np.int64)
-            count = kernels.drop_refs(
-                used.words, used.nonempty, used.notfull, self.refs, physical, freed_ids
-            )
-            used.count -= count
-            freed: IdArray | list[int] = freed_ids[:count]
-        elif self.config is not None and not self.config.prefix_caching:
-            refs = self.refs_buffer
+        this freed."""
+        refs = self.refs_buffer
+        if self.config is not None and not self.config.prefix_caching:
             for p in physical:  # no sharing: every count is 1 and no table repeats a block
                 refs[p] = 0
-            self.used.remove_ids(physical)
             freed = physical
         else:
-            refs, freed = self.refs_buffer, []
+            freed = []
             for p in physical:
                 count = refs[p] - 1
                 refs[p] = count
                 if not count:
                     freed.append(p)
+        if freed:
             self.used.remove_ids(freed)
-        if len(freed):
             self._refresh_max_used()
         return freed
+
+    def drop_logical(self, block_ids: list[int]) -> IdArray | list[int]:
+        """``drop_refs`` of the physical blocks of logical ``block_ids`` (a table): a
+        Python loop for a few, ``kernels.drop_refs`` for more. The blocks this freed."""
+        if len(block_ids) <= SCALAR_LIMIT:
+            fwd = self.fwd_buffer
+            return self.drop_refs([fwd[b] for b in block_ids])
+        used, count = self.used, len(block_ids)
+        freed = np.empty(count, dtype=np.int64)
+        logical = np.fromiter(block_ids, np.int64, count)
+        count = kernels.drop_refs(
+            used.words, used.nonempty, used.notfull, self.refs, self.fwd, logical, freed
+        )
+        used.count -= count
+        if count:
+            self._refresh_max_used()
+        return freed[:count]
 
     def move_blocks(self, sources: IdArray, destinations: IdArray) -> None:
         """Defrag: each source's refs go to its (free) destination; both mappings, the used
         bitmap and the running digest follow (``kernels.move``: one compiled loop)."""
         used = self.used
-        delta = kernels.move(
+        delta, self._max_used = kernels.move(
             used.words, used.nonempty, used.notfull, self.refs, self.fwd, self.bwd,
-            sources, destinations,
+            sources, destinations, self._max_used,
         )  # fmt: skip
         self.running.mapping_moved(int(delta))
-        self._refresh_max_used()
 
     def _refresh_max_used(self) -> None:
         if self._max_used >= 0 and not self.used.contains(self._max_used):

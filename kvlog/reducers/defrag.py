@@ -91,13 +91,13 @@ def apply_configure(state: State, event: CacheConfigured, checked: None) -> list
 
 
 Allocation = tuple["IdArray | list[int]", bool]
-"""What ``check_allocate`` found: the physical ids, and whether all were free and unpinned
-(the fast path: no flush, no reuse check)."""
+"""What ``check_allocate`` found: the physical ids, and whether it found all of them free
+and unpinned (then the apply takes them: no flush, no reuse check; False is always safe)."""
 
 
 def check_allocate(state: State, event: BlocksAllocated) -> Allocation:
     """Refuse a bad allocation; return the physical ids it references (a list when small)
-    and whether they are all free and unpinned (without prefix caching only).
+    and whether it found them all free and unpinned.
 
     Refused: a block an unfinished load writes (always), a block a live request holds
     (without prefix caching). A block an unfinished store reads is accepted: the apply
@@ -105,7 +105,11 @@ def check_allocate(state: State, event: BlocksAllocated) -> Allocation:
     config = state.config
     assert config is not None, "reduce() dispatches only configured states here"
     block_ids = event.block_ids
-    if len(block_ids) <= SCALAR_LIMIT:  # the common decode case: a block or two
+    if len(block_ids) == 1 and block_ids[0] < config.num_gpu_blocks:  # a decode step's
+        p = state.fwd_buffer[block_ids[0]]
+        if not (state.refs_buffer[p] or state.load_pins_buffer[p] or state.store_pins_buffer[p]):
+            return [p], True
+    if len(block_ids) <= SCALAR_LIMIT:  # a few blocks
         if block_ids and max(block_ids) >= config.num_gpu_blocks:
             check_block_range(event, "block_ids", block_ids, config.num_gpu_blocks)
         found = _small_allocation(state, block_ids, config.prefix_caching)

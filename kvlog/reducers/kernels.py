@@ -30,9 +30,11 @@ from typing import Any
 import numba
 import numpy as np
 
-from kvlog.reducers import running
-
 __all__ = [
+    "FWD_KEY",
+    "GOLDEN",
+    "M1",
+    "M2",
     "add_refs",
     "allocation",
     "drop_refs",
@@ -40,27 +42,49 @@ __all__ = [
     "move",
     "seed_walk",
     "set_members",
+    "table_terms",
 ]
+
+GOLDEN = 0x9E3779B97F4A7C15
+FWD_KEY = 0x243F6A8885A308D3
+M1, M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+"""splitmix64's constants and the mapping terms' key: the running digest's arithmetic
+(``running.py``), which the kernels below compute in wrapping uint64."""
 
 _ALL = np.uint64(0xFFFF_FFFF_FFFF_FFFF)
 _ONE = np.uint64(1)
 _ZERO = np.uint64(0)
-_FWD_KEY, _GOLDEN = np.uint64(running.FWD_KEY), np.uint64(running.GOLDEN)
-_M1, _M2 = np.uint64(running.M1), np.uint64(running.M2)
+_FWD_KEY, _GOLDEN = np.uint64(FWD_KEY), np.uint64(GOLDEN)
+_M1, _M2 = np.uint64(M1), np.uint64(M2)
 _DE_BRUIJN = np.uint64(0x03F79D71B4CB0A89)
 _DE_BRUIJN_INDEX = np.zeros(64, dtype=np.int64)
 for _bit in range(64):
     _DE_BRUIJN_INDEX[((1 << _bit) * 0x03F79D71B4CB0A89 & (2**64 - 1)) >> 58] = _bit
 
 
+def _mix(x: Any) -> Any:
+    """splitmix64's finalizer (``running.mix``) on a uint64."""
+    x = (x ^ (x >> np.uint64(30))) * _M1
+    x = (x ^ (x >> np.uint64(27))) * _M2
+    return x ^ (x >> np.uint64(31))
+
+
 def _fwd_term(logical: int, physical: int) -> Any:
     """``running.fwd_terms`` of one mapping entry ``fwd[logical] == physical``."""
     if logical == physical:
         return _ZERO
-    x = _FWD_KEY + ((np.uint64(logical) << np.uint64(32)) | np.uint64(physical)) * _GOLDEN
-    x = (x ^ (x >> np.uint64(30))) * _M1
-    x = (x ^ (x >> np.uint64(27))) * _M2
-    return x ^ (x >> np.uint64(31))
+    return _mix(_FWD_KEY + ((np.uint64(logical) << np.uint64(32)) | np.uint64(physical)) * _GOLDEN)
+
+
+def _table_terms(key: Any, start: int, block_ids: Any) -> Any:
+    """``running.table_terms``: the sum of the terms of ``block_ids`` at positions
+    ``start, start + 1, ...`` of the table of the request keyed ``key`` (a uint64)."""
+    total = _ZERO
+    base = key
+    for i in range(len(block_ids)):
+        item = (np.uint64(start + i) << np.uint64(32)) | np.uint64(block_ids[i])
+        total += _mix(base + item * _GOLDEN)
+    return total
 
 
 def _add_member(words: Any, nonempty: Any, notfull: Any, block_id: int) -> None:
@@ -266,7 +290,9 @@ def _allocation(
 
 
 _jit = numba.njit(cache=True, nogil=True)
+_mix = _jit(_mix)
 _fwd_term = _jit(_fwd_term)
+table_terms = _jit(_table_terms)
 _add_member = _jit(_add_member)
 _remove_member = _jit(_remove_member)
 _lowest_bit = _jit(_lowest_bit)
@@ -302,4 +328,5 @@ def load() -> None:
     drop_refs(words, words, words, blocks, blocks, none, ids)
     set_members(words, words, words, none, True)
     allocation(blocks, blocks, blocks, blocks, none, False, ids)
+    table_terms(np.uint64(GOLDEN), 0, none)
     _loaded = True

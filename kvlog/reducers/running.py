@@ -7,8 +7,9 @@ in three running sums that every primitive of ``State`` updates with what it cha
 
 - the mapping: one term per logical block whose physical block is not itself
   (``fwd[L] != L``); the identity contributes nothing, so a fresh pool costs nothing;
-- the tables: one term per ``(request, position, block)``, kept per request as well, so a
-  request that finishes subtracts its sum in O(1);
+- the tables: one term per ``(request, position, block)``, hashed as the block is
+  appended and kept per request as well, so a request that finishes subtracts its sum in
+  O(1);
 - the jobs: one term per unfinished job (a hash of its id, kind, GPU, CPU and sub-block
   ids), and one more once its plan is submitted.
 
@@ -30,16 +31,14 @@ import msgspec
 import numpy as np
 
 from kvlog.events import CacheConfigured
+from kvlog.reducers import kernels
+from kvlog.reducers.kernels import FWD_KEY, GOLDEN, M1, M2
 
 if TYPE_CHECKING:
     from kvlog.reducers.state import Job, State
 
 __all__ = [
     "DIGEST_V2_PREFIX",
-    "FWD_KEY",
-    "GOLDEN",
-    "M1",
-    "M2",
     "RunningDigest",
     "checkpoint_digest",
     "fwd_terms",
@@ -54,11 +53,9 @@ __all__ = [
 DIGEST_V2_PREFIX = "v2:"
 """How a checkpoint names the running digest (a version-1 digest is 64 bare hex digits)."""
 MASK = (1 << 64) - 1
-GOLDEN = 0x9E3779B97F4A7C15
-FWD_KEY = 0x243F6A8885A308D3
 _SUBMITTED_KEY = 0x13198A2E03707344
-M1, M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
-"""splitmix64's constants and the mapping terms' key (``kernels.py`` computes the same terms)."""
+_LOOP_LIMIT = 16
+"""Up to this many table entries, ``table_terms`` hashes them in a Python loop."""
 
 
 def mix(x: int) -> int:
@@ -88,14 +85,15 @@ def request_key(req_id: str) -> int:
 
 def table_terms(key: int, start: int, block_ids: list[int]) -> int:
     """Sum of the terms of ``block_ids`` at positions ``start, start + 1, ...``."""
-    if len(block_ids) <= 16:
+    if len(block_ids) == 1:  # a decode step's growth
+        return mix((key + ((start << 32) | block_ids[0]) * GOLDEN) & MASK)
+    if len(block_ids) <= _LOOP_LIMIT:
         total = 0
         for offset, b in enumerate(block_ids):
             total += mix((key + (((start + offset) << 32) | b) * GOLDEN) & MASK)
         return total & MASK
-    positions = np.arange(start, start + len(block_ids), dtype=np.uint64)
-    items = (positions << np.uint64(32)) | np.asarray(block_ids, dtype=np.uint64)
-    return _sum(_mix_array(np.uint64(key) + items * np.uint64(GOLDEN)))
+    ids = np.fromiter(block_ids, np.int64, len(block_ids))
+    return int(kernels.table_terms(np.uint64(key), start, ids))
 
 
 def _table_sums(keys: list[int], starts: list[int], tails: list[list[int]]) -> list[int]:
@@ -154,27 +152,32 @@ def submitted_term(job_id: int) -> int:
 
 
 class RunningDigest:
-    """The three sums of one State, and what changed since they were last brought up to
-    date. The primitives of ``State`` report each change in O(1) (a set entry, a list append);
-    ``flush`` hashes the changes since the last flush, in bulk, so the cost is O(changes)
-    however large the pool; jobs are rare and are hashed as they come and go."""
+    """The three sums of one State, always up to date. The primitives of ``State`` report
+    each change as it happens and it is hashed then, at a cost proportional to the change
+    (a block appended to a table: one mix; a defrag move: its pairs, summed by
+    ``kernels.move``; a job: one blake2b), never to the pool or to the time since the last
+    checkpoint."""
 
-    __slots__ = ("fwd", "jobs", "per_request", "tables", "tables_grown")
+    __slots__ = ("fwd", "jobs", "per_request", "tables")
 
     def __init__(self) -> None:
         self.fwd = 0
         self.tables = 0
         self.jobs = 0
         self.per_request: dict[str, list[int]] = {}
-        """Per request: ``[key, sum of the hashed terms, number of entries hashed]``."""
-        self.tables_grown: set[str] = set()
+        """Per live request: ``[key, sum of its table's terms]``."""
 
     # -- changes (called by State's primitives) ------------------------------------------
-    def table_grown(self, req_id: str) -> None:
-        self.tables_grown.add(req_id)
+    def table_extended(self, req_id: str, start: int, block_ids: list[int]) -> None:
+        """``block_ids`` were appended to a table at position ``start``: hashed now, O(len)."""
+        entry = self.per_request.get(req_id)
+        if entry is None:
+            entry = self.per_request[req_id] = [request_key(req_id), 0]
+        delta = table_terms(entry[0], start, block_ids)
+        entry[1] = (entry[1] + delta) & MASK
+        self.tables = (self.tables + delta) & MASK
 
     def table_removed(self, req_id: str) -> None:
-        self.tables_grown.discard(req_id)
         entry = self.per_request.pop(req_id, None)
         if entry is not None:
             self.tables = (self.tables - entry[1]) & MASK
@@ -195,48 +198,17 @@ class RunningDigest:
         delta = job.term + (submitted_term(job.job_id) if job.submitted else 0)
         self.jobs = (self.jobs - delta) & MASK
 
-    # -- bringing the sums up to date ----------------------------------------------------
-    def flush(self, state: State) -> None:
-        """Hash what changed since the last flush: the entries appended to tables (the
-        mapping's changes were summed as they happened)."""
-        if self.tables_grown:
-            self._flush_tables(state)
-
-    def _flush_tables(self, state: State) -> None:
-        """Hash every grown table's new entries in one vectorized pass."""
-        entries, keys, starts, tails = [], [], [], []
-        per_request = self.per_request
-        for req_id in self.tables_grown:
-            table = state.tables[req_id]
-            entry = per_request.get(req_id)
-            if entry is None:
-                entry = per_request[req_id] = [request_key(req_id), 0, 0]
-            tail = table[entry[2] :]
-            if tail:
-                entries.append(entry)
-                keys.append(entry[0])
-                starts.append(entry[2])
-                tails.append(tail)
-                entry[2] = len(table)
-        self.tables_grown.clear()
-        if not entries:
-            return
-        sums = _table_sums(keys, starts, tails)
-        for entry, delta in zip(entries, sums, strict=True):
-            entry[1] = (entry[1] + delta) & MASK
-        self.tables = (self.tables + sum(sums)) & MASK
-
+    # -- from scratch --------------------------------------------------------------------
     def recompute(self, state: State) -> None:
-        """All sums from scratch (after a restore), each job's term kept; nothing pending."""
+        """All sums from scratch (after a restore), each job's term kept."""
         self.fwd, self.tables, self.per_request, self.jobs = recompute(state, keep_terms=True)
-        self.tables_grown.clear()
 
 
 def recompute(
     state: State, *, keep_terms: bool = False
 ) -> tuple[int, int, dict[str, list[int]], int]:
-    """The three sums and the per-request ``[key, sum, length]`` from scratch (tables are
-    never empty); ``keep_terms``: also store each job's term on it."""
+    """The three sums and the per-request ``[key, sum]`` from scratch (tables are never
+    empty); ``keep_terms``: also store each job's term on it."""
     n = state.num_gpu_blocks
     fwd = fwd_terms(np.arange(n, dtype=np.int64), state.fwd.astype(np.int64)) if n else 0
     req_ids = list(state.tables)
@@ -244,8 +216,7 @@ def recompute(
     tables = [state.tables[req_id] for req_id in req_ids]
     sums = _table_sums(keys, [0] * len(tables), tables)
     per_request = {
-        req_id: [key, total, len(table)]
-        for req_id, key, total, table in zip(req_ids, keys, sums, tables, strict=True)
+        req_id: [key, total] for req_id, key, total in zip(req_ids, keys, sums, strict=True)
     }
     jobs = 0
     for job in [*state.store_jobs.values(), *state.load_jobs.values()]:
@@ -257,11 +228,9 @@ def recompute(
 
 
 def checkpoint_digest(state: State) -> str:
-    """``"v2:"`` + the sha256 of the running sums (brought up to date: O(changes since the
-    last call)) and the few O(1) fields (the quarantined blocks are those released since
-    the last step)."""
+    """``"v2:"`` + the sha256 of the running sums and the few O(1) fields (the quarantined
+    blocks are those released since the last step): O(1) in the pool."""
     sums = state.running
-    sums.flush(state)
     body: list[Any] = [
         2,
         _config(state.config),

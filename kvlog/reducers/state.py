@@ -173,9 +173,10 @@ class State:
         table = self.tables.get(req_id)
         if table is None:
             self.tables[req_id] = list(block_ids)
+            self.running.table_extended(req_id, 0, block_ids)
         else:
+            self.running.table_extended(req_id, len(table), block_ids)
             table.extend(block_ids)
-        self.running.table_grown(req_id)
 
     def pop_table(self, req_id: str) -> list[int] | None:
         """Remove and return a request's table (None if it has none)."""

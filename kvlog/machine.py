@@ -66,15 +66,17 @@ class Machine:
         """Change the state by a checked event, execute its plans, notify; the plans."""
         state, event = self.state, checked.event
         observers = self.observers
-        for observer in observers:
-            observer.before(state, event)
+        if observers:
+            for observer in observers:
+                observer.before(state, event)
         plans = reducers.commit(state, checked)
         executor = self.executor
-        if executor is not None:
+        if executor is not None and plans:
             for plan in plans:
                 executor.execute(plan)
-        for observer in observers:
-            observer.after(state, event, plans)
+        if observers:
+            for observer in observers:
+                observer.after(state, event, plans)
         return plans
 
     def apply(self, event: Event) -> list[Plan]:

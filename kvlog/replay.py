@@ -20,6 +20,7 @@ small CPU tensors filled with canary bytes and checks every live block at the en
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
 import time
@@ -428,20 +429,25 @@ class _Replayer:
         start = self._start_from_snapshot() if from_snapshot else 0
         self.result.start_seq = start
         done_bytes = 0
-        for seq, record in self.reader.records(start):
-            self.result.num_records += 1
-            name = type(record).__name__
-            self.result.counts[name] = self.result.counts.get(name, 0) + 1
-            if isinstance(record, Checkpoint):
-                self._checkpoint(seq, record)
-            else:
-                self._event(seq, record)
-            if self.stopped:
-                break
-            if self.progress is not None:
-                done_bytes += 16 + len(_encoded(record))
-                if self.result.num_records % 4096 == 0:
-                    self.progress(self.result.num_records, done_bytes)
+        counts: collections.Counter[type] = collections.Counter()
+        try:
+            for seq, record in self.reader.records(start):
+                self.result.num_records += 1
+                counts[type(record)] += 1
+                if isinstance(record, Checkpoint):
+                    self._checkpoint(seq, record)
+                else:
+                    self._event(seq, record)
+                if self.stopped:
+                    break
+                if self.progress is not None:
+                    done_bytes += 16 + len(_encoded(record))
+                    if self.result.num_records % 4096 == 0:
+                        self.progress(self.result.num_records, done_bytes)
+        finally:
+            for record_type, count in counts.items():
+                name = record_type.__name__
+                self.result.counts[name] = self.result.counts.get(name, 0) + count
         self.result.last_seq = self.reader.last_seq
         self.result.last_event_seq = self.last_event_seq
         if self.reader.tail is not None:

@@ -43,6 +43,7 @@ words it passes; the move is one compiled loop over the pairs.
 
 from __future__ import annotations
 
+import bisect
 from typing import Literal
 
 import numpy as np
@@ -273,10 +274,8 @@ def end_step(state: State, event: StepEnded) -> list[Plan]:
 
 def pad_bucket(num_pairs: int, pad_sizes: tuple[int, ...]) -> int:
     """Smallest pad size >= num_pairs, else the largest (the seed's ``to_swap_pad``)."""
-    for size in pad_sizes:
-        if size >= num_pairs:
-            return size
-    return pad_sizes[-1]
+    index = bisect.bisect_left(pad_sizes, num_pairs)  # pad sizes ascend (validated)
+    return pad_sizes[index] if index < len(pad_sizes) else pad_sizes[-1]
 
 
 def pair_up(state: State) -> tuple[list[int], list[int]]:

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import os
 import typing
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, overload
 
@@ -128,6 +128,11 @@ class Engine:
         self._last_seq = _last_event_seq
         if _writer is None and log_path is not None:
             self._log = LogWriter(log_path, sync=sync, meta=meta, new=True)
+        self._record: Callable[[Event], object] = (
+            _check_record_size if self._log is None else self._log.append
+        )
+        """What ``Machine.apply`` does between check and commit: the log's append, or
+        without a log the same size bound the writer would enforce."""
         self.recovery: Recovery | None = None if self._log is None else self._log.recovery
         """The torn tail cut when the log was opened (``Engine.resume``), else None."""
         if self._log is not None:
@@ -181,30 +186,21 @@ class Engine:
         """Check, log, change, execute one event (one step of the machine); the plans."""
         if self._closed or (self._log is not None and self._log.poisoned):
             self._check_open()
+        record = self._record
         try:
-            checked = self._check_once(event)
-        except (InvalidEvent, RecordRejected):
+            plans = self._machine.apply(event, record)
+        except (InvalidEvent, RecordRejected):  # nothing changed
             plain = _plain_event(event)
             if plain is event:
                 raise
-            checked = self._check_once(plain)
+            plans = self._machine.apply(plain, record)
         if self._log is not None:
-            self._last_seq = self._log.append(checked.event)  # RecordRejected: no change
-        plans = self._machine.commit(checked)
-        if type(checked.event) is StepEnded:
+            self._last_seq = self._log.next_seq - 1  # the event just appended
+        if type(event) is StepEnded:
             self._num_steps += 1
             if self.checkpoint_every and self._num_steps % self.checkpoint_every == 0:
                 self._checkpoint()
         return plans
-
-    def _check_once(self, event: Event) -> reducers.Checked:
-        """The event checked against the state, or the refusal (nothing changed). With a
-        log, the writer refuses a record too large to hold; without one the same bound is
-        checked here, so both refuse the same events."""
-        checked = self._machine.check(event)
-        if self._log is None:
-            _check_record_size(event)
-        return checked
 
     def poll(self) -> list[TransferCompletion]:
         """Finished transfers from the executor, each logged and reduced as TransferFinished."""

@@ -1,13 +1,13 @@
 """One step of the machine, in one place: check an event, change the state once, execute
 the plans, notify the observers.
 
-Every way kvlog runs drives this one step: the :class:`~kvlog.engine.Engine` (which appends
-the checked event to its log between ``check`` and ``commit``, writes checkpoints and turns
-the executor's finished transfers into ``TransferFinished`` events), replay (which feeds it a
-log's events and keeps only verification, diffing and what-ifs) and the synthetic serving
-loop (through an Engine). Whatever else watches a run (the canary tracker, run statistics)
-is an :class:`Observer`, called around every committed event, with the state before and
-after the change.
+Every way kvlog runs drives this one step: the :class:`~kvlog.engine.Engine` (whose ``apply``
+appends the checked event to its log between ``check`` and ``commit``; it also writes
+checkpoints and turns the executor's finished transfers into ``TransferFinished`` events),
+replay (which feeds it a log's events and keeps only verification, diffing and what-ifs) and
+the synthetic serving loop (through an Engine). Whatever else watches a run (the canary
+tracker, run statistics) is an :class:`Observer`, called around every committed event, with
+the state before and after the change.
 
 The order inside ``commit`` is the contract: observers' ``before`` (the state before), the
 reducers' change (cannot refuse: the event was checked against this very state), the
@@ -16,7 +16,7 @@ executor (each plan in order), observers' ``after`` (the state after, and the pl
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Protocol
 
 from kvlog import reducers
@@ -79,6 +79,10 @@ class Machine:
                 observer.after(state, event, plans)
         return plans
 
-    def apply(self, event: Event) -> list[Plan]:
-        """``check`` then ``commit``."""
-        return self.commit(reducers.check(self.state, event))
+    def apply(self, event: Event, record: Callable[[Event], object] | None = None) -> list[Plan]:
+        """``check``, then ``record(event)`` if given (a log's append: it may refuse, and
+        then nothing has changed), then ``commit``; the plans."""
+        checked = reducers.check(self.state, event)
+        if record is not None:
+            record(checked.event)
+        return self.commit(checked)

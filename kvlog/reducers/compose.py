@@ -10,6 +10,7 @@ the Engine appends the event to its log between them.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -78,6 +79,10 @@ class Checked(NamedTuple):
     found: Any
 
 
+_checked: Callable[[tuple[Event, _Apply, Any]], Checked] = functools.partial(tuple.__new__, Checked)
+"""``Checked`` from a plain tuple without the NamedTuple constructor's Python frame."""
+
+
 def check(state: State, event: Event) -> Checked:
     """Raise what ``reduce`` would raise for this event (an ``InvalidEvent`` subclass or
     ``NotConfigured``), changing nothing; else the event, checked, ready for ``commit``."""
@@ -89,7 +94,7 @@ def check(state: State, event: Event) -> Checked:
     validate(event)
     if state.config is None and type(event) is not CacheConfigured:
         raise NotConfigured("the first event must be CacheConfigured", event)
-    return Checked(event, apply_event, check_event(state, event))
+    return _checked((event, apply_event, check_event(state, event)))
 
 
 def commit(state: State, checked: Checked) -> list[Plan]:

@@ -11,6 +11,8 @@ from the ref and pin counts alone, the way the seed does it.
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
 
 import numpy as np
 from hypothesis import given
@@ -166,3 +168,22 @@ def test_the_compiled_walk_and_move_equal_their_python_source(
         assert np.array_equal(getattr(compiled.used, name), getattr(interpreted.used, name))
     for name in ("refs", "fwd", "bwd"):
         assert np.array_equal(getattr(compiled, name), getattr(interpreted, name))
+
+
+def test_the_kernels_compile_where_numba_cannot_cache() -> None:
+    """A read-only install with no writable cache directory: numba refuses ``cache=True``
+    with a RuntimeError; kvlog must still import and run (compiling in the process)."""
+    script = (
+        "import numba.core.caching as caching\n"
+        "impl = getattr(caching, 'CacheImpl', None) or caching._CacheImpl\n"
+        "impl._locator_classes = []\n"
+        "from kvlog.reducers import kernels\n"
+        "kernels.load()\n"
+        "assert kernels.move._cache.__class__.__name__ == 'NullCache'\n"
+        "print('compiled')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "compiled"

@@ -6,7 +6,7 @@ blocks spread over a few dozen bitmap words; a request arrives or finishes with 
 blocks), so they are written once, in the subset of Python that numba compiles, and run
 compiled (``numba.njit``, cached on disk: ``load`` compiles them, or reads the cache, once
 per process). With ``NUMBA_DISABLE_JIT=1`` the same source runs as plain Python: slow, the
-same decisions.
+same decisions (numpy then warns of the uint64 wraparound the digest sums rely on).
 
 They work on the :class:`~kvlog.reducers.state.State` arrays in place (numpy views of the
 ``array.array`` buffers): the ``used`` bitmap (``words``) with its ``nonempty`` / ``notfull``
@@ -25,7 +25,7 @@ words the cursors pass); the summaries skip empty (sources) or full (destination
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import numba
 import numpy as np
@@ -289,8 +289,26 @@ def _allocation(
     return status
 
 
-_jit = numba.njit(cache=True, nogil=True)
-_inline = numba.njit(cache=True, nogil=True, inline="always")  # helpers: no call, no boxing
+def _compiled(function: Any, inline: bool = False) -> Any:
+    """``function`` compiled by numba, cached on disk where numba finds a writable place
+    (next to this file, else the user's cache directory, else ``NUMBA_CACHE_DIR``); where
+    it finds none, compiled in each process instead of refusing to import. ``inline``: a
+    helper, inlined into the kernels that call it."""
+    mode: Literal["always", "never"] = "always" if inline else "never"
+    try:
+        return numba.njit(cache=True, nogil=True, inline=mode)(function)
+    except RuntimeError:  # "cannot cache function ...: no locator available"
+        return numba.njit(cache=False, nogil=True, inline=mode)(function)
+
+
+def _jit(function: Any) -> Any:
+    return _compiled(function)
+
+
+def _inline(function: Any) -> Any:
+    return _compiled(function, inline=True)
+
+
 _mix = _inline(_mix)
 _fwd_term = _inline(_fwd_term)
 table_terms = _jit(_table_terms)

@@ -135,7 +135,7 @@ def _small_allocation(
     state: State, block_ids: list[int], prefix_caching: bool
 ) -> Allocation | None:
     """``check_allocate`` for a few in-range ids when nothing refuses them (plain loops:
-    the decode step's path); None when something might (the vectorized check decides)."""
+    the decode step's path); None when something might (the compiled check decides)."""
     fwd, loads = state.fwd_buffer, state.load_pins_buffer
     physical = [fwd[b] for b in block_ids]
     if prefix_caching:

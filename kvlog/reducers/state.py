@@ -10,9 +10,9 @@ Per-block state lives in numpy arrays sized ``num_gpu_blocks`` (physical space u
 - ``used``: the :class:`BlockSet` of blocks with ``refs > 0``; ``max_used`` is kept with it.
 
 Each array is a numpy view of an ``array.array`` (``refs_buffer``, ``fwd_buffer``, ...; see
-``buffers.py``): per-block loops index the buffer with Python ints, vectorized code the
-view; they share memory, so either may write. Assign into them (``refs[:] = ...``), never
-rebind the attributes.
+``buffers.py``): per-block loops index the buffer with Python ints, vectorized code and the
+compiled loops (``kernels.py``) the view; they share memory, so either may write. Assign
+into them (``refs[:] = ...``), never rebind the attributes.
 
 Everything else is per request (``tables``: logical block ids) or per job (``store_jobs``,
 ``load_jobs``: in submit order). The reducers change the arrays only through the primitives

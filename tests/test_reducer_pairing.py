@@ -14,6 +14,7 @@ import itertools
 import subprocess
 import sys
 
+import numba
 import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
@@ -187,3 +188,17 @@ def test_the_kernels_compile_where_numba_cannot_cache() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "compiled"
+
+
+def test_no_kernel_releases_the_gil() -> None:
+    """A kernel runs for microseconds; releasing the GIL would let another thread of the
+    serving process take it for a whole switch interval (measured: a 0.5 us call became
+    15 us on average and 7.5 ms at worst beside one busy thread)."""
+    dispatchers = [
+        value
+        for value in vars(kernels).values()
+        if isinstance(value, numba.core.dispatcher.Dispatcher)
+    ]
+    assert len(dispatchers) >= 7
+    for dispatcher in dispatchers:
+        assert not dispatcher.targetoptions.get("nogil"), dispatcher.py_func.__name__

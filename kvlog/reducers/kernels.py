@@ -296,9 +296,9 @@ def _compiled(function: Any, inline: bool = False) -> Any:
     helper, inlined into the kernels that call it."""
     mode: Literal["always", "never"] = "always" if inline else "never"
     try:
-        return numba.njit(cache=True, nogil=True, inline=mode)(function)
+        return numba.njit(cache=True, inline=mode)(function)
     except RuntimeError:  # "cannot cache function ...: no locator available"
-        return numba.njit(cache=False, nogil=True, inline=mode)(function)
+        return numba.njit(cache=False, inline=mode)(function)
 
 
 def _jit(function: Any) -> Any:

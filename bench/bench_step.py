@@ -8,7 +8,8 @@ finishes while the pool is above 80% full, 0-2 arrivals of 4-64 blocks, 8 live r
 growing by one block, then ``StepEnded`` (defrag at the seed's default threshold, 32). Each
 step goes through ``Engine.apply`` with a log (``sync="none"``; ``"step"``, one fsync per step,
 is printed beside it), default checkpoint and snapshot cadence, so checkpoints and snapshots
-are inside the figures. The baseline, measured in the same run on the same steps, is the seed's
+are inside the figures. The baseline, measured in the same run on the same steps (each kvlog
+run followed by a seed run, so that a slow spell of the machine hits both), is the seed's
 bookkeeping and ``defragment()`` (``tests/seed_model.py``: a ``max()`` and ``sorted()`` over
 every used block each step); its pairs are checked equal to kvlog's. Printed: kvlog's mean us
 per step and per event, the seed's, their ratio, and kvlog's per-event cost at each size over

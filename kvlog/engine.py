@@ -287,8 +287,7 @@ class Engine:
 
     def running_digest(self) -> str:
         """The digest checkpoints record (``"v2:..."``): kept up to date with every change,
-        O(changes since the last call) to read (``kvlog.reducers.running``); equal states,
-        equal running digests."""
+        O(1) to read (``kvlog.reducers.running``); equal states, equal running digests."""
         return running.checkpoint_digest(self.state)
 
     def snapshot(self) -> bytes:
@@ -404,7 +403,7 @@ class Engine:
         blob = digest_and_snapshot(self.state)[1] if with_snapshot else b""
         if with_snapshot:
             self._snapshot_checkpoint, self._snapshot_seq = self._num_checkpoints, self._last_seq
-        digest = running.checkpoint_digest(self.state)  # O(changes since the last one)
+        digest = running.checkpoint_digest(self.state)  # O(1): kept up to date as it changes
         record = Checkpoint(
             seq=self._last_seq, digest=digest, step=int(self.state.step), snapshot=blob
         )

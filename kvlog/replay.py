@@ -261,7 +261,7 @@ class _Run:
 
 def checkpoint_digest(state: reducers.State, recorded: str) -> str:
     """The state's digest by the algorithm a checkpoint's digest names: the running digest
-    for ``"v2:..."`` (O(changes since its last call)), else the canonical version-1 digest
+    for ``"v2:..."`` (O(1)), else the canonical version-1 digest
     of the whole state."""
     if recorded.startswith(running.DIGEST_V2_PREFIX):
         return running.checkpoint_digest(state)

@@ -3,7 +3,7 @@ of up to ``SCALAR_LIMIT`` blocks, the common case) and compiled loops (larger ev
 
 Hypothesis programs use small pools, so most events take the loop path; here the limit is
 forced to 0 (every update compiled) and the programs must still match the seed pair for
-pair, and BlockSet's loop and compiled updates must leave identical bitmaps.
+pair, and the loop and compiled bitmap updates must leave identical bitmaps.
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ from strategies import reducer_programs
 from test_reducer_differential import run_both
 
 from kvlog.events import Event
-from kvlog.reducers import blockset, defrag
+from kvlog.reducers import blockset, defrag, kernels, state
 from kvlog.reducers.blockset import BlockSet
 
 
 @contextmanager
 def scalar_limit(limit: int) -> Iterator[None]:
     """Every module that reads ``SCALAR_LIMIT`` sees ``limit`` inside the block."""
-    modules = (blockset, defrag)
+    modules = (blockset, defrag, state)
     saved = [module.SCALAR_LIMIT for module in modules]
     for module in modules:
         module.SCALAR_LIMIT = limit  # type: ignore[attr-defined]
@@ -52,24 +52,33 @@ def test_loop_updates_of_any_size_equal_the_seed(events: list[Event]) -> None:
     st.integers(1, 3000),
     st.lists(st.tuples(st.booleans(), st.lists(st.integers(0, 2999), max_size=400)), max_size=12),
 )
-def test_blockset_loop_and_vectorized_updates_agree(
+def test_blockset_loop_and_compiled_updates_agree(
     size: int, ops: list[tuple[bool, list[int]]]
 ) -> None:
-    looped, vectorized = BlockSet(size), BlockSet(size)
+    """The bitmap updates of the Python loops (``BlockSet.add_ids`` / ``remove_ids``) and of
+    the compiled reference counting (``kernels.add_refs`` / ``drop_refs``) agree."""
+    looped, compiled = BlockSet(size), BlockSet(size)
+    refs = np.zeros(size, dtype=np.int32)
+    identity = np.arange(size, dtype=np.int32)
+    bitmaps = (compiled.words, compiled.nonempty, compiled.notfull)
     model: set[int] = set()
     for add, raw in ops:
         ids = sorted({b % size for b in raw})
         change = [b for b in ids if (b in model) != add]
         array = np.asarray(change, dtype=np.int64)
-        with scalar_limit(0):
-            (vectorized.add if add else vectorized.remove)(array)
+        if add:
+            fresh, _ = kernels.add_refs(*bitmaps, refs, array)
+            compiled.count += fresh
+        else:
+            freed = np.empty(len(change), dtype=np.int64)
+            compiled.count -= kernels.drop_refs(*bitmaps, refs, identity, array, freed)
         (looped.add_ids if add else looped.remove_ids)(change)
         model = model | set(change) if add else model - set(change)
-        for blocks in (looped, vectorized):
+        for blocks in (looped, compiled):
             assert blocks.count == len(model)
             assert np.array_equal(blocks.words, BlockSet.from_mask(_mask(model, size)).words)
-        assert np.array_equal(looped.nonempty, vectorized.nonempty)
-        assert np.array_equal(looped.notfull, vectorized.notfull)
+        assert np.array_equal(looped.nonempty, compiled.nonempty)
+        assert np.array_equal(looped.notfull, compiled.notfull)
         assert looped.highest_at_most(size - 1) == max(model, default=-1)
 
 

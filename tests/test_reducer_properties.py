@@ -331,10 +331,10 @@ def test_blockset_behaves_like_a_set(
         ids = sorted({b % size for b in raw})
         change = [b for b in ids if (b in model) != add]
         if add:
-            blocks.add(np.asarray(change, dtype=np.int64))
+            blocks.add_ids(change)
             model |= set(change)
         else:
-            blocks.remove(np.asarray(change, dtype=np.int64))
+            blocks.remove_ids(change)
             model -= set(change)
         assert blocks.count == len(model)
         assert _members_descending(blocks, probe) == sorted(

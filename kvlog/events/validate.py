@@ -176,19 +176,8 @@ def _validate_groups(e: StoreRequested | LoadRequested) -> None:
 
 
 def _validate_blocks_event(event: Any) -> None:
-    req_id, block_ids = event.req_id, event.block_ids
-    if (  # the decode step's event, checked inline: an ASCII id and one block id
-        type(req_id) is str
-        and 0 < len(req_id) <= MAX_REQ_ID_LENGTH
-        and req_id.isascii()
-        and type(block_ids) is list
-        and len(block_ids) == 1
-        and type(block_ids[0]) is int
-        and 0 <= block_ids[0] <= MAX_BLOCKS
-    ):
-        return
-    _req_id(event, req_id)
-    validate_block_ids(event, "block_ids", block_ids)
+    _req_id(event, event.req_id)
+    validate_block_ids(event, "block_ids", event.block_ids)
 
 
 def _validate_request_event(event: Any) -> None:

@@ -7,10 +7,11 @@ the highest member or the lowest non-member costs a few word operations, not a p
 cache. Each bitmap is a numpy array (``words``, ``nonempty``, ``notfull``) sharing memory
 with an ``array.array`` (``word_buffer``, ``nonempty_buffer``, ``notfull_buffer``, see
 ``buffers.py``): per-id loops read and write Python ints through the buffers, compiled
-loops (``kernels.py``) the numpy views. Updates touch the changed ids only, O(len(ids)): a
-Python-int loop up to ``SCALAR_LIMIT`` ids (one word write per run of ids in the same
-word), a compiled loop beyond; whole-word updates (``set_word_bits`` / ``clear_word_bits``)
-serve callers that have grouped their ids already.
+loops (``kernels.py``: the State's reference counting) the numpy views. Updates touch the
+changed ids only, O(len(ids)): a Python-int loop here up to ``SCALAR_LIMIT`` ids (one word
+write per run of ids in the same word), a compiled loop in ``kernels.py`` beyond;
+whole-word updates (``set_word_bits`` / ``clear_word_bits``) serve callers that have
+grouped their ids already.
 
 Bits at or above ``size`` in the last word are always clear: a scan for clear bits can yield
 such ids, and callers bound their scans (defrag never pairs a destination above its source).
@@ -23,7 +24,6 @@ from array import array
 import numpy as np
 import numpy.typing as npt
 
-from kvlog.reducers import kernels
 from kvlog.reducers.buffers import WordArray, uint64_buffer
 
 __all__ = [
@@ -145,22 +145,6 @@ class BlockSet:
     def contains(self, block_id: int) -> bool:
         """Whether ``block_id`` is a member."""
         return bool((self.word_buffer[block_id >> 6] >> (block_id & 63)) & 1)
-
-    def add(self, ids: IdArray) -> None:
-        """Add distinct ids that are not members."""
-        if ids.size <= SCALAR_LIMIT:
-            self.add_ids(ids.tolist())
-            return
-        kernels.set_members(self.words, self.nonempty, self.notfull, ids, True)
-        self.count += int(ids.size)
-
-    def remove(self, ids: IdArray) -> None:
-        """Remove distinct ids that are members."""
-        if ids.size <= SCALAR_LIMIT:
-            self.remove_ids(ids.tolist())
-            return
-        kernels.set_members(self.words, self.nonempty, self.notfull, ids, False)
-        self.count -= int(ids.size)
 
     def add_ids(self, ids: list[int]) -> None:
         """Add distinct non-members given as Python ints; a run of ids in one word is one

@@ -106,11 +106,7 @@ def check_allocate(state: State, event: BlocksAllocated) -> Allocation:
     config = state.config
     assert config is not None, "reduce() dispatches only configured states here"
     block_ids = event.block_ids
-    if len(block_ids) == 1 and block_ids[0] < config.num_gpu_blocks:  # a decode step's
-        p = state.fwd_buffer[block_ids[0]]
-        if not (state.refs_buffer[p] or state.load_pins_buffer[p] or state.store_pins_buffer[p]):
-            return [p], True
-    if len(block_ids) <= SCALAR_LIMIT:  # a few blocks
+    if len(block_ids) <= SCALAR_LIMIT:  # a decode step's block, or a few
         if block_ids and max(block_ids) >= config.num_gpu_blocks:
             check_block_range(event, "block_ids", block_ids, config.num_gpu_blocks)
         found = _small_allocation(state, block_ids, config.prefix_caching)
@@ -135,20 +131,16 @@ def _small_allocation(
     state: State, block_ids: list[int], prefix_caching: bool
 ) -> Allocation | None:
     """``check_allocate`` for a few in-range ids when nothing refuses them (plain loops:
-    the decode step's path); None when something might (the compiled check decides)."""
-    fwd, loads = state.fwd_buffer, state.load_pins_buffer
+    the decode step's path, with ``kernels.allocation``'s verdicts); None when something
+    might (the compiled check decides and names it)."""
+    fwd, refs = state.fwd_buffer, state.refs_buffer
+    loads, stores = state.load_pins_buffer, state.store_pins_buffer
     physical = [fwd[b] for b in block_ids]
-    if prefix_caching:
-        for p in physical:
-            if loads[p]:
-                return None
-        return physical, False
-    refs, stores = state.refs_buffer, state.store_pins_buffer
     free = True
     for p in physical:
-        if refs[p] or loads[p]:
+        if loads[p] or (refs[p] and not prefix_caching):
             return None
-        if stores[p]:
+        if refs[p] or stores[p]:
             free = False
     return physical, free
 

@@ -41,7 +41,6 @@ __all__ = [
     "load",
     "move",
     "seed_walk",
-    "set_members",
     "table_terms",
 ]
 
@@ -262,15 +261,6 @@ def _drop_refs(
     return count
 
 
-def _set_members(words: Any, nonempty: Any, notfull: Any, block_ids: Any, add: bool) -> None:
-    """Add (or remove) distinct non-members (members) to (from) a bitmap."""
-    for i in range(len(block_ids)):
-        if add:
-            _add_member(words, nonempty, notfull, block_ids[i])
-        else:
-            _remove_member(words, nonempty, notfull, block_ids[i])
-
-
 def _allocation(
     fwd: Any, refs: Any, store_pins: Any, load_pins: Any, logical: Any, shared: bool, physical: Any
 ) -> int:
@@ -291,9 +281,11 @@ def _allocation(
 
 def _compiled(function: Any, inline: bool = False) -> Any:
     """``function`` compiled by numba, cached on disk where numba finds a writable place
-    (next to this file, else the user's cache directory, else ``NUMBA_CACHE_DIR``); where
-    it finds none, compiled in each process instead of refusing to import. ``inline``: a
-    helper, inlined into the kernels that call it."""
+    (``NUMBA_CACHE_DIR`` if set, else next to this file, else the user's cache directory);
+    where it finds none, compiled in each process instead of refusing to import.
+    ``inline``: a helper, inlined into the kernels that call it. The GIL is kept (no
+    ``nogil``): a kernel runs for microseconds, and a released GIL could hand the serving
+    loop's thread over to another for a whole switch interval."""
     mode: Literal["always", "never"] = "always" if inline else "never"
     try:
         return numba.njit(cache=True, inline=mode)(function)
@@ -323,7 +315,6 @@ seed_walk = _jit(_seed_walk)
 move = _jit(_move)
 add_refs = _jit(_add_refs)
 drop_refs = _jit(_drop_refs)
-set_members = _jit(_set_members)
 allocation = _jit(_allocation)
 
 
@@ -345,7 +336,6 @@ def load() -> None:
     move(words, words, words, blocks, blocks, blocks, none, none, 0)
     add_refs(words, words, words, blocks, none)
     drop_refs(words, words, words, blocks, blocks, none, ids)
-    set_members(words, words, words, none, True)
     allocation(blocks, blocks, blocks, blocks, none, False, ids)
     table_terms(np.uint64(GOLDEN), 0, none)
     _loaded = True

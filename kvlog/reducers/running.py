@@ -173,10 +173,7 @@ class RunningDigest:
         entry = self.per_request.get(req_id)
         if entry is None:
             entry = self.per_request[req_id] = [request_key(req_id), 0]
-        if len(block_ids) == 1:  # a decode step's block (table_terms' first case, one call less)
-            delta = mix((entry[0] + ((start << 32) | block_ids[0]) * GOLDEN) & MASK)
-        else:
-            delta = table_terms(entry[0], start, block_ids)
+        delta = table_terms(entry[0], start, block_ids)
         entry[1] = (entry[1] + delta) & MASK
         self.tables = (self.tables + delta) & MASK
 

@@ -8,9 +8,10 @@ every step 0, 1 or 2 requests arrive (4..64 blocks each), 8 live requests grow b
 and random live requests finish while more than 80% of the pool is used (so the pool stays in a
 70-90% band and finishes leave holes); block ids come from a FIFO free list, like vLLM's. Per-
 step event volume is the same at every size; only the pool (and the live requests in it) grows.
-Both sides get the same events, timed one side after the other; the seed side is
-``tests/seed_model.py``'s ``SeedDefragmenter`` (the seed's ``defragment()``: a ``max()`` and
-``sorted()`` over every used block). Their pairs are checked equal, step by step. A step is all
+Both sides get the same events, timed one side after the other; the seed side is the seed as
+the plugin ships it (``tests/seed_reference.py`` without KV tensors: ``update_state`` per
+scheduler input, ``defragment()`` with its ``max()`` and two ``sorted()`` over every used
+block; see ``bench_step.py``). Their pairs are checked equal, step by step. A step is all
 of its events plus its ``StepEnded``. Printed: mean and p99 in microseconds and seed/kvlog,
 once with the seed's default threshold (defrag fires on most steps) and once with a threshold
 no pool can exceed (the trigger is evaluated and never fires: the cost of a step without
@@ -29,8 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_step import ARRIVALS, GROWTHS, Trace, seed_apply
-from seed_model import SeedDefragmenter
+from bench_step import ARRIVALS, GROWTHS, Trace, shipped_apply
+from seed_reference import SEED_PAD_SIZES
+from seed_reference import SeedDefragmenter as SeedShipped
 
 from kvlog.events import CacheConfigured, SwapPlan
 from kvlog.reducers import initial_state, reduce
@@ -43,10 +45,11 @@ def run_size(num_gpu_blocks: int, num_steps: int, threshold: int) -> dict[str, l
     trace = Trace(num_gpu_blocks, seed=num_gpu_blocks)
     config = CacheConfigured(num_gpu_blocks=num_gpu_blocks, block_size=16, threshold=threshold)
     state, _ = reduce(initial_state(), config)
-    seed = SeedDefragmenter(threshold=config.threshold, max_swaps=config.max_swaps)
+    assert config.max_swaps == SEED_PAD_SIZES[-1], "the shipped seed caps pairs at 512"
+    seed = SeedShipped(threshold=config.threshold)
     for event in trace.warm_up():
         reduce(state, event)
-        seed_apply(seed, event)
+        shipped_apply(seed, event)
     steps = [trace.step(s) for s in range(num_steps)]
     clock = time.perf_counter_ns
     kvlog_us, seed_us, ours, theirs = [], [], [], []
@@ -57,7 +60,7 @@ def run_size(num_gpu_blocks: int, num_steps: int, threshold: int) -> dict[str, l
         ours.append([pair for p in plans if isinstance(p, SwapPlan) for pair in p.pairs])
     for events in steps:
         t0 = clock()
-        pairs = [pair for e in events for pair in seed_apply(seed, e)]
+        pairs = [pair for e in events for pair in shipped_apply(seed, e)]
         seed_us.append((clock() - t0) / 1e3)
         theirs.append(pairs)
     assert ours == theirs, "kvlog and the seed disagree"

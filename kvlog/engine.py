@@ -76,6 +76,7 @@ from kvlog.memory import (
 )
 from kvlog.reducers import running
 from kvlog.reducers.digest import digest_and_snapshot
+from kvlog.reducers.ranges import check_id_dtype
 from kvlog.replay import replay_state
 
 if TYPE_CHECKING:
@@ -242,10 +243,7 @@ class Engine:
         """
         if isinstance(block_tables, np.ndarray):
             return self._resolve_array(block_tables)
-        try:
-            rows = [np.asarray(row, dtype=np.int64) for row in block_tables]
-        except (TypeError, ValueError, OverflowError) as exc:
-            raise BlockOutOfRange(f"block tables must hold int64 block ids: {exc}") from exc
+        rows = [_table_row(row) for row in block_tables]
         if not rows:
             return []
         if any(row.ndim != 1 for row in rows):
@@ -262,8 +260,7 @@ class Engine:
     def _resolve_array(self, table: np.ndarray) -> np.ndarray:
         if table.size == 0:
             return table.copy()
-        if not np.issubdtype(table.dtype, np.integer):
-            raise InvalidEvent(f"block tables must hold integers, not {table.dtype}")
+        check_id_dtype(table.dtype, self.config.num_gpu_blocks)
         valid = table >= 0
         top = int(table.max())
         if top >= self.config.num_gpu_blocks:
@@ -489,6 +486,22 @@ def _configured(config: CacheConfigured) -> tuple[CacheConfigured, reducers.Stat
     except MemoryError as exc:
         raise StateTooLarge(f"cannot allocate the state: {exc!r}", config) from exc
     return config, state
+
+
+def _table_row(row: Any) -> np.ndarray:
+    """One row of a list of block tables as int64 ids, checked: integers only (no floats,
+    bools or strings cast on the way), each within int64."""
+    try:
+        array = np.asarray(row)
+    except (TypeError, ValueError) as exc:
+        raise BlockOutOfRange(f"block tables must hold int64 block ids: {exc}") from exc
+    if array.size == 0:
+        return array.astype(np.int64)
+    if not np.issubdtype(array.dtype, np.integer):
+        raise BlockOutOfRange(f"block tables must hold int64 block ids, not {array.dtype}")
+    if array.dtype == np.uint64 and int(array.max()) > np.iinfo(np.int64).max:
+        raise BlockOutOfRange(f"block id {int(array.max())} is outside int64")
+    return array.astype(np.int64)
 
 
 def _plain_event(event: Event) -> Event:

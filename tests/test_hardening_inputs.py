@@ -303,6 +303,28 @@ def test_the_pool_bound_allocates_nothing_before_refusing() -> None:
         Engine(CacheConfigured(num_gpu_blocks=2**31 - 1, block_size=16))
 
 
+def test_resolved_ids_never_wrap_into_a_narrow_dtype() -> None:
+    """Block 299 in an int8 table came back as 43 (and in a uint64 list, 2**64-1 came back
+    as padding, 1.9 as block 1): a table's dtype must hold every id of the pool."""
+    engine = Engine(CacheConfigured(num_gpu_blocks=300, block_size=16, threshold=0))
+    engine.apply(BlocksAllocated(req_id="a", block_ids=[0]))
+    engine.apply(BlocksAllocated(req_id="b", block_ids=[299]))
+    engine.apply(StepEnded(step=1))
+    assert engine.resolve(1) == 299 and engine.resolve(299) == 1
+    for narrow in (np.int8, np.uint8):
+        with pytest.raises(INVALID, match="cannot hold the ids of a 300-block pool"):
+            engine.resolve_all(np.array([[1, 0]], dtype=narrow))
+        with pytest.raises(INVALID, match="cannot hold"):
+            engine.state.resolve_array(np.array([1], dtype=narrow))
+    resolved = engine.resolve_all(np.array([[1, 299, -1]], dtype=np.int16))
+    assert resolved.dtype == np.int16 and resolved.tolist() == [[299, 1, -1]]
+    assert engine.resolve_all([np.array([1], dtype=np.uint64), [299], []]) == [[299], [1], []]
+    for bad in ([np.array([2**64 - 1], dtype=np.uint64)], [[1.9, 0.2]], [[True]], [[None]]):
+        with pytest.raises(RANGE):
+            engine.resolve_all(bad)
+    engine.close()
+
+
 BAD_CALLS: list[tuple[str, Callable[[Engine], object], type[Exception]]] = [
     ("sync", lambda e: Engine(CONFIG, sync="sometimes"), errors.ConfigError),
     ("checkpoint_every", lambda e: Engine(CONFIG, checkpoint_every=-1), errors.ConfigError),

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import numpy as np
 
-from kvlog.errors import BlockOutOfRange
+from kvlog.errors import BlockOutOfRange, InvalidEvent
 from kvlog.events import Event
 from kvlog.reducers.blockset import IdArray
 
-__all__ = ["check_block_range"]
+__all__ = ["check_block_range", "check_id_dtype"]
 
 
 def check_block_range(event: Event, name: str, block_ids: list[int], size: int) -> IdArray:
@@ -17,3 +19,15 @@ def check_block_range(event: Event, name: str, block_ids: list[int], size: int) 
         bad = next(b for b in block_ids if not 0 <= b < size)
         raise BlockOutOfRange(f"{name} holds block id {bad}, outside [0, {size})", event)
     return np.fromiter(block_ids, np.int64, len(block_ids))
+
+
+def check_id_dtype(dtype: np.dtype[np.generic], size: int) -> None:
+    """Refuse an id array that cannot carry every block id of a ``size``-block pool: not
+    integers, or too narrow (a resolved id would wrap, e.g. block 299 in int8 as 43)."""
+    if not np.issubdtype(dtype, np.integer):
+        raise InvalidEvent(f"block ids must be integers, not {dtype}")
+    if np.iinfo(cast(Any, dtype)).max < size - 1:  # an integer dtype, checked above
+        raise InvalidEvent(
+            f"block ids of dtype {dtype} cannot hold the ids of a {size}-block pool "
+            f"(up to {size - 1}); use int32 or int64"
+        )

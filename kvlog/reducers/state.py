@@ -28,6 +28,7 @@ from kvlog.events import CacheConfigured, SwapPlan
 from kvlog.reducers import kernels, running
 from kvlog.reducers.blockset import SCALAR_LIMIT, BlockSet, IdArray, clear_bits, set_bits
 from kvlog.reducers.buffers import int32_buffer, uint64_buffer
+from kvlog.reducers.ranges import check_id_dtype
 
 __all__ = ["MAX_JOBS_IN_FLIGHT", "Job", "State", "initial_state"]
 
@@ -136,8 +137,10 @@ class State:
         return physical
 
     def resolve_array(self, block_ids: npt.NDArray[np.integer]) -> npt.NDArray[np.integer]:
-        """Vectorized ``resolve``: a new array of the same shape and dtype."""
+        """Vectorized ``resolve``: a new array of the same shape and dtype. ``InvalidEvent``
+        for ids that are not integers or whose dtype cannot hold every id of the pool."""
         ids = np.asarray(block_ids)
+        check_id_dtype(ids.dtype, self.refs.size)
         inside = (ids >= 0) & (ids < self.refs.size)
         if inside.all():
             return self.fwd[ids].astype(ids.dtype, copy=False)

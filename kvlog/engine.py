@@ -497,11 +497,11 @@ def _table_row(row: Any) -> np.ndarray:
         raise BlockOutOfRange(f"block tables must hold int64 block ids: {exc}") from exc
     if array.size == 0:
         return array.astype(np.int64)
-    if not np.issubdtype(array.dtype, np.integer):
+    if array.dtype.kind not in "iu":  # numpy's integer kinds (bool is "b")
         raise BlockOutOfRange(f"block tables must hold int64 block ids, not {array.dtype}")
     if array.dtype == np.uint64 and int(array.max()) > np.iinfo(np.int64).max:
         raise BlockOutOfRange(f"block id {int(array.max())} is outside int64")
-    return array.astype(np.int64)
+    return array.astype(np.int64, copy=False)  # a list of ints is int64 already
 
 
 def _plain_event(event: Event) -> Event:

@@ -63,6 +63,7 @@ from kvlog.events import (
     Event,
     Plan,
     StepEnded,
+    StepScheduled,
     TransferFinished,
     encode,
 )
@@ -85,6 +86,8 @@ if TYPE_CHECKING:
 __all__ = ["Engine", "available_memory", "check_state_memory", "state_bytes"]
 
 _EVENT_TYPES = frozenset(typing.get_args(Event))
+_STEP_TYPES = frozenset({StepEnded, StepScheduled})
+"""The events that end a scheduler step (checkpoints count them)."""
 DEFAULT_SNAPSHOT_EVERY = 16
 """Checkpoints between snapshots by default (``snapshot_every=None``)."""
 SNAPSHOT_BLOCKS_PER_RECORD = 4
@@ -197,7 +200,7 @@ class Engine:
             plans = self._machine.apply(plain, record)
         if self._log is not None:
             self._last_seq = self._log.next_seq - 1  # the event just appended
-        if type(event) is StepEnded:
+        if type(event) in _STEP_TYPES:
             self._num_steps += 1
             if self.checkpoint_every and self._num_steps % self.checkpoint_every == 0:
                 self._checkpoint()
@@ -526,8 +529,10 @@ def _size_bound(event: Event) -> int:
     total = 64
     for name in event.__struct_fields__:
         value = getattr(event, name)
-        if isinstance(value, (list, tuple)):
-            total += 16 + 9 * len(value)
+        if isinstance(value, dict):  # StepScheduled.allocated
+            total += 16 + sum(32 + 4 * len(k) + 9 * len(v) for k, v in value.items())
+        elif isinstance(value, (list, tuple)):
+            total += 16 + sum(16 + 4 * len(v) if isinstance(v, str) else 9 for v in value)
         elif isinstance(value, str):
             total += 16 + 4 * len(value)
         else:

@@ -27,6 +27,7 @@ from kvlog.events import (
     RequestFinished,
     RequestPreempted,
     StepEnded,
+    StepScheduled,
     StoreRequested,
     SwapPlan,
     TransferFinished,
@@ -272,6 +273,7 @@ def test_every_record_type_round_trips(tmp_path: Path) -> None:
         TransferSubmitted(9),
         Checkpoint(seq=7, digest="f" * 64, step=0, snapshot=bytes(range(256))),
         StepEnded(2**63 - 1),
+        StepScheduled(3, {"b": [3, 4], "c": []}, ["a"], preempted=["d"], resumed=["b"]),
     ]
     assert {type(record) for record in records} == set(typing.get_args(Record))
     with LogWriter(path) as writer:

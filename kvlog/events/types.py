@@ -28,6 +28,7 @@ __all__ = [
     "RequestFinished",
     "RequestPreempted",
     "StepEnded",
+    "StepScheduled",
     "StoreRequested",
     "SwapPlan",
     "FencePlan",
@@ -170,6 +171,24 @@ class TransferSubmitted(_Tagged, frozen=True):
     job_id: int
 
 
+class StepScheduled(_Tagged, frozen=True):
+    """One whole scheduler step as the runner gets it: applying it is exactly the Gaudi
+    facade's ``update_state(allocated, finished, preempted, resumed)`` followed by
+    ``defragment()``, i.e. the fine-grained events it stands for, in this order:
+    ``RequestFinished`` for each of ``finished``, ``RequestPreempted`` for each of
+    ``preempted``, then for each ``allocated`` request with blocks (in the dict's order) a
+    ``RequestPreempted`` first if it is in ``resumed`` and holds a table (its list is its
+    whole new table), then ``BlocksAllocated``; last ``StepEnded(step)``. The same state,
+    plans and digest as those events; all or nothing (a refused step changes nothing).
+    """
+
+    step: int
+    allocated: dict[str, list[int]]
+    finished: list[str]
+    preempted: list[str] = []
+    resumed: list[str] = []
+
+
 class Checkpoint(_Tagged, frozen=True):
     """A log record, not an event: the state digest after record ``seq`` was applied.
 
@@ -234,6 +253,7 @@ Event = (
     | TransferFinished
     | TransferSubmitted
     | BlocksReleased
+    | StepScheduled
 )
 Record = Event | Checkpoint
 Plan = SwapPlan | TransferPlan | FencePlan

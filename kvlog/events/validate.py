@@ -28,6 +28,7 @@ from kvlog.events.types import (
     RequestFinished,
     RequestPreempted,
     StepEnded,
+    StepScheduled,
     StoreRequested,
     TransferFinished,
     TransferSubmitted,
@@ -198,6 +199,24 @@ def _validate_finished(event: Any) -> None:
         raise InvalidEvent("success must be a bool", event)
 
 
+def _validate_step_scheduled(event: StepScheduled) -> None:
+    """A whole step: its number, each request id, each request's new blocks (distinct
+    non-negative ints; the pool bound is the reducer's)."""
+    _int(event, "step", event.step, 0)
+    allocated = event.allocated
+    if type(allocated) is not dict:
+        raise InvalidEvent("allocated must be a dict of request id -> block ids", event)
+    for req_id, block_ids in allocated.items():
+        _req_id(event, req_id)
+        validate_block_ids(event, f"allocated[{req_id!r}]", block_ids)
+    for name in ("finished", "preempted", "resumed"):
+        req_ids = getattr(event, name)
+        if type(req_ids) is not list:
+            raise InvalidEvent(f"{name} must be a list of request ids", event)
+        for req_id in req_ids:
+            _req_id(event, req_id)
+
+
 VALIDATORS: dict[type, Callable[[Any], None]] = {  # each event type's stateless checks
     CacheConfigured: _validate_config,
     BlocksAllocated: _validate_blocks_event,
@@ -209,6 +228,7 @@ VALIDATORS: dict[type, Callable[[Any], None]] = {  # each event type's stateless
     LoadRequested: _validate_transfer,
     TransferSubmitted: _validate_job_id,
     TransferFinished: _validate_finished,
+    StepScheduled: _validate_step_scheduled,
 }
 assert set(VALIDATORS) == _EVENT_TYPES, "every event type has exactly one validator"
 
@@ -237,6 +257,9 @@ def normalize_event(event: Any) -> Any:
 
 
 def _plain(value: Any) -> Any:
+    if type(value) is dict:  # StepScheduled.allocated: request id -> block ids
+        plain = {key: _plain(v) for key, v in value.items()}
+        return plain if any(plain[k] is not v for k, v in value.items()) else value
     if isinstance(value, np.integer):
         return int(value)
     if isinstance(value, np.bool_):

@@ -55,7 +55,7 @@ from kvlog.errors import (
     RecordRejected,
     SchemaVersionError,
 )
-from kvlog.events import SCHEMA_VERSION, Checkpoint, Record, StepEnded
+from kvlog.events import SCHEMA_VERSION, Checkpoint, Record, StepEnded, StepScheduled
 from kvlog.log.format import (
     FLAG_CLOSED,
     FLAGS_OFFSET,
@@ -88,6 +88,8 @@ __all__ = ["SYNC_MODES", "LogWriter", "SyncMode"]
 SyncMode = Literal["none", "step", "always"]
 SYNC_MODES: tuple[str, ...] = ("none", "step", "always")
 _RECORD_TYPES = frozenset(typing.get_args(Record))
+_STEP_TYPES = frozenset({StepEnded, StepScheduled})
+"""Records that end a scheduler step: ``sync="step"`` commits the group at each."""
 _EMPTY_FRAME = bytes(FRAME_BYTES)
 _CRC = struct.Struct("<I")
 _COPY_BYTES = 4096
@@ -177,7 +179,7 @@ class LogWriter:
         if record_type is Checkpoint and len(record.snapshot) > SNAPSHOT_PART_BYTES:  # type: ignore[union-attr]
             return self._append_parts(record)  # type: ignore[arg-type]
         seq = self._frame(record)
-        if self._fsync_each or (self._fsync_step and record_type is StepEnded):
+        if self._fsync_each or (self._fsync_step and record_type in _STEP_TYPES):
             self._commit(fsync=True)
         elif len(self._buffer) >= self._buffer_bytes:
             self._commit(fsync=False)

@@ -25,6 +25,7 @@ from kvlog.events import (
     RequestFinished,
     RequestPreempted,
     StepEnded,
+    StepScheduled,
     StoreRequested,
     SwapPlan,
     TransferFinished,
@@ -32,7 +33,7 @@ from kvlog.events import (
     validate_event,
 )
 from kvlog.events.validate import VALIDATORS
-from kvlog.reducers import defrag, transfers
+from kvlog.reducers import defrag, step, transfers
 from kvlog.reducers.state import State
 
 __all__ = ["Checked", "check", "commit", "reduce", "validate"]
@@ -61,6 +62,7 @@ _PAIRS: dict[type, tuple[_Check, _Apply]] = {
     TransferFinished: (transfers.check_finish, transfers.apply_finish),
     TransferSubmitted: (transfers.check_submitted, transfers.apply_submitted),
     BlocksReleased: (defrag.check_release_blocks, defrag.apply_release_blocks),
+    StepScheduled: (step.check_step, step.apply_step),
 }
 """Per event type: its check against the state and its apply."""
 _STEPS: dict[type, tuple[Callable[[Any], None], _Check, _Apply]] = {
@@ -100,7 +102,7 @@ def check(state: State, event: Event) -> Checked:
 def commit(state: State, checked: Checked) -> list[Plan]:
     """Change the state by a checked event, once; its plans (cannot refuse)."""
     plans = checked.apply(state, checked.event, checked.found)
-    state.last_swap = plans[0] if plans and type(plans[0]) is SwapPlan else None
+    state.last_swap = plans[-1] if plans and type(plans[-1]) is SwapPlan else None
     return plans
 
 

@@ -66,6 +66,7 @@ from kvlog.reducers.state import State
 
 __all__ = [
     "Allocation",
+    "allocate_blocks",
     "apply_allocate",
     "apply_configure",
     "apply_release_blocks",
@@ -73,9 +74,11 @@ __all__ = [
     "check_block_range",
     "check_configure",
     "end_step",
+    "end_step_at",
     "pad_bucket",
     "pair_up",
     "release",
+    "release_request",
 ]
 
 
@@ -146,14 +149,25 @@ def _small_allocation(
 
 
 def apply_allocate(state: State, event: BlocksAllocated, checked: Allocation) -> list[Plan]:
-    """Append blocks to a request's table and reference their physical blocks. A free
-    block that an unfinished store still reads is being reused, and will be written:
-    flush those stores first (a shared, live block is only read)."""
-    block_ids = event.block_ids
-    if not block_ids:
+    """Append blocks to a request's table and reference their physical blocks."""
+    if not event.block_ids:
         return []
     physical, free = checked
-    state.extend_table(event.req_id, block_ids)
+    return allocate_blocks(state, event.req_id, event.block_ids, physical, free)
+
+
+def allocate_blocks(
+    state: State,
+    req_id: str,
+    block_ids: list[int],
+    physical: IdArray | list[int],
+    free: bool,
+) -> list[Plan]:
+    """Append checked, non-empty ``block_ids`` to ``req_id``'s table and reference their
+    ``physical`` blocks (``free``: the check found them all unreferenced and unpinned). A
+    free block that an unfinished store still reads is being reused, and will be written:
+    flush those stores first (a shared, live block is only read)."""
+    state.extend_table(req_id, block_ids)
     if free:
         state.take_free(physical)
         return []
@@ -197,15 +211,21 @@ def _refuse_allocation(
 
 
 def release(state: State, event: RequestFinished | RequestPreempted) -> list[Plan]:
+    """Drop a request's table (``release_request``)."""
+    release_request(state, event.req_id)
+    return []
+
+
+def release_request(state: State, req_id: str) -> None:
     """Drop a request's table; its blocks lose one reference each (and, with
-    ``quarantine_released``, those it freed are no destination at the next StepEnded)."""
-    table = state.pop_table(event.req_id)
+    ``quarantine_released``, those it freed are no destination at the next StepEnded).
+    A request without a table is a no-op."""
+    table = state.pop_table(req_id)
     if table is None:
-        return []
+        return
     freed = state.drop_logical(table)
     if len(freed):
         _quarantine(state, freed if isinstance(freed, list) else freed.tolist())
-    return []
 
 
 def check_release_blocks(state: State, event: BlocksReleased) -> list[int]:
@@ -246,10 +266,15 @@ def _quarantine(state: State, freed: list[int]) -> None:
 
 
 def end_step(state: State, event: StepEnded) -> list[Plan]:
-    """Record the step and take the defrag decision."""
+    """Record the step and take the defrag decision (``end_step_at``)."""
+    return end_step_at(state, event.step)
+
+
+def end_step_at(state: State, step: int) -> list[Plan]:
+    """Record step ``step`` and take the defrag decision."""
     config = state.config
     assert config is not None, "reduce() dispatches only configured states here"
-    state.step = event.step
+    state.step = step
     if not config.defrag:
         state.lift_quarantine()
         return []
@@ -261,7 +286,7 @@ def end_step(state: State, event: StepEnded) -> list[Plan]:
     pairs = list(zip(sources.tolist(), destinations.tolist(), strict=True))
     mode: Literal["swap", "move"] = "swap" if config.prefix_caching else "move"
     padded_to = pad_bucket(len(pairs), config.pad_sizes)
-    return [SwapPlan(step=event.step, pairs=pairs, padded_to=padded_to, mode=mode)]
+    return [SwapPlan(step=step, pairs=pairs, padded_to=padded_to, mode=mode)]
 
 
 def pad_bucket(num_pairs: int, pad_sizes: tuple[int, ...]) -> int:

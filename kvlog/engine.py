@@ -67,7 +67,7 @@ from kvlog.events import (
     TransferFinished,
     encode,
 )
-from kvlog.events.validate import normalize_event
+from kvlog.events.validate import MAX_REQ_ID_LENGTH, normalize_event
 from kvlog.log import MAX_RECORD_BYTES, SYNC_MODES, LogReader, LogWriter, Recovery, SyncMode
 from kvlog.machine import Machine
 from kvlog.memory import (
@@ -205,6 +205,12 @@ class Engine:
             if self.checkpoint_every and self._num_steps % self.checkpoint_every == 0:
                 self._checkpoint()
         return plans
+
+    def check(self, event: Event) -> None:
+        """Raise what ``apply(event)`` would raise against the state as it is now (a
+        ``KvlogError``); change nothing, log nothing."""
+        self._check_open()
+        self._machine.check(event)
 
     def poll(self) -> list[TransferCompletion]:
         """Finished transfers from the executor, each logged and reduced as TransferFinished."""
@@ -526,6 +532,11 @@ def _check_record_size(event: Event) -> None:
 
 def _size_bound(event: Event) -> int:
     """An upper bound of the event's encoded size (for valid field values)."""
+    if type(event) is StepScheduled:  # ids are at most 4 bytes a character, ints 9
+        num_ids = sum(map(len, event.allocated.values()))
+        num_requests = len(event.allocated) + len(event.finished)
+        num_requests += len(event.preempted) + len(event.resumed)
+        return 128 + 9 * num_ids + num_requests * (32 + 4 * MAX_REQ_ID_LENGTH)
     total = 64
     for name in event.__struct_fields__:
         value = getattr(event, name)

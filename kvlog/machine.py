@@ -45,7 +45,7 @@ class Observer(Protocol):
 class Machine:
     """The state, the executor that carries out its plans (or None) and the observers."""
 
-    __slots__ = ("executor", "observers", "state")
+    __slots__ = ("_checked", "executor", "observers", "state")
 
     def __init__(
         self,
@@ -56,14 +56,22 @@ class Machine:
         self.state = reducers.initial_state() if state is None else state
         self.executor = executor
         self.observers = list(observers)
+        self._checked: Checked | None = None
+        """The last event ``check`` accepted, while no commit has changed the state since:
+        ``apply`` of that same event object commits it without checking it again (the
+        Gaudi facade checks a step when the runner hands it over and applies it at the
+        step's end)."""
 
     def check(self, event: Event) -> Checked:
         """The event checked against the state (nothing changes), or the refusal: an
         ``InvalidEvent`` subclass or ``NotConfigured``."""
-        return reducers.check(self.state, event)
+        checked = reducers.check(self.state, event)
+        self._checked = checked
+        return checked
 
     def commit(self, checked: Checked) -> list[Plan]:
         """Change the state by a checked event, execute its plans, notify; the plans."""
+        self._checked = None
         state, event = self.state, checked.event
         observers = self.observers
         if observers:
@@ -82,7 +90,9 @@ class Machine:
     def apply(self, event: Event, record: Callable[[Event], object] | None = None) -> list[Plan]:
         """``check``, then ``record(event)`` if given (a log's append: it may refuse, and
         then nothing has changed), then ``commit``; the plans."""
-        checked = reducers.check(self.state, event)
+        checked = self._checked
+        if checked is None or checked.event is not event:
+            checked = reducers.check(self.state, event)
         if record is not None:
             record(checked.event)
         return self.commit(checked)

@@ -18,7 +18,13 @@ from kvlog.errors import (
     TransferSizeMismatch,
     TransferSpecError,
 )
-from kvlog.events import BlocksAllocated, RequestFinished, RequestPreempted, StepEnded
+from kvlog.events import (
+    BlocksAllocated,
+    RequestFinished,
+    RequestPreempted,
+    StepEnded,
+    StepScheduled,
+)
 from kvlog.integrations import (
     OffloadingHandlers,
     OffloadingWorker,
@@ -26,6 +32,8 @@ from kvlog.integrations import (
     derive_num_gpu_blocks,
 )
 from kvlog.log import LogReader
+from kvlog.reducers import initial_state, reduce
+from kvlog.reducers import step as step_reducer
 
 BS = 4
 
@@ -94,7 +102,9 @@ def test_decisions_equal_the_seed_on_the_same_runner_calls() -> None:
         assert defrag.resolve_all(tables) == seed.resolve_all(tables)
 
 
-def test_update_state_logs_finished_then_preempted_then_allocations(tmp_path: Path) -> None:
+def test_update_state_logs_one_step_event_per_runner_step(tmp_path: Path) -> None:
+    """The runner's update_state + defragment is one StepScheduled record, standing for
+    finished, then preempted releases, then the allocations, then StepEnded."""
     log = tmp_path / "a.kvlog"
     defrag = make(log_path=log)
     defrag.update_state({"a": [1, 2]}, [])
@@ -103,6 +113,16 @@ def test_update_state_logs_finished_then_preempted_then_allocations(tmp_path: Pa
     defrag.defragment()
     defrag.close()
     assert events(log)[1:] == [
+        StepScheduled(step=0, allocated={"a": [1, 2]}, finished=[]),
+        StepScheduled(step=1, allocated={"b": [1], "c": [2, 3]}, finished=["a"], preempted=["x"]),
+    ]
+    fine: list[object] = []
+    state = initial_state()
+    for event in events(log):
+        if isinstance(event, StepScheduled):
+            fine += step_reducer.expand(state, event)
+        reduce(state, event)
+    assert fine == [
         BlocksAllocated(req_id="a", block_ids=[1, 2]),
         StepEnded(step=0),
         RequestFinished(req_id="a"),
@@ -313,7 +333,7 @@ def test_disabled_defrag_still_records_and_never_swaps(tmp_path: Path) -> None:
     defrag.defragment()
     assert not defrag.enabled and defrag.last_swap is None and defrag.resolve(40) == 40
     defrag.close()
-    assert len(events(log)) == 3
+    assert events(log)[1:] == [StepScheduled(step=0, allocated={"b": [40]}, finished=[])]
 
 
 def test_the_runner_constructor_warmup_swap_and_cache_utils() -> None:

@@ -200,21 +200,33 @@ def _validate_finished(event: Any) -> None:
 
 
 def _validate_step_scheduled(event: StepScheduled) -> None:
-    """A whole step: its number, each request id, each request's new blocks (distinct
-    non-negative ints; the pool bound is the reducer's)."""
+    """A whole step: its number, each request id, and that every block id is an int. What
+    the pool bounds anyway (negative ids, ids out of range, an id given twice) the step's
+    check refuses in its one compiled pass over the step's blocks (``reducers/step.py``),
+    with the same errors as ``validate_block_ids``."""
     _int(event, "step", event.step, 0)
     allocated = event.allocated
     if type(allocated) is not dict:
         raise InvalidEvent("allocated must be a dict of request id -> block ids", event)
     for req_id, block_ids in allocated.items():
-        _req_id(event, req_id)
-        validate_block_ids(event, f"allocated[{req_id!r}]", block_ids)
+        if type(req_id) is not str or not 0 < len(req_id) <= MAX_REQ_ID_LENGTH:
+            _req_id(event, req_id)
+        elif not req_id.isascii():
+            _encodable(event, "req_id", req_id)
+        if type(block_ids) is not list:
+            raise InvalidEvent(f"allocated[{req_id!r}] must be a list of ints", event)
+    if not set(map(type, itertools.chain.from_iterable(allocated.values()))) <= _INT_ONLY:
+        for req_id, block_ids in allocated.items():
+            validate_block_ids(event, f"allocated[{req_id!r}]", block_ids)  # names it
     for name in ("finished", "preempted", "resumed"):
         req_ids = getattr(event, name)
         if type(req_ids) is not list:
             raise InvalidEvent(f"{name} must be a list of request ids", event)
         for req_id in req_ids:
-            _req_id(event, req_id)
+            if type(req_id) is not str or not 0 < len(req_id) <= MAX_REQ_ID_LENGTH:
+                _req_id(event, req_id)
+            elif not req_id.isascii():
+                _encodable(event, "req_id", req_id)
 
 
 VALIDATORS: dict[type, Callable[[Any], None]] = {  # each event type's stateless checks

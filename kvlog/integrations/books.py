@@ -51,27 +51,18 @@ class Claim:
 Step = Event | Claim
 
 
-class _Table:
-    """One request's blocks as the runner gave them, in batches (one per allocation)."""
-
-    __slots__ = ("batch_of", "batches")
-
-    def __init__(self) -> None:
-        self.batches: list[list[int]] = []
-        self.batch_of: dict[int, int] = {}
-
-    def append(self, block_ids: list[int]) -> None:
-        index = len(self.batches)
-        self.batches.append(block_ids)
-        self.batch_of.update(dict.fromkeys(block_ids, index))
+Batches = list[list[int]]
+"""One request's blocks as the runner gave them, one list per allocation, in order (a table
+never repeats a block)."""
 
 
 class RequestBooks:
-    """The facade's per-request batches, and the block owners without prefix caching."""
+    """The facade's per-request batches. Keeping them costs O(1) per request per step (the
+    batch lists are kept as given); the block owners an inference needs (without prefix
+    caching) are looked up from them only then."""
 
     def __init__(self) -> None:
-        self._tables: dict[str, _Table] = {}
-        self._owner: dict[int, str] = {}
+        self._tables: dict[str, Batches] = {}
         self._pending: list[tuple[str, str, list[int]]] = []
 
     def plan(
@@ -96,10 +87,27 @@ class RequestBooks:
         self._pending = planner.changes
         return planner.steps
 
+    def record_step(
+        self, new_blocks: dict[str, list[int]], released: set[str], prefix_caching: bool
+    ) -> None:
+        """Keep the books of a step that needed no inference and ran: ``released`` lost
+        their tables, then every request with new blocks gained a batch (the list itself:
+        the caller hands over lists nobody changes later)."""
+        tables = self._tables
+        for req_id in released:
+            tables.pop(req_id, None)
+        for req_id, block_ids in new_blocks.items():
+            if block_ids:
+                batches = tables.get(req_id)
+                if batches is None:
+                    tables[req_id] = [block_ids]
+                else:
+                    batches.append(block_ids)
+
     def holds(self, req_id: str, block_id: int) -> bool:
         """Whether the runner gave ``block_id`` to ``req_id`` (as far as the books know)."""
-        table = self._tables.get(req_id)
-        return table is not None and block_id in table.batch_of
+        batches = self._tables.get(req_id)
+        return batches is not None and any(block_id in batch for batch in batches)
 
     def evict(self, state: State, block_ids: list[int]) -> list[Step]:
         """The releases that giving ``block_ids`` to another request's load proves (without
@@ -116,13 +124,9 @@ class RequestBooks:
         """Keep the books of the last ``plan`` (its steps ran)."""
         for kind, req_id, block_ids in self._pending:
             if kind == "drop":
-                table = self._tables.pop(req_id, None)
-                for b in [] if table is None else table.batch_of:
-                    if self._owner.get(b) == req_id:
-                        del self._owner[b]
+                self._tables.pop(req_id, None)
             else:
-                self._tables.setdefault(req_id, _Table()).append(block_ids)
-                self._owner.update(dict.fromkeys(block_ids, req_id))
+                self._tables.setdefault(req_id, []).append(block_ids)
         self._pending = []
 
 
@@ -139,32 +143,40 @@ class _Planner:
         self.added: dict[str, list[list[int]]] = {}
         self.taken: dict[int, str] = {}
         self.given: dict[int, str] = {}  # blocks the runner gave in this call, to whom
+        self._owners: dict[int, str] | None = None
 
     # -- the view -------------------------------------------------------------------------
-    def _old(self, req_id: str) -> _Table | None:
+    def _old(self, req_id: str) -> Batches | None:
         return None if req_id in self.dropped else self.books._tables.get(req_id)
 
     def _batches(self, req_id: str) -> list[list[int]]:
         """The request's batches now: its old ones (unless released) and this call's."""
         old = self._old(req_id)
-        return (old.batches if old is not None else []) + self.added.get(req_id, [])
+        return (old if old is not None else []) + self.added.get(req_id, [])
 
     def _batch_of(self, req_id: str, block_id: int) -> int | None:
         """Which of ``_batches(req_id)`` holds the block (None: none of them)."""
-        old = self._old(req_id)
-        if old is not None and block_id in old.batch_of:
-            return old.batch_of[block_id]
-        base = len(old.batches) if old is not None else 0
-        for i, batch in enumerate(self.added.get(req_id, [])):
+        for i, batch in enumerate(self._batches(req_id)):
             if block_id in batch:
-                return base + i
+                return i
         return None
 
     def _owner(self, block_id: int) -> str | None:
+        """The request holding ``block_id`` now (without prefix caching, at most one):
+        this call's allocations first, then the books' tables not released in this call.
+        The map of the books' blocks is built once per call that needs it: O(live blocks),
+        paid only by a step that infers a preemption."""
         owner = self.taken.get(block_id)
         if owner is not None:
             return owner
-        owner = self.books._owner.get(block_id)
+        if self._owners is None:
+            self._owners = {
+                b: req_id
+                for req_id, batches in self.books._tables.items()
+                for batch in batches
+                for b in batch
+            }
+        owner = self._owners.get(block_id)
         return owner if owner is not None and self._old(owner) is not None else None
 
     # -- the changes ----------------------------------------------------------------------

@@ -16,34 +16,102 @@ plans that the executor applies to the runner's ``kv_caches``. The offloading fa
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable, Mapping, Sequence
+from operator import itemgetter
 from typing import Any, Literal
 
 import numpy as np
 import torch
 
 from kvlog.engine import Engine
-from kvlog.errors import ConfigError
-from kvlog.events import DEFAULT_PAD_SIZES, StepEnded, SwapPlan
+from kvlog.errors import BlockInUse, BlockOutOfRange, ConfigError, InvalidEvent
+from kvlog.events import DEFAULT_PAD_SIZES, StepScheduled, SwapPlan
 from kvlog.executors import Executor
 from kvlog.executors.layouts import KVCaches
 from kvlog.integrations.books import Claim
 from kvlog.integrations.config import FacadeConfig, config_from_env
 from kvlog.integrations.session import (
     HOLD_PREFIX,
+    MAX_LOOKUP_BLOCKS,
     Backend,
     KvCacheSession,
     derive_num_gpu_blocks,
     shared_session,
 )
+from kvlog.reducers import step as step_reducer
 
 __all__ = ["CacheSwapHandle", "OnlineDefragmenter", "detect_prefix_caching"]
 
 
 def _ids(blocks: Iterable[Any]) -> list[int]:
-    """Plain ints from a list, tuple or numpy array of block ids."""
-    return [int(b) for b in blocks]
+    """Block ids as a new list, never cast: a list copied, a 1-D integer numpy array or
+    tensor as plain ints, a tuple or other iterable as a list of its items; the step's
+    validation refuses anything that is not an int (a float, a bool, a string)."""
+    if type(blocks) is list:
+        return blocks.copy()
+    if isinstance(blocks, torch.Tensor):
+        blocks = blocks.cpu().numpy()
+    if isinstance(blocks, np.ndarray):
+        if blocks.ndim != 1 or blocks.dtype.kind not in "iu":
+            raise InvalidEvent(
+                f"block ids must be a 1-D integer array, not {blocks.dtype} of shape {blocks.shape}"
+            )
+        return blocks.tolist()  # type: ignore[no-any-return]
+    return [int(b) if isinstance(b, np.integer) else b for b in blocks]
+
+
+def _table_ids(table: Any) -> np.ndarray:
+    """One block table as an int64 array, checked as ``Engine.resolve_all`` checks rows:
+    integers only (no float, bool or string cast on the way)."""
+    if isinstance(table, torch.Tensor):
+        table = table.cpu().numpy()
+    try:
+        array = np.asarray(table)
+    except (TypeError, ValueError) as exc:
+        raise BlockOutOfRange(f"block tables must hold int64 block ids: {exc}") from exc
+    if array.size == 0:
+        return array.astype(np.int64).reshape(0)
+    if array.ndim != 1 or array.dtype.kind not in "iu":
+        raise BlockOutOfRange(
+            f"a block table must be a 1-D list of int ids, not {array.dtype} of shape {array.shape}"
+        )
+    if array.dtype == np.uint64 and int(array.max()) > np.iinfo(np.int64).max:
+        raise BlockOutOfRange(f"block id {int(array.max())} is outside int64")
+    return array.astype(np.int64)
+
+
+def _allocations(new_blocks: Mapping[str, Sequence[int]]) -> dict[str, list[int]]:
+    """The runner's ``new_blocks`` as request id -> plain block ids (lists of ints pass as
+    they are: no copy, no cast)."""
+    return {r if type(r) is str else str(r): _ids(b) for r, b in new_blocks.items()}
+
+
+def _req_ids(req_ids: Iterable[Any]) -> list[str]:
+    return [r if type(r) is str else str(r) for r in req_ids]
+
+
+def _fast_step(
+    session: KvCacheSession, engine: Engine, event: StepScheduled, released: set[str]
+) -> bool:
+    """Whether the step can be one event: no load placeholder holds a block it gives, the
+    books infer nothing, and the Engine's check accepts it. A refusal the books could
+    explain (a block still counted as used, without prefix caching) is False: the caller
+    infers; any other refusal is raised (nothing changed)."""
+    new = event.allocated
+    holds = session.held_blocks_view
+    if holds and any(not holds.keys().isdisjoint(b) for b in new.values()):
+        return False
+    prefix_caching = session.prefix_caching
+    try:
+        engine.check(event)
+    except BlockInUse:
+        if prefix_caching:
+            raise
+        return False
+    state = engine.state
+    if state.store_jobs and step_reducer.reads_stored(state, new):
+        return False  # the stores it reuses are fenced (flushed) now, not at defragment()
+    return not prefix_caching or not step_reducer.held_by_receiver(state, new, released)
 
 
 def detect_prefix_caching() -> bool:
@@ -163,7 +231,9 @@ class OnlineDefragmenter:
 
     @property
     def engine(self) -> Engine:
-        """The shared Engine (started on first use)."""
+        """The shared Engine (started on first use), with a pending step's changes applied
+        (see ``update_state``)."""
+        self.session.settle()
         return self.session.engine
 
     @property
@@ -200,49 +270,96 @@ class OnlineDefragmenter:
         """One scheduler step's changes: finished, then preempted requests release their
         blocks; then the new blocks (a resumed request's are its whole new table).
 
-        The runner passes no preemptions; ``RequestBooks`` infers only what is provable
-        (module ``kvlog.integrations.books``). All or nothing: a bad input raises before
-        any event is applied."""
-        engine = self.session.engine
-        books = self.session.books
-        plan = books.plan(
-            engine.state,
-            {str(r): _ids(b) for r, b in new_blocks.items()},
-            [str(r) for r in finished_reqs],
-            [str(r) for r in preempted_reqs],
-            {str(r) for r in resumed_reqs},
-        )
+        Checked now, all or nothing (a bad input raises and changes nothing); applied with
+        ``defragment()`` as ONE ``StepScheduled`` event where the step needs nothing else.
+        The runner passes no preemptions; where the books must infer one, or a load's
+        placeholder lets go of a block, the step's changes are applied now as fine-grained
+        events instead (module ``kvlog.integrations.books``)."""
+        session = self.session
+        session.settle()  # an earlier update_state that no defragment() ended
+        new = _allocations(new_blocks)
+        finished, preempted = _req_ids(finished_reqs), _req_ids(preempted_reqs)
+        resumed = _req_ids(resumed_reqs)
+        engine = session.engine
+        released = {*finished, *preempted, *(r for r in resumed if new.get(r))}
+        event = StepScheduled(
+            step=session.step, allocated=new, finished=finished, preempted=preempted,
+            resumed=resumed,
+        )  # fmt: skip
+        if _fast_step(session, engine, event, released):
+            session.pend(event, released)
+            return
+        self._update_with_inference(new, finished, preempted, set(resumed))
+
+    def _update_with_inference(
+        self, new: dict[str, list[int]], finished: list[str], preempted: list[str],
+        resumed: set[str],
+    ) -> None:  # fmt: skip
+        """The step's changes as fine-grained events, with what the books infer."""
+        session = self.session
+        books = session.books
+        plan = books.plan(session.engine.state, new, finished, preempted, resumed)
         for step in plan:
             if isinstance(step, Claim):
-                self.session.claim(step.block_ids)
+                session.claim(step.block_ids)
             else:
-                self.session.apply(step)
+                session.apply(step)
         books.commit()
 
     def defragment(self) -> None:
-        """End the step: collect finished transfers, then ``StepEnded`` (swaps run now)."""
-        self.session.poll()
-        plans = self.session.apply(StepEnded(step=self.session.step))
-        self.session.step += 1
+        """End the step: collect finished transfers, then the step's event (the pending
+        ``StepScheduled``, else ``StepEnded``); its swaps run now."""
+        plans = self.session.end_step()
         swaps = [p for p in plans if isinstance(p, SwapPlan)]
         self.last_swap = swaps[-1] if swaps else None
 
     def resolve(self, block_id: int) -> int:
-        """Logical -> physical; ids the Engine does not know (pads, -1) pass unchanged."""
+        """Logical -> physical; ids the Engine does not know (pads, -1) pass unchanged; a
+        non-integer id (a float, a bool) is refused (``BlockOutOfRange``)."""
+        if isinstance(block_id, bool) or not isinstance(block_id, (int, np.integer)):
+            raise BlockOutOfRange(f"a block id must be an int, not {type(block_id).__name__}")
         if not self.session.started:
             return block_id
         return int(self.session.engine.state.resolve(int(block_id)))
 
     def resolve_all(self, block_table_list: Sequence[Sequence[int]]) -> list[list[int]]:
-        """:meth:`resolve` over every table, vectorized (one numpy pass for all tables)."""
-        if not self.session.started or not block_table_list:
+        """:meth:`resolve` over every table (new lists). The runner's usual tables (lists
+        of ids in the pool) are looked up in one C call per table (``itemgetter`` over
+        the forward table as a Python list, kept up to date by the session); a table
+        that holds anything else (a pad id, -1, a numpy array, a float) goes through
+        ``Engine.resolve_all``'s checked path, where ids outside the pool pass unchanged
+        and non-integers are refused (``BlockOutOfRange``)."""
+        if not self.session.started:
             return [_ids(table) for table in block_table_list]
-        lengths = [len(t) for t in block_table_list]
-        chained = itertools.chain.from_iterable(block_table_list)
-        flat = np.fromiter(chained, np.int64, sum(lengths))
-        resolved = self.session.engine.state.resolve_array(flat).tolist()
-        ends = itertools.accumulate(lengths)
-        return [resolved[end - n : end] for end, n in zip(ends, lengths, strict=True)]
+        if self.session.engine.state.num_gpu_blocks > MAX_LOOKUP_BLOCKS:
+            return [self._resolve_checked(table) for table in block_table_list]
+        lookup = self.session.forward_list()
+        out: list[list[int]] = []
+        append = out.append
+        for table in block_table_list:
+            try:
+                if type(table) is not list or not table:
+                    raise TypeError
+                if len(table) == 1:
+                    resolved = [lookup[table[0]]]
+                else:
+                    resolved = list(itemgetter(*table)(lookup))
+                if sum(resolved) < 0:  # a negative id wrapped into the sentinel tail
+                    raise IndexError
+            except (TypeError, IndexError):
+                resolved = self._resolve_checked(table)
+            append(resolved)
+        return out
+
+    def _resolve_checked(self, table: Sequence[int]) -> list[int]:
+        """One table through the checked path: ids outside the pool pass unchanged."""
+        ids = _table_ids(table)
+        if ids.size == 0:
+            return []
+        inside = (ids >= 0) & (ids < self.session.engine.state.num_gpu_blocks)
+        out = ids.copy()
+        out[inside] = self.session.engine.resolve_all(ids[inside][None, :])[0]
+        return out.tolist()  # type: ignore[no-any-return]
 
     def unresolve(self, block_id: int) -> int:
         """Physical -> logical."""
@@ -256,6 +373,7 @@ class OnlineDefragmenter:
         """Physical block -> reference count, like the seed's ``used_blocks``."""
         if not self.session.started:
             return {}
+        self.session.settle()
         refs = self.session.engine.state.refs
         return {int(b): int(refs[b]) for b in np.flatnonzero(refs)}
 
@@ -264,6 +382,7 @@ class OnlineDefragmenter:
         """Request -> its logical block table."""
         if not self.session.started:
             return {}
+        self.session.settle()
         state = self.session.engine.state
         return {
             r: list(state.request_blocks(r))
@@ -302,6 +421,7 @@ class OnlineDefragmenter:
         self.run_unlogged_swap([(int(s), int(d)) for s, d in to_swap], threshold)
 
     def _idle_executor(self) -> Executor:
+        self.session.settle()
         engine = self.session.engine
         if engine.state.live_requests() or engine.state.jobs_in_flight():
             raise ConfigError("swap", "<warm-up>", "warm-up swaps only while no block is in use")

@@ -30,14 +30,20 @@ from kvlog.events import (
     Event,
     Plan,
     RequestFinished,
+    StepEnded,
+    StepScheduled,
+    SwapPlan,
 )
 from kvlog.executors import TransferCompletion, make_executor
 from kvlog.executors.layouts import KVCaches, register_layout
 from kvlog.integrations.books import Claim, RequestBooks
 from kvlog.integrations.config import FacadeConfig
+from kvlog.reducers import step as step_reducer
 
 __all__ = [
     "HOLD_PREFIX",
+    "LOOKUP_SENTINEL",
+    "MAX_LOOKUP_BLOCKS",
     "Backend",
     "JobKind",
     "KvCacheSession",
@@ -45,6 +51,11 @@ __all__ = [
     "shared_session",
 ]
 
+LOOKUP_SENTINEL = -(1 << 62)
+"""What ``forward_list`` holds past the pool: any sum of a table holding it is negative."""
+MAX_LOOKUP_BLOCKS = 1 << 20
+"""Pools up to this size keep ``forward_list`` (2 list entries per block); larger ones
+resolve through numpy only."""
 HOLD_PREFIX = "kvlog-load-hold-"
 """Request ids of the placeholders that hold loaded blocks (see ``KvCacheSession.hold``)."""
 
@@ -139,6 +150,12 @@ class KvCacheSession:
         self.books = RequestBooks()
         """The runner's request tables as the defragmenter facade gave them (see books.py)."""
         self.step = 0
+        self._lookup: list[int] | None = None
+        self._lookup_moves = -1
+        self._pending: tuple[StepScheduled, set[str]] | None = None
+        """A step ``update_state`` checked, applied as one event by ``end_step`` (or as
+        its fine-grained events by ``settle`` if anything else comes first); with the
+        requests it releases, for the books."""
 
     # -- start-up ------------------------------------------------------------------------
     @property
@@ -255,7 +272,72 @@ class KvCacheSession:
 
     # -- running -------------------------------------------------------------------------
     def apply(self, event: Event) -> list[Plan]:
+        if self._pending is not None:
+            self.settle()
         return self.engine.apply(event)
+
+    def pend(self, event: StepScheduled, released: set[str]) -> None:
+        """Hold a step that needs nothing but itself (no inference, no claims; checked by
+        the caller against the state) for ``end_step``."""
+        assert self._pending is None, "pend() after settle(): facade bug"
+        self._pending = (event, released)
+
+    def settle(self) -> None:
+        """Apply a pending step's changes now, as the fine-grained events it stands for
+        (without its ``StepEnded``): something else reached the Engine before the step's
+        end, and must come after them."""
+        if self._pending is None:
+            return
+        event, released = self._pending
+        self._pending = None
+        engine = self.engine
+        for fine in step_reducer.expand(engine.state, event)[:-1]:
+            engine.apply(fine)
+        self.books.record_step(event.allocated, released, self.prefix_caching)
+
+    def end_step(self) -> list[Plan]:
+        """Finished transfers first, then the step: the pending one as one
+        ``StepScheduled`` event, else ``StepEnded``. The step's plans."""
+        self.poll()
+        pending = self._pending
+        state = self.engine.state
+        moves = state.num_moves
+        if pending is None:
+            plans = self.engine.apply(StepEnded(step=self.step))
+        else:
+            event, released = pending
+            plans = self.engine.apply(event)
+            self._pending = None
+            self.books.record_step(event.allocated, released, self.prefix_caching)
+        self.step += 1
+        if plans and self._lookup is not None and self._lookup_moves == moves:
+            self._follow_moves(plans)
+        return plans
+
+    def forward_list(self) -> list[int]:
+        """The forward table as a Python list (logical -> physical), followed by as many
+        ``LOOKUP_SENTINEL`` entries, so that a negative id or one past the pool indexes a
+        sentinel (negative) instead of a block. Rebuilt only when the mapping changed
+        other than by a step's plan, which ``end_step`` follows in O(pairs)."""
+        state = self.engine.state
+        if self._lookup is None or self._lookup_moves != state.num_moves:
+            size = state.num_gpu_blocks
+            self._lookup = state.fwd.tolist() + [LOOKUP_SENTINEL] * size
+            self._lookup_moves = state.num_moves
+        return self._lookup
+
+    def _follow_moves(self, plans: list[Plan]) -> None:
+        """Update the lookup list by a step's swap plan: only the logical ids now at its
+        pairs' blocks changed."""
+        lookup, state = self._lookup, self.engine.state
+        assert lookup is not None, "_follow_moves() only follows a built lookup"
+        bwd = state.bwd_buffer
+        for plan in plans:
+            if type(plan) is SwapPlan:
+                for src, dst in plan.pairs:
+                    lookup[bwd[src]] = src
+                    lookup[bwd[dst]] = dst
+        self._lookup_moves = state.num_moves
 
     def submitted(self, job_id: int, kind: JobKind) -> None:
         self._kinds[job_id] = kind
@@ -265,7 +347,9 @@ class KvCacheSession:
         return self._engine is not None and job_id <= self._engine.state.last_job_id
 
     def poll(self) -> None:
-        """Collect finished transfers (the Engine logs them) into per-direction queues."""
+        """Collect finished transfers (the Engine logs them) into per-direction queues.
+        A pending step stays pending: finished transfers only unpin blocks, so they may
+        come before its changes (the log records the order that happened)."""
         if self._engine is None:
             return
         self._route(self._engine.poll())
@@ -315,6 +399,7 @@ class KvCacheSession:
         preempted: ``books.evict`` releases what that proves. Where the loading request is
         not known, only blocks no request holds are held.
         """
+        self.settle()
         engine = self.engine
         state = engine.state
         blocks = [b for b in gpu_block_ids if b not in self._holds]
@@ -353,12 +438,18 @@ class KvCacheSession:
         return any(b in self._holds for b in block_ids)
 
     @property
+    def held_blocks_view(self) -> Mapping[int, str]:
+        """``held_blocks`` without the copy (read only)."""
+        return self._holds
+
+    @property
     def held_blocks(self) -> dict[int, str]:
         """Logical block -> the placeholder request that holds it for a load."""
         return dict(self._holds)
 
     def close(self) -> None:
         if self._engine is not None:
+            self.settle()
             self._engine.close()
 
 

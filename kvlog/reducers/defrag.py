@@ -79,6 +79,7 @@ __all__ = [
     "pair_up",
     "release",
     "release_request",
+    "release_requests",
 ]
 
 
@@ -226,6 +227,19 @@ def release_request(state: State, req_id: str) -> None:
     freed = state.drop_logical(table)
     if len(freed):
         _quarantine(state, freed if isinstance(freed, list) else freed.tolist())
+
+
+def release_requests(state: State, req_ids: list[str]) -> None:
+    """``release_request`` of several requests (distinct, each holding a table), their
+    blocks dropped in one pass."""
+    if len(req_ids) == 1:
+        release_request(state, req_ids[0])
+        return
+    pop = state.pop_table
+    freed = state.drop_tables([pop(req_id) or [] for req_id in req_ids])
+    assert state.config is not None, "reduce() dispatches only configured states here"
+    if len(freed) and state.config.quarantine_released:
+        state.quarantine(freed.tolist())
 
 
 def check_release_blocks(state: State, event: BlocksReleased) -> list[int]:

@@ -41,7 +41,9 @@ __all__ = [
     "load",
     "move",
     "seed_walk",
+    "step_allocation",
     "table_terms",
+    "tables_terms",
 ]
 
 GOLDEN = 0x9E3779B97F4A7C15
@@ -83,6 +85,21 @@ def _table_terms(key: Any, start: int, block_ids: Any) -> Any:
     for i in range(len(block_ids)):
         item = (np.uint64(start + i) << np.uint64(32)) | np.uint64(block_ids[i])
         total += _mix(base + item * _GOLDEN)
+    return total
+
+
+def _tables_terms(keys: Any, starts: Any, counts: Any, block_ids: Any, sums: Any) -> Any:
+    """``_table_terms`` of several tables at once: table ``i`` gets the next ``counts[i]``
+    of ``block_ids`` at positions ``starts[i], ...``; its sum goes to ``sums[i]``. Returns
+    the total of the sums."""
+    total = _ZERO
+    offset = 0
+    for i in range(len(keys)):
+        n = counts[i]
+        term = _table_terms(keys[i], starts[i], block_ids[offset : offset + n])
+        sums[i] = term
+        total += term
+        offset += n
     return total
 
 
@@ -279,6 +296,31 @@ def _allocation(
     return status
 
 
+def _step_allocation(
+    fwd: Any, refs: Any, store_pins: Any, load_pins: Any, logical: Any, marks: Any, physical: Any
+) -> int:
+    """A whole step's allocations at once: resolve ``logical`` into ``physical``. Returns 0
+    when every block is in range, free, unpinned and given once (then the step takes them
+    all as they are), 2 when an id is negative or not below the pool size (nothing
+    resolved), else 1 (the caller checks block by block). ``marks`` is an all-zero scratch
+    array over the pool, left all-zero."""
+    n = len(logical)
+    size = len(fwd)
+    for i in range(n):
+        if logical[i] < 0 or logical[i] >= size:
+            return 2
+    status = 0
+    for i in range(n):
+        p = fwd[logical[i]]
+        physical[i] = p
+        if refs[p] or store_pins[p] or load_pins[p] or marks[p]:
+            status = 1
+        marks[p] = 1
+    for i in range(n):
+        marks[physical[i]] = 0
+    return status
+
+
 def _compiled(function: Any, inline: bool = False) -> Any:
     """``function`` compiled by numba, cached on disk where numba finds a writable place
     (``NUMBA_CACHE_DIR`` if set, else next to this file, else the user's cache directory);
@@ -304,6 +346,8 @@ def _inline(function: Any) -> Any:
 _mix = _inline(_mix)
 _fwd_term = _inline(_fwd_term)
 table_terms = _jit(_table_terms)
+_table_terms = _inline(_table_terms)
+tables_terms = _jit(_tables_terms)
 _add_member = _inline(_add_member)
 _remove_member = _inline(_remove_member)
 _lowest_bit = _inline(_lowest_bit)
@@ -316,6 +360,7 @@ move = _jit(_move)
 add_refs = _jit(_add_refs)
 drop_refs = _jit(_drop_refs)
 allocation = _jit(_allocation)
+step_allocation = _jit(_step_allocation)
 
 
 _loaded = False
@@ -337,5 +382,7 @@ def load() -> None:
     add_refs(words, words, words, blocks, none)
     drop_refs(words, words, words, blocks, blocks, none, ids)
     allocation(blocks, blocks, blocks, blocks, none, False, ids)
+    step_allocation(blocks, blocks, blocks, blocks, none, np.zeros(1, dtype=np.int8), ids)
     table_terms(np.uint64(GOLDEN), 0, none)
+    tables_terms(words[:0], none, none, none, words[:0])
     _loaded = True

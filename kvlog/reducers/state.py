@@ -21,6 +21,8 @@ here, so the bitmaps never disagree with the counts; each costs O(blocks it is g
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import numpy.typing as npt
 
@@ -82,6 +84,10 @@ class State:
         self.last_swap: SwapPlan | None = None
         """The SwapPlan of the last accepted event if that was a StepEnded that moved
         blocks, else None (for ``check_invariants``; not part of the digest)."""
+        self.num_moves = 0
+        """Defrag moves applied to this State object (not part of the digest or snapshot):
+        a cache of the mapping, such as the Gaudi facade's lookup list, is current while
+        this has not changed."""
         self.running = running.RunningDigest()
         """The running digest's sums (``running.py``), told of every change below."""
         self._allocate_arrays(0)
@@ -96,6 +102,8 @@ class State:
         self.store_pins_buffer, self.store_pins = int32_buffer(zeros)
         self.load_pins_buffer, self.load_pins = int32_buffer(zeros)
         self.used = BlockSet(num_gpu_blocks)
+        self.marks = np.zeros(num_gpu_blocks, dtype=np.int8)
+        """All-zero scratch over the pool for the compiled checks (left all-zero)."""
         self.pinned_buffer, self.pinned = uint64_buffer(self.used.words.size)
         self._max_used = -1
 
@@ -180,6 +188,24 @@ class State:
         else:
             self.running.table_extended(req_id, len(table), block_ids)
             table.extend(block_ids)
+
+    def extend_tables(self, extensions: list[tuple[str, list[int]]], block_ids: IdArray) -> None:
+        """``extend_table`` of several requests at once (each request once, each list
+        non-empty); ``block_ids``: all of their ids, concatenated in order, as int64. The
+        running digest hashes them in one compiled call."""
+        tables, running_digest = self.tables, self.running
+        entries, starts, counts = [], [], []
+        for req_id, ids in extensions:
+            table = tables.get(req_id)
+            if table is None:
+                tables[req_id] = list(ids)
+                starts.append(0)
+            else:
+                starts.append(len(table))
+                table.extend(ids)
+            entries.append(running_digest.entry(req_id))
+            counts.append(len(ids))
+        running_digest.tables_extended(entries, starts, counts, block_ids)
 
     def pop_table(self, req_id: str) -> list[int] | None:
         """Remove and return a request's table (None if it has none)."""
@@ -286,10 +312,26 @@ class State:
             self._refresh_max_used()
         return freed[:count]
 
+    def drop_tables(self, tables: list[list[int]]) -> IdArray:
+        """``drop_logical`` of several tables at once, in one compiled pass (the blocks
+        this freed)."""
+        count = sum(map(len, tables))
+        logical = np.fromiter(itertools.chain.from_iterable(tables), np.int64, count)
+        freed = np.empty(count, dtype=np.int64)
+        used = self.used
+        count = kernels.drop_refs(
+            used.words, used.nonempty, used.notfull, self.refs, self.fwd, logical, freed
+        )
+        used.count -= count
+        if count:
+            self._refresh_max_used()
+        return freed[:count]
+
     def move_blocks(self, sources: IdArray, destinations: IdArray) -> None:
         """Defrag: each source's refs go to its (free) destination; both mappings, the used
         bitmap and the running digest follow (``kernels.move``: one compiled loop)."""
         used = self.used
+        self.num_moves += 1
         delta, self._max_used = kernels.move(
             used.words, used.nonempty, used.notfull, self.refs, self.fwd, self.bwd,
             sources, destinations, self._max_used,

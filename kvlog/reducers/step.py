@@ -19,34 +19,53 @@ buffers for small allocations and numpy for large ones; never O(pool).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import itertools
+from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
 
-from kvlog.errors import BlockInUse, BlockOutOfRange
-from kvlog.events import BlocksAllocated, Plan, StepScheduled
-from kvlog.reducers import defrag
+from kvlog.errors import BlockInUse, BlockOutOfRange, DuplicateBlock
+from kvlog.events import (
+    BlocksAllocated,
+    Event,
+    Plan,
+    RequestFinished,
+    RequestPreempted,
+    StepEnded,
+    StepScheduled,
+)
+from kvlog.reducers import defrag, kernels
 from kvlog.reducers.blockset import SCALAR_LIMIT
 from kvlog.reducers.state import State
 
-__all__ = ["StepFound", "apply_step", "check_step"]
+__all__ = [
+    "StepFound",
+    "apply_step",
+    "check_step",
+    "expand",
+    "held_by_receiver",
+    "reads_stored",
+]
 
 
 class StepFound(NamedTuple):
     """What ``check_step`` found: the requests to release first (finished, then preempted,
-    in order) and, per allocation in order, whether the request is released just before it
-    (resumed), its physical ids and whether they were all free and unpinned."""
+    in order, each once, each holding a table); per allocation in order, whether the
+    request is released just before it (resumed), its physical ids and whether they were
+    all free and unpinned; and, when every block of the step was free, unpinned and given
+    once, all of their logical and physical ids in two arrays (``bulk``, else None)."""
 
     releases: list[str]
-    allocations: list[tuple[str, list[int], bool, list[int], bool]]
+    allocations: list[tuple[str, list[int], bool, list[int] | None, bool]]
+    bulk: tuple[np.ndarray, np.ndarray] | None
 
 
 def check_step(state: State, event: StepScheduled) -> StepFound:
     """Refuse the step if any of its events would be refused where it stands; else what
-    the apply needs."""
+    the apply needs. One compiled pass over all of the step's blocks settles the usual
+    step (every block free); a step that reuses a block checks block by block."""
     config = state.config
     assert config is not None, "reduce() dispatches only configured states here"
-    size = config.num_gpu_blocks
     tables = state.tables
     releases: list[str] = []
     released: set[str] = set()
@@ -54,26 +73,65 @@ def check_step(state: State, event: StepScheduled) -> StepFound:
         if req_id in tables and req_id not in released:
             releases.append(req_id)
             released.add(req_id)
-    resumed = set(event.resumed) if event.resumed else ()
-    scan = _Scan(state, config.prefix_caching)
-    scan.released = released
-    allocations = []
+    resumed = event.resumed
+    allocations: list[tuple[str, list[int], bool, list[int] | None, bool]] = []
+    count = 0
     for req_id, block_ids in event.allocated.items():
-        if not block_ids:
-            continue
-        again = req_id in resumed and req_id in tables and req_id not in released
-        if again:
-            released.add(req_id)
-            scan.forget_dropped()
-        if max(block_ids) >= size:
-            bad = next(b for b in block_ids if b >= size)
+        if block_ids:
+            again = bool(resumed) and _resumed_again(req_id, resumed, tables, released)
+            allocations.append((req_id, block_ids, again, None, True))
+            count += len(block_ids)
+    if not allocations:
+        return StepFound(releases, allocations, None)
+    size = config.num_gpu_blocks
+    try:
+        logical = np.fromiter(
+            itertools.chain.from_iterable(a[1] for a in allocations), np.int64, count
+        )
+    except OverflowError:  # an int beyond int64
+        _refuse_range(allocations, size)
+    physical = np.empty(count, dtype=np.int64)
+    status = kernels.step_allocation(
+        state.fwd, state.refs, state.store_pins, state.load_pins, logical, state.marks, physical
+    )
+    if status == 0:
+        return StepFound(releases, allocations, (logical, physical))
+    if status == 2:
+        _refuse_range(allocations, size)
+    return StepFound(releases, _scan(state, allocations, released), None)
+
+
+def _resumed_again(req_id: str, resumed: list[str], tables: Any, released: set[str]) -> bool:
+    """A resumed request that still holds a table is released just before its blocks."""
+    if req_id in resumed and req_id in tables and req_id not in released:
+        released.add(req_id)
+        return True
+    return False
+
+
+def _refuse_range(allocations: list[Any], size: int) -> NoReturn:
+    """``BlockOutOfRange`` naming the first id of the step outside ``[0, size)``."""
+    for req_id, block_ids, *_ in allocations:
+        bad = next((b for b in block_ids if not 0 <= b < size), None)
+        if bad is not None:
             raise BlockOutOfRange(
                 f"allocated[{req_id!r}] holds block id {bad}, outside [0, {size})",
                 _sub_event(req_id, block_ids),
             )
+    raise AssertionError("_refuse_range found no id out of range: check_step bug")
+
+
+def _scan(
+    state: State, allocations: list[Any], released: set[str]
+) -> list[tuple[str, list[int], bool, list[int] | None, bool]]:
+    """Each allocation checked where it stands (``_Scan``), with its physical ids."""
+    assert state.config is not None, "reduce() dispatches only configured states here"
+    scan = _Scan(state, state.config.prefix_caching, released)
+    out: list[tuple[str, list[int], bool, list[int] | None, bool]] = []
+    for req_id, block_ids, again, _, _ in allocations:
         physical, free = scan.allocate(req_id, block_ids)
-        allocations.append((req_id, block_ids, again, physical, free))
-    return StepFound(releases, allocations)
+        out.append((req_id, block_ids, again, physical, free))
+    return out
 
 
 def _sub_event(req_id: str, block_ids: list[int]) -> BlocksAllocated:
@@ -83,16 +141,12 @@ def _sub_event(req_id: str, block_ids: list[int]) -> BlocksAllocated:
 class _Scan:
     """The check's view: the state plus what the step has released and taken so far."""
 
-    def __init__(self, state: State, prefix_caching: bool) -> None:
+    def __init__(self, state: State, prefix_caching: bool, released: set[str]) -> None:
         self.state = state
         self.prefix_caching = prefix_caching
-        self.released: set[str] = set()
+        self.released = released  # every release of the step: all come before any block
         self.taken: dict[int, int] = {}  # physical -> references the step added
         self._dropped: dict[int, int] | None = None
-
-    def forget_dropped(self) -> None:
-        """The released set grew: recount the references it drops when next asked."""
-        self._dropped = None
 
     def dropped(self, physical: int) -> int:
         """References to ``physical`` that the step's releases so far drop."""
@@ -110,6 +164,12 @@ class _Scan:
         """Check one allocation where it stands; its physical ids and whether all were
         free and unpinned (no reference left, none taken earlier in the step)."""
         state = self.state
+        if len(set(block_ids)) != len(block_ids):
+            seen: set[int] = set()
+            dup = next(b for b in block_ids if b in seen or seen.add(b))  # type: ignore[func-returns-value]
+            raise DuplicateBlock(
+                f"allocated[{req_id!r}] holds block id {dup} twice", _sub_event(req_id, block_ids)
+            )
         fwd = state.fwd_buffer
         physical = [fwd[b] for b in block_ids]
         if len(physical) > SCALAR_LIMIT:
@@ -151,14 +211,68 @@ class _Scan:
 
 def apply_step(state: State, event: StepScheduled, found: StepFound) -> list[Plan]:
     """The step's releases, allocations and defrag decision, in order; their plans."""
-    plans: list[Plan] = []
+    if found.bulk is not None:  # every block free, unpinned, given once
+        releases = found.releases + [a[0] for a in found.allocations if a[2]]
+        if releases:
+            defrag.release_requests(state, releases)
+        logical, physical = found.bulk
+        state.extend_tables([(a[0], a[1]) for a in found.allocations], logical)
+        state.add_refs(physical)
+        return defrag.end_step_at(state, event.step)
     for req_id in found.releases:
         defrag.release_request(state, req_id)
-    for req_id, block_ids, again, physical, free in found.allocations:
+    plans: list[Plan] = []
+    for req_id, block_ids, again, found_ids, free in found.allocations:
         if again:
             defrag.release_request(state, req_id)
-        flushed = defrag.allocate_blocks(state, req_id, block_ids, physical, free)
+        assert found_ids is not None, "check_step scans every allocation it does not bulk"
+        flushed = defrag.allocate_blocks(state, req_id, block_ids, found_ids, free)
         if flushed:
             plans += flushed
     plans += defrag.end_step_at(state, event.step)
     return plans
+
+
+def reads_stored(state: State, allocated: dict[str, list[int]]) -> bool:
+    """Whether an unfinished store reads a block (in range) the step gives out."""
+    fwd, stores = state.fwd_buffer, state.store_pins_buffer
+    return any(stores[fwd[b]] for block_ids in allocated.values() for b in block_ids)
+
+
+def held_by_receiver(state: State, allocated: dict[str, list[int]], released: set[str]) -> bool:
+    """Whether some request is given a block (in range: check the step first) that its own
+    table, not released by the step, already holds: under prefix caching the step is
+    valid, but the runner's call then hides a preemption (see the Gaudi facade's books).
+    Only a block with references can be held: O(blocks given to live requests)."""
+    tables = state.tables
+    fwd, refs = state.fwd_buffer, state.refs_buffer
+    for req_id, block_ids in allocated.items():
+        table = tables.get(req_id)
+        if table is None or req_id in released:
+            continue
+        for b in block_ids:
+            if refs[fwd[b]] and b in table:
+                return True
+    return False
+
+
+def expand(state: State, event: StepScheduled) -> list[Event]:
+    """The fine-grained events ``event`` stands for when applied to ``state`` (the last is
+    its ``StepEnded``): what the differential tests compare it with, and what the facade
+    applies when a step it prepared must be split."""
+    tables = state.tables
+    out: list[Event] = []
+    released: set[str] = set()
+    for kind, req_ids in ((RequestFinished, event.finished), (RequestPreempted, event.preempted)):
+        for req_id in req_ids:
+            out.append(kind(req_id=req_id))
+            released.add(req_id)
+    for req_id, block_ids in event.allocated.items():
+        if not block_ids:
+            continue
+        if req_id in event.resumed and req_id in tables and req_id not in released:
+            out.append(RequestPreempted(req_id=req_id))
+            released.add(req_id)
+        out.append(BlocksAllocated(req_id=req_id, block_ids=block_ids))
+    out.append(StepEnded(step=event.step))
+    return out

@@ -80,6 +80,7 @@ __all__ = [
     "release",
     "release_request",
     "release_requests",
+    "quarantine_freed",
 ]
 
 
@@ -239,6 +240,13 @@ def release_requests(state: State, req_ids: list[str]) -> None:
     freed = state.drop_tables([pop(req_id) or [] for req_id in req_ids])
     assert state.config is not None, "reduce() dispatches only configured states here"
     if len(freed) and state.config.quarantine_released:
+        state.quarantine(freed.tolist())
+
+
+def quarantine_freed(state: State, freed: IdArray) -> None:
+    """With ``quarantine_released``, ``freed`` blocks are no destination until StepEnded."""
+    assert state.config is not None, "reduce() dispatches only configured states here"
+    if state.config.quarantine_released:
         state.quarantine(freed.tolist())
 
 

@@ -42,6 +42,7 @@ __all__ = [
     "move",
     "seed_walk",
     "step_allocation",
+    "step_commit",
     "table_terms",
     "tables_terms",
 ]
@@ -321,6 +322,36 @@ def _step_allocation(
     return status
 
 
+def _step_commit(
+    words: Any,
+    nonempty: Any,
+    notfull: Any,
+    refs: Any,
+    fwd: Any,
+    released: Any,
+    physical: Any,
+    keys: Any,
+    starts: Any,
+    counts: Any,
+    logical: Any,
+    freed: Any,
+    sums: Any,
+) -> Any:
+    """A whole step's reference counting and table hashing in one call: drop one
+    reference per logical id of ``released`` (the freed blocks go to ``freed``), add one
+    to each of ``physical`` (distinct, all free: the step's check found them so), and hash
+    the allocations' table entries (``_tables_terms`` into ``sums``). Returns (blocks
+    freed, highest block taken or -1, the sum of ``sums``)."""
+    num_freed = _drop_refs_inline(words, nonempty, notfull, refs, fwd, released, freed)
+    top = -1
+    for i in range(len(physical)):
+        p = physical[i]
+        refs[p] = 1
+        _add_member(words, nonempty, notfull, p)
+        top = max(top, p)
+    return num_freed, top, _tables_terms_inline(keys, starts, counts, logical, sums)
+
+
 def _compiled(function: Any, inline: bool = False) -> Any:
     """``function`` compiled by numba, cached on disk where numba finds a writable place
     (``NUMBA_CACHE_DIR`` if set, else next to this file, else the user's cache directory);
@@ -348,6 +379,7 @@ _fwd_term = _inline(_fwd_term)
 table_terms = _jit(_table_terms)
 _table_terms = _inline(_table_terms)
 tables_terms = _jit(_tables_terms)
+_tables_terms_inline = _inline(_tables_terms)
 _add_member = _inline(_add_member)
 _remove_member = _inline(_remove_member)
 _lowest_bit = _inline(_lowest_bit)
@@ -359,8 +391,10 @@ seed_walk = _jit(_seed_walk)
 move = _jit(_move)
 add_refs = _jit(_add_refs)
 drop_refs = _jit(_drop_refs)
+_drop_refs_inline = _inline(_drop_refs)
 allocation = _jit(_allocation)
 step_allocation = _jit(_step_allocation)
+step_commit = _jit(_step_commit)
 
 
 _loaded = False
@@ -385,4 +419,7 @@ def load() -> None:
     step_allocation(blocks, blocks, blocks, blocks, none, np.zeros(1, dtype=np.int8), ids)
     table_terms(np.uint64(GOLDEN), 0, none)
     tables_terms(words[:0], none, none, none, words[:0])
+    step_commit(
+        words, words, words, blocks, blocks, none, none, words[:0], none, none, none, ids, words[:0]
+    )
     _loaded = True

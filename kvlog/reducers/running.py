@@ -194,6 +194,13 @@ class RunningDigest:
             entry[1] = (entry[1] + term) & MASK
         self.tables = (self.tables + int(total)) & MASK
 
+    def tables_changed(self, entries: list[list[int]], sums: Any, delta: int) -> None:
+        """``State.commit_step`` hashed ``sums[i]`` into ``entries[i]`` (``per_request``'s
+        ``[key, sum]``) and changed the tables' sum by ``delta`` in all."""
+        for entry, term in zip(entries, sums.tolist(), strict=True):
+            entry[1] = (entry[1] + term) & MASK
+        self.tables = (self.tables + delta) & MASK
+
     def entry(self, req_id: str) -> list[int]:
         """``per_request[req_id]``, created (hash of the id, empty sum) if missing."""
         entry = self.per_request.get(req_id)

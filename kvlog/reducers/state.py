@@ -207,6 +207,59 @@ class State:
             counts.append(len(ids))
         running_digest.tables_extended(entries, starts, counts, block_ids)
 
+    def commit_step(
+        self,
+        releases: list[str],
+        extensions: list[tuple[str, list[int]]],
+        logical: IdArray,
+        physical: IdArray,
+    ) -> IdArray:
+        """A checked step's bookkeeping in one compiled call: ``releases`` (distinct, each
+        holding a table) drop their tables, then each of ``extensions`` (distinct requests,
+        non-empty lists, released ones getting a fresh table) is appended; ``logical`` /
+        ``physical``: all the extensions' ids, concatenated, whose physical blocks the
+        check found distinct, free and unpinned. The running digest follows. Returns the
+        blocks the releases freed."""
+        tables, running_digest = self.tables, self.running
+        per_request = running_digest.per_request
+        dropped: list[list[int]] = []
+        removed = 0
+        for req_id in releases:
+            dropped.append(tables.pop(req_id))
+            removed += per_request.pop(req_id)[1]
+        entries, keys, starts, counts = [], [], [], []
+        for req_id, ids in extensions:
+            table = tables.get(req_id)
+            if table is None:
+                tables[req_id] = list(ids)
+                starts.append(0)
+                entry = per_request[req_id] = [running.request_key(req_id), 0]
+            else:
+                starts.append(len(table))
+                table.extend(ids)
+                entry = per_request[req_id]
+            entries.append(entry)
+            keys.append(entry[0])
+            counts.append(len(ids))
+        released = np.fromiter(
+            itertools.chain.from_iterable(dropped), np.int64, sum(map(len, dropped))
+        )
+        freed = np.empty(released.size, dtype=np.int64)
+        sums = np.empty(len(entries), dtype=np.uint64)
+        used = self.used
+        num_freed, top, total = kernels.step_commit(
+            used.words, used.nonempty, used.notfull, self.refs, self.fwd, released, physical,
+            np.array(keys, dtype=np.uint64), np.array(starts, dtype=np.int64),
+            np.array(counts, dtype=np.int64), logical, freed, sums,
+        )  # fmt: skip
+        used.count += physical.size - num_freed
+        running_digest.tables_changed(entries, sums, int(total) - removed)
+        if num_freed:
+            self._refresh_max_used()
+        if top > self._max_used:
+            self._max_used = int(top)
+        return freed[:num_freed]
+
     def pop_table(self, req_id: str) -> list[int] | None:
         """Remove and return a request's table (None if it has none)."""
         table = self.tables.pop(req_id, None)

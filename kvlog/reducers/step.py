@@ -82,7 +82,8 @@ def check_step(state: State, event: StepScheduled) -> StepFound:
             allocations.append((req_id, block_ids, again, None, True))
             count += len(block_ids)
     if not allocations:
-        return StepFound(releases, allocations, None)
+        none = np.zeros(0, dtype=np.int64)
+        return StepFound(releases, allocations, (none, none))
     size = config.num_gpu_blocks
     try:
         logical = np.fromiter(
@@ -213,11 +214,11 @@ def apply_step(state: State, event: StepScheduled, found: StepFound) -> list[Pla
     """The step's releases, allocations and defrag decision, in order; their plans."""
     if found.bulk is not None:  # every block free, unpinned, given once
         releases = found.releases + [a[0] for a in found.allocations if a[2]]
-        if releases:
-            defrag.release_requests(state, releases)
         logical, physical = found.bulk
-        state.extend_tables([(a[0], a[1]) for a in found.allocations], logical)
-        state.add_refs(physical)
+        extensions = [(a[0], a[1]) for a in found.allocations]
+        freed = state.commit_step(releases, extensions, logical, physical)
+        if len(freed):
+            defrag.quarantine_freed(state, freed)
         return defrag.end_step_at(state, event.step)
     for req_id in found.releases:
         defrag.release_request(state, req_id)

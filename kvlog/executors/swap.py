@@ -4,9 +4,13 @@
 caching: a free block may hold cached data). The sources and destinations of one plan are
 disjoint sets, so the pairs are independent and may run in any order.
 
-- On the host (``cpu`` backend) pairs become run-coalesced slice copies (see
-  :mod:`kvlog.executors.copies`); pad entries are skipped, since copying a block onto
-  itself changes nothing. Swaps exchange through a bounded scratch buffer.
+- On the host (``cpu`` backend) each canonical tensor gets one ``index_select`` and one
+  ``index_copy_`` per chunk of pairs (two of each for ``"swap"``), as the plugin's
+  ``CacheSwapUtils`` does: a defrag plan's pairs are scattered (highest used into lowest
+  free), and one gather/scatter call per tensor beats a slice copy per run of blocks
+  (bench_facade: 220 pairs of 128-byte pages, 4 tensors: 174-225 us against 567-576 us
+  for run-coalesced slice copies). The gathered rows of one chunk are bounded by
+  ``SCRATCH_BYTES``; pad entries are skipped.
 - On accelerators (and the fake device, which models one) the plan is padded to
   ``padded_to`` entries for graph capture, with the pad block copied onto itself (the HPU
   layout's pad block ``num_gpu_blocks``, else block 0, which defrag never moves), the two
@@ -17,18 +21,19 @@ disjoint sets, so the pairs are independent and may run in any order.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
 
 from kvlog.events import SwapPlan
-from kvlog.executors.copies import build_host_program
 from kvlog.executors.devices import Device
 from kvlog.executors.layouts import CacheLayout
 
 __all__ = ["SCRATCH_BYTES", "SwapExecutor"]
 
 SCRATCH_BYTES = 16 << 20
-"""Bound of the host scratch buffer used to exchange rows in ``"swap"`` mode."""
+"""Bound of the rows one host gather holds (per canonical tensor and chunk of pairs)."""
 
 
 class SwapExecutor:
@@ -40,11 +45,12 @@ class SwapExecutor:
         self._views = [t.view for t in layout.tensors]
         max_page = max(t.page_bytes for t in layout.tensors)
         self._chunk_rows = max(1, SCRATCH_BYTES // max_page)
-        self._scratch: torch.Tensor | None = None
 
     def apply(self, plan: SwapPlan) -> None:
         """Move or swap the plan's pairs in every canonical tensor."""
-        pairs = np.asarray(plan.pairs, dtype=np.int64).reshape(-1, 2)
+        count = len(plan.pairs)
+        flat = np.fromiter(itertools.chain.from_iterable(plan.pairs), np.int64, 2 * count)
+        pairs = flat.reshape(count, 2)
         self._check(plan, pairs)
         if len(pairs) == 0:
             return
@@ -64,12 +70,8 @@ class SwapExecutor:
         assert pairs.min() >= 0 and pairs.max() < num_blocks, (
             f"SwapPlan step {plan.step}: block id outside [0, {num_blocks})"
         )
-        src, dst = pairs[:, 0], pairs[:, 1]
-        assert len(np.unique(src)) == len(src) and len(np.unique(dst)) == len(dst), (
-            f"SwapPlan step {plan.step}: a block appears twice among sources or destinations"
-        )
-        assert not np.intersect1d(src, dst).size, (
-            f"SwapPlan step {plan.step}: sources and destinations overlap"
+        assert len(np.unique(pairs)) == pairs.size, (
+            f"SwapPlan step {plan.step}: a block appears twice among sources and destinations"
         )
         pad = self._layout.pad_block_id
         assert plan.padded_to == len(pairs) or not (pairs == pad).any(), (
@@ -77,22 +79,18 @@ class SwapExecutor:
         )
 
     def _apply_host(self, plan: SwapPlan, src: np.ndarray, dst: np.ndarray) -> None:
-        if plan.mode == "move":
-            program = build_host_program(src, dst)
+        """Gather and scatter, a chunk of at most ``_chunk_rows`` pairs at a time (the
+        pairs are independent: sources and destinations are disjoint)."""
+        swap = plan.mode == "swap"
+        sources, destinations = torch.from_numpy(src.copy()), torch.from_numpy(dst.copy())
+        step = self._chunk_rows
+        for start in range(0, len(src), step):
+            chunk_src, chunk_dst = sources[start : start + step], destinations[start : start + step]
             for view in self._views:
-                program.copy(view, view)
-            return
-        program = build_host_program(src, dst, max_rows=self._chunk_rows)
-        scratch = self._host_scratch()
-        for view in self._views:
-            rows = scratch[: self._chunk_rows * view.shape[1]].view(-1, view.shape[1])
-            program.exchange(view, rows)
-
-    def _host_scratch(self) -> torch.Tensor:
-        if self._scratch is None:
-            max_page = max(int(v.shape[1]) for v in self._views)
-            self._scratch = torch.empty(self._chunk_rows * max_page, dtype=torch.int8)
-        return self._scratch
+                from_src = view.index_select(0, chunk_src)
+                if swap:
+                    view.index_copy_(0, chunk_src, view.index_select(0, chunk_dst))
+                view.index_copy_(0, chunk_dst, from_src)
 
     def _apply_device(self, plan: SwapPlan, pairs: np.ndarray) -> None:
         padded = np.full((2, plan.padded_to), self._layout.pad_block_id, dtype=np.int64)

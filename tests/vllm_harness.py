@@ -44,6 +44,7 @@ import gc
 import inspect
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -831,6 +832,7 @@ class RunResult:
     skipped_first: int = 0  # transfers whose first chunk is entered at block_indices % bpc
     partial_last: int = 0  # transfers whose last chunk is partial
     kvlog_s: float = 0.0  # every kvlog call: the defragmenter's and the connector's
+    copy_s: float = 0.0  # of it, the executor carrying out plans (tensor copies)
     defrag_s: float = 0.0  # update_state + defragment
     sched_s: float = 0.0
     wall_s: float = 0.0
@@ -905,9 +907,30 @@ COLUMNS = [
     ("replay", lambda r: {None: "-", True: "ok", False: "FAIL"}[r.replay_ok]),
     ("kvlog us/step", lambda r: f"{r.per_step_us(r.kvlog_s):.0f}"),
     ("of it defrag", lambda r: f"{r.per_step_us(r.defrag_s):.0f}"),
+    ("of it copies", lambda r: f"{r.per_step_us(r.copy_s):.0f}"),
     ("vLLM sched us/step", lambda r: f"{r.per_step_us(r.sched_s):.0f}"),
+    ("kvlog/sched", lambda r: f"{r.kvlog_s / max(r.sched_s, 1e-9):.2f}"),
     ("wall s", lambda r: f"{r.wall_s:.1f}"),
 ]
+
+
+MAIN_CONFIGS = frozenset(c.name for c in CI_MATRIX[:12])
+"""The 12 main configurations: prefix caching x blocks_per_chunk x sync/async loads."""
+
+
+def cost_summary(results: Iterable[RunResult]) -> str:
+    """kvlog's per-step cost over vLLM's scheduler step: median and max over the main
+    configurations run, and the share of kvlog's time in tensor copies."""
+    main = [r for r in results if r.cfg.name in MAIN_CONFIGS and r.steps]
+    if not main:
+        return ""
+    ratios = sorted(r.kvlog_s / max(r.sched_s, 1e-9) for r in main)
+    copies = sum(r.copy_s for r in main) / max(sum(r.kvlog_s for r in main), 1e-9)
+    return (
+        f"kvlog/scheduler per step over the {len(main)} main configurations: median "
+        f"{statistics.median(ratios):.2f}, max {ratios[-1]:.2f}; {100 * copies:.0f}% of "
+        "kvlog's time in tensor copies"
+    )
 
 
 def format_table(results: Iterable[RunResult]) -> str:
@@ -1021,6 +1044,24 @@ class Run:
             self.connector.connector_worker.worker = worker
             self.cpu_reader = worker.reader
 
+    def _time_copies(self) -> None:
+        """Count the time the shared Engine's executor spends carrying out plans (the
+        swaps and transfers on the harness's tensors) into ``copy_s``."""
+        engine = self._engine()
+        executor = None if engine is None else engine.executor
+        if executor is None:
+            return
+        inner, result = executor.execute, self.result
+
+        def execute(plan: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return inner(plan)
+            finally:
+                result.copy_s += time.perf_counter() - t0
+
+        executor.execute = execute
+
     def _conn_engine(self) -> Any:
         return self.connector.engine
 
@@ -1044,6 +1085,7 @@ class Run:
         t_start = time.perf_counter()
         try:
             self._setup()
+            self._time_copies()
             self.result.kvlog_s = 0.0  # per-step cost only: start-up is not counted
             self._loop()
             self._finish()
@@ -1587,6 +1629,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         status = "ok" if res.ok else "FAILED"
         print(f"{cfg.name}: {status} ({res.wall_s:.1f} s)", file=sys.stderr, flush=True)
     print(format_table(results))
+    print(cost_summary(results))
     failing = [r for r in results if not r.ok]
     for res in failing:
         print()

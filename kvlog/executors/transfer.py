@@ -29,7 +29,12 @@ import numpy as np
 import torch
 
 from kvlog.events import TransferPlan
-from kvlog.executors.copies import build_device_transfer_program, build_host_program
+from kvlog.executors.copies import (
+    INDEXED_MAX_PAIRS,
+    build_device_transfer_program,
+    build_host_program,
+    indexed_copy,
+)
 from kvlog.executors.devices import Device
 from kvlog.executors.layouts import CacheLayout
 
@@ -172,9 +177,17 @@ class TransferExecutor:
         gpu_views, cpu_views = self._gpu_views, self._cpu_views
         if self._device.host_like:
             src, dst = (gpu_ids, cpu_ids) if store else (cpu_ids, gpu_ids)
-            host = build_host_program(src, dst)
             dst_views, src_views = (cpu_views, gpu_views) if store else (gpu_views, cpu_views)
             views = list(zip(dst_views, src_views, strict=True))
+            if len(src) <= INDEXED_MAX_PAIRS:
+                src, dst = src.copy(), dst.copy()
+
+                def indexed_work() -> None:
+                    for dst_view, src_view in views:
+                        indexed_copy(dst_view, src_view, dst, src, INDEXED_MAX_PAIRS)
+
+                return indexed_work
+            host = build_host_program(src, dst)
 
             def host_work() -> None:
                 for dst_view, src_view in views:

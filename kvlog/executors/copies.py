@@ -28,6 +28,7 @@ __all__ = [
     "build_device_transfer_program",
     "build_host_program",
     "find_runs",
+    "host_rows",
     "indexed_copy",
     "indexed_exchange",
 ]
@@ -114,23 +115,28 @@ def _numpy(tensor: torch.Tensor) -> np.ndarray:
     return tensor.numpy()  # type: ignore[no-any-return]
 
 
+def host_rows(tensor: torch.Tensor) -> np.ndarray:
+    """A host tensor's rows as a numpy array sharing its memory (build once, reuse)."""
+    return _numpy(tensor)
+
+
 def indexed_copy(
-    dst: torch.Tensor, src: torch.Tensor, dst_ids: np.ndarray, src_ids: np.ndarray, max_rows: int
+    dst_rows: np.ndarray,
+    src_rows: np.ndarray,
+    dst_ids: np.ndarray,
+    src_ids: np.ndarray,
+    max_rows: int,
 ) -> None:
-    """Rows ``src[src_ids[i]]`` into ``dst[dst_ids[i]]`` (host tensors, possibly the same one
-    when the id sets are disjoint): numpy fancy indexing, ``max_rows`` rows at a time, so a
-    gather's temporary stays bounded."""
-    dst_rows, src_rows = _numpy(dst), _numpy(src)
+    """Rows ``src_rows[src_ids[i]]`` into ``dst_rows[dst_ids[i]]`` (``host_rows`` arrays,
+    possibly the same one when the id sets are disjoint): numpy fancy indexing, ``max_rows``
+    rows at a time, so a gather's temporary stays bounded."""
     for a in range(0, len(dst_ids), max_rows):
         dst_rows[dst_ids[a : a + max_rows]] = src_rows[src_ids[a : a + max_rows]]
 
 
-def indexed_exchange(
-    tensor: torch.Tensor, a_ids: np.ndarray, b_ids: np.ndarray, max_rows: int
-) -> None:
-    """Swap rows ``a_ids[i]`` and ``b_ids[i]`` of a host tensor (disjoint id sets), ``max_rows``
-    pairs at a time."""
-    rows = _numpy(tensor)
+def indexed_exchange(rows: np.ndarray, a_ids: np.ndarray, b_ids: np.ndarray, max_rows: int) -> None:
+    """Swap rows ``a_ids[i]`` and ``b_ids[i]`` of a ``host_rows`` array (disjoint id sets),
+    ``max_rows`` pairs at a time."""
     for a in range(0, len(a_ids), max_rows):
         first, second = a_ids[a : a + max_rows], b_ids[a : a + max_rows]
         held = rows[first]

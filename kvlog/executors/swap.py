@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from kvlog.events import SwapPlan
-from kvlog.executors.copies import indexed_copy, indexed_exchange
+from kvlog.executors.copies import host_rows, indexed_copy, indexed_exchange
 from kvlog.executors.devices import Device
 from kvlog.executors.layouts import CacheLayout
 
@@ -47,47 +47,51 @@ class SwapExecutor:
         self._views = [t.view for t in layout.tensors]
         max_page = max(t.page_bytes for t in layout.tensors)
         self._chunk_rows = max(1, SCRATCH_BYTES // max_page)
+        self._rows: list[np.ndarray] | None = None  # host views as numpy, built on first use
 
     def apply(self, plan: SwapPlan) -> None:
         """Move or swap the plan's pairs in every canonical tensor."""
-        count = len(plan.pairs)
         flat = list(itertools.chain.from_iterable(plan.pairs))
-        assert len(set(flat)) == 2 * count, (
-            f"SwapPlan step {plan.step}: a block appears twice among sources and destinations"
-        )
-        pairs = np.array(flat, dtype=np.int64).reshape(count, 2)
-        self._check(plan, pairs)
-        if len(pairs) == 0:
+        self._check(plan, flat)
+        if not flat:
             return
+        pairs = np.array(flat, dtype=np.int64).reshape(-1, 2)
         if self._device.host_like:
             self._apply_host(plan, pairs[:, 0], pairs[:, 1])
         else:
             self._apply_device(plan, pairs)
 
-    def _check(self, plan: SwapPlan, pairs: np.ndarray) -> None:
-        num_blocks = self._layout.num_gpu_blocks
+    def _check(self, plan: SwapPlan, flat: list[int]) -> None:
+        """The plan's invariants (the reducer's contract), on its ids as one flat list."""
+        count = len(flat) // 2
         assert plan.mode in ("move", "swap"), f"SwapPlan mode {plan.mode!r} is not move/swap"
-        assert plan.padded_to >= len(pairs), (
-            f"SwapPlan step {plan.step}: padded_to={plan.padded_to} < {len(pairs)} pairs"
+        assert plan.padded_to >= count, (
+            f"SwapPlan step {plan.step}: padded_to={plan.padded_to} < {count} pairs"
         )
-        if len(pairs) == 0:
+        if not flat:
             return
-        assert pairs.min() >= 0 and pairs.max() < num_blocks, (
+        num_blocks = self._layout.num_gpu_blocks
+        assert min(flat) >= 0 and max(flat) < num_blocks, (
             f"SwapPlan step {plan.step}: block id outside [0, {num_blocks})"
         )
+        assert len(set(flat)) == len(flat), (
+            f"SwapPlan step {plan.step}: a block appears twice among sources and destinations"
+        )
         pad = self._layout.pad_block_id
-        assert plan.padded_to == len(pairs) or not (pairs == pad).any(), (
+        assert plan.padded_to == count or pad not in flat, (
             f"SwapPlan step {plan.step}: pad block {pad} used by a pair of a padded plan"
         )
 
     def _apply_host(self, plan: SwapPlan, src: np.ndarray, dst: np.ndarray) -> None:
         """Gather and scatter, a chunk of at most ``_chunk_rows`` pairs at a time (the
         pairs are independent: sources and destinations are disjoint)."""
-        for view in self._views:
+        if self._rows is None:
+            self._rows = [host_rows(view) for view in self._views]
+        for rows in self._rows:
             if plan.mode == "swap":
-                indexed_exchange(view, src, dst, self._chunk_rows)
+                indexed_exchange(rows, src, dst, self._chunk_rows)
             else:
-                indexed_copy(view, view, dst, src, self._chunk_rows)
+                indexed_copy(rows, rows, dst, src, self._chunk_rows)
 
     def _apply_device(self, plan: SwapPlan, pairs: np.ndarray) -> None:
         padded = np.full((2, plan.padded_to), self._layout.pad_block_id, dtype=np.int64)

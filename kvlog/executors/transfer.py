@@ -33,6 +33,7 @@ from kvlog.executors.copies import (
     INDEXED_MAX_PAIRS,
     build_device_transfer_program,
     build_host_program,
+    host_rows,
     indexed_copy,
 )
 from kvlog.executors.devices import Device
@@ -91,6 +92,8 @@ class TransferExecutor:
         self._directions = {"store": _Direction(), "load": _Direction()}
         self._in_flight: dict[int, _Job] = {}
         self._seq = itertools.count()
+        self._host_rows: tuple[list[np.ndarray], list[np.ndarray]] | None = None
+        """GPU and CPU views as numpy (host devices), built on first use."""
 
     @property
     def jobs_in_flight(self) -> list[int]:
@@ -176,24 +179,7 @@ class TransferExecutor:
         gpu_ids, cpu_ids = (pairs[:, 0], pairs[:, 1]) if store else (pairs[:, 1], pairs[:, 0])
         gpu_views, cpu_views = self._gpu_views, self._cpu_views
         if self._device.host_like:
-            src, dst = (gpu_ids, cpu_ids) if store else (cpu_ids, gpu_ids)
-            dst_views, src_views = (cpu_views, gpu_views) if store else (gpu_views, cpu_views)
-            views = list(zip(dst_views, src_views, strict=True))
-            if len(src) <= INDEXED_MAX_PAIRS:
-                src, dst = src.copy(), dst.copy()
-
-                def indexed_work() -> None:
-                    for dst_view, src_view in views:
-                        indexed_copy(dst_view, src_view, dst, src, INDEXED_MAX_PAIRS)
-
-                return indexed_work
-            host = build_host_program(src, dst)
-
-            def host_work() -> None:
-                for dst_view, src_view in views:
-                    host.copy(dst_view, src_view)
-
-            return host_work
+            return self._host_work(store, gpu_ids, cpu_ids)
         device = self._layout.device
 
         def device_work() -> None:
@@ -206,6 +192,39 @@ class TransferExecutor:
                 copy(cpu_view, gpu_view)
 
         return device_work
+
+    def _host_work(
+        self, store: bool, gpu_ids: np.ndarray, cpu_ids: np.ndarray
+    ) -> Callable[[], None]:
+        """Host memory on both sides: a small job gathers and scatters per tensor, a large
+        one runs a run-coalesced program (``copies.INDEXED_MAX_PAIRS``)."""
+        src, dst = (gpu_ids, cpu_ids) if store else (cpu_ids, gpu_ids)
+        if len(src) > INDEXED_MAX_PAIRS:
+            host = build_host_program(src, dst)
+            gpu_views, cpu_views = self._gpu_views, self._cpu_views
+            dst_views, src_views = (cpu_views, gpu_views) if store else (gpu_views, cpu_views)
+            views = list(zip(dst_views, src_views, strict=True))
+
+            def host_work() -> None:
+                for dst_view, src_view in views:
+                    host.copy(dst_view, src_view)
+
+            return host_work
+        if self._host_rows is None:
+            self._host_rows = (
+                [host_rows(view) for view in self._gpu_views],
+                [host_rows(view) for view in self._cpu_views],
+            )
+        gpu_rows, cpu_rows = self._host_rows
+        dst_rows, src_rows = (cpu_rows, gpu_rows) if store else (gpu_rows, cpu_rows)
+        pairs = list(zip(dst_rows, src_rows, strict=True))
+        src, dst = src.copy(), dst.copy()
+
+        def indexed_work() -> None:
+            for to_rows, from_rows in pairs:
+                indexed_copy(to_rows, from_rows, dst, src, INDEXED_MAX_PAIRS)
+
+        return indexed_work
 
     def _is_done(self, job: _Job) -> bool:
         try:

@@ -196,7 +196,8 @@ def test_loaded_blocks_are_held_until_their_request_shows_up() -> None:
         executor.write_cpu_block(cpu_block, np.full(16, tag, np.uint64).tobytes())
     defrag.update_state({"a": [30]}, [])
     assert worker.submit_load(1, np.array([0, 1]), np.array([20, 21])) is True
-    assert defrag.session.held_blocks == {20: "kvlog-load-hold-1", 21: "kvlog-load-hold-1"}
+    hold = f"{defrag.session.hold_prefix}1"
+    assert defrag.session.held_blocks == {20: hold, 21: hold}
     worker.wait({1})
     assert [r.job_id for r in worker.get_finished()] == [1]
     defrag.defragment()  # used {20, 21, 30}: all three move down, bytes and all
@@ -209,6 +210,26 @@ def test_loaded_blocks_are_held_until_their_request_shows_up() -> None:
     tables = defrag.resolve_all([[20, 21]])
     assert tables == [[3, 2]]
     assert [read_tags(caches, BS, b) for b in tables[0]] == [{0xC0}, {0xC1}]  # type: ignore[arg-type]
+
+
+def test_a_runner_request_named_like_a_placeholder_is_a_request() -> None:
+    """Issue 20 item 4: vLLM accepts client-chosen request ids. A request named
+    ``kvlog-load-hold-1`` once merged with the placeholder of load job 1: claiming the
+    placeholder freed the request's live blocks. Placeholders now carry a per-session
+    random nonce, so the request keeps its blocks and the load's blocks stay held."""
+    defrag = make(backend="fake")
+    worker = OffloadingWorker(defrag, num_cpu_blocks=4)
+    defrag.update_state({"kvlog-load-hold-1": [30, 31]}, [])
+    defrag.defragment()
+    assert worker.submit_load(1, np.array([0]), np.array([20])) is True
+    worker.wait({1})
+    worker.get_finished()
+    defrag.update_state({"r": [20]}, [])  # the load's request claims block 20
+    defrag.defragment()
+    assert defrag.session.held_blocks == {}
+    assert defrag.req_blocks == {"kvlog-load-hold-1": [30, 31], "r": [20]}
+    refs = defrag.used_blocks
+    assert all(refs[defrag.resolve(b)] == 1 for b in (30, 31, 20))
 
 
 def test_worker_results_carry_job_id_success_bytes_and_seconds() -> None:
@@ -382,7 +403,7 @@ def test_a_sync_load_into_its_own_requests_blocks_releases_nothing() -> None:
     # another request's load into s's block proves s was preempted (no prefix caching)
     worker.declare("load", 2, [0], [30], req_id="q")
     assert defrag.req_blocks == {"r": [21, 22, 23, 24]}
-    assert defrag.session.held_blocks == {30: "kvlog-load-hold-2"}
+    assert defrag.session.held_blocks == {30: f"{defrag.session.hold_prefix}2"}
     assert worker.submit_load(1, [2, 3], [21, 22]) and worker.submit_load(2, [0], [30])
     worker.wait(None)
     assert sorted(r.job_id for r in worker.get_finished()) == [1, 2]
@@ -398,7 +419,9 @@ def test_an_async_load_into_its_requests_stale_blocks_holds_them() -> None:
     defrag.update_state({"r": [30, 15, 46, 48]}, [])
     worker.declare("load", 1, [0, 1, 2], [17, 46, 15], req_id="r", sync=False)
     assert defrag.req_blocks == {}  # the whole batch that held 15 and 46 is stale
-    assert defrag.session.held_blocks == dict.fromkeys([17, 46, 15], "kvlog-load-hold-1")
+    assert defrag.session.held_blocks == dict.fromkeys(
+        [17, 46, 15], f"{defrag.session.hold_prefix}1"
+    )
     defrag.update_state({"q": [30]}, [])
     assert defrag.req_blocks == {"q": [30]}
     assert all(defrag.used_blocks.get(defrag.resolve(b)) for b in (17, 46, 15))

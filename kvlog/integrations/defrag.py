@@ -31,7 +31,6 @@ from kvlog.executors.layouts import KVCaches
 from kvlog.integrations.books import Claim
 from kvlog.integrations.config import FacadeConfig, config_from_env
 from kvlog.integrations.session import (
-    HOLD_PREFIX,
     MAX_LOOKUP_BLOCKS,
     Backend,
     KvCacheSession,
@@ -387,7 +386,7 @@ class OnlineDefragmenter:
         return {
             r: list(state.request_blocks(r))
             for r in state.live_requests()
-            if not r.startswith(HOLD_PREFIX)
+            if not r.startswith(self.session.hold_prefix)
         }
 
     # -- warm-up -------------------------------------------------------------------------

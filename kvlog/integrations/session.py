@@ -14,6 +14,7 @@ knows during start-up (the CPU pool, prefix caching, the runner's own tensors): 
 from __future__ import annotations
 
 import os
+import secrets
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal
@@ -57,7 +58,10 @@ MAX_LOOKUP_BLOCKS = 1 << 20
 """Pools up to this size keep ``forward_list`` (2 list entries per block); larger ones
 resolve through numpy only."""
 HOLD_PREFIX = "kvlog-load-hold-"
-"""Request ids of the placeholders that hold loaded blocks (see ``KvCacheSession.hold``)."""
+"""Request ids of the placeholders that hold loaded blocks (see ``KvCacheSession.hold``)
+start with this, then a random 64-bit nonce per session (``KvCacheSession.hold_prefix``):
+vLLM accepts client-chosen request ids, and a runner request named like a placeholder must
+never be taken for one (its blocks would be released with the placeholder's)."""
 
 Backend = Literal["auto", "cpu", "cuda", "hpu", "fake"]
 JobKind = Literal["store", "load"]
@@ -147,6 +151,8 @@ class KvCacheSession:
         self._finished: dict[JobKind, list[TransferCompletion]] = {"store": [], "load": []}
         self._holds: dict[int, str] = {}
         self._num_holds = 0
+        self.hold_prefix = f"{HOLD_PREFIX}{secrets.token_hex(8)}-"
+        """The placeholders' request ids of this session (no client can guess them)."""
         self.books = RequestBooks()
         """The runner's request tables as the defragmenter facade gave them (see books.py)."""
         self.step = 0
@@ -413,7 +419,7 @@ class KvCacheSession:
         if req_id is None or not self.prefix_caching:
             blocks = [b for b in blocks if not state.refs[state.resolve(b)]]
         if blocks:
-            self._hold(f"{HOLD_PREFIX}{job_id}", blocks)
+            self._hold(f"{self.hold_prefix}{job_id}", blocks)
 
     def _hold(self, hold_id: str, block_ids: list[int]) -> None:
         self.apply(BlocksAllocated(req_id=hold_id, block_ids=block_ids))

@@ -1,13 +1,14 @@
 """Per-step cost of the vLLM Gaudi facade, with and without its log, next to the seed.
 
     python bench/bench_facade.py            # 1000 timed steps per variant, best of 3 rounds
-    python bench/bench_facade.py --quick    # 300 timed steps, one pass (seconds)
+    python bench/bench_facade.py --quick    # 300 timed steps, one pass
+    python bench/bench_facade.py --blocks 4096   # one pool size (default: 4096 and 32768)
 
-One pre-generated runner trace (untimed): a 4096-block pool on tiny HPU-layout CPU tensors
-(2 layers, key and value, block_size 16), ~80% full; every step 0-2 requests arrive (4-64
-blocks), 8 live requests grow by one block, random requests finish while the pool is more
-than 80% used; block ids come from a FIFO free list like vLLM's. A timed step is exactly
-what the HPU model runner does per step::
+One pre-generated runner trace per pool size (untimed): 4096 or 32768 blocks on tiny
+HPU-layout CPU tensors (2 layers, key and value, block_size 16), ~80% full; every step 0-2
+requests arrive (4-64 blocks), 8 live requests grow by one block, random requests finish
+while the pool is more than 80% used; block ids come from a FIFO free list like vLLM's. A
+timed step is exactly what the HPU model runner does per step::
 
     update_state(new | cached, finished); defragment(); resolve_all(block tables)
 
@@ -16,8 +17,10 @@ on every variant, with the same KV tensors (swaps really run):
 - ``seed``: the plain restatement of the seed ``OnlineDefragmenter`` + ``CacheSwapUtils``
   (``tests/seed_reference.py``): the baseline;
 - ``kvlog, no log``: the facade's Engine with no log;
+- ``kvlog, log sync=background``: the integration's default (``KVLOG_SYNC``): the serving
+  thread hands each step to the OS, a flusher thread fdatasyncs with a bounded lag;
 - ``kvlog, log sync=none``: the log written, fsync only at close;
-- ``kvlog, log sync=step``: an fsync at every ``StepEnded`` (group commit).
+- ``kvlog, log sync=step``: an fsync at every step, on the serving thread (group commit).
 
 Printed: mean and p99 microseconds per step, the ratio to the seed and to the facade without
 a log, and the log's bytes per step. The fsync figure depends on the disk under the temp dir.
@@ -26,6 +29,7 @@ a log, and the log's bytes per step. The fsync figure depends on the disk under 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import random
 import statistics
@@ -41,6 +45,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from seed_reference import SeedDefragmenter, make_hpu_caches
 
 from kvlog.integrations import OnlineDefragmenter
+from kvlog.log import SYNC_MODES
 
 NUM_BLOCKS = 4096
 BLOCK_SIZE = 16
@@ -54,21 +59,23 @@ class Step:
     tables: list[list[int]]
 
 
-def make_trace(num_steps: int, seed: int = 0) -> tuple[list[Step], list[Step]]:
+def make_trace(
+    num_steps: int, seed: int = 0, num_blocks: int = NUM_BLOCKS
+) -> tuple[list[Step], list[Step]]:
     """(warm-up steps that fill the pool, timed steps), from one FIFO-free-list scheduler."""
     rng = random.Random(seed)
-    free: deque[int] = deque(range(1, NUM_BLOCKS))
+    free: deque[int] = deque(range(1, num_blocks))
     live: dict[str, list[int]] = {}
     steps: list[Step] = []
     serial = 0
-    fill = int(0.8 * NUM_BLOCKS)
+    fill = int(0.8 * num_blocks)
     num_warm = -1
     while num_warm < 0 or len(steps) < num_warm + num_steps:
-        if num_warm < 0 and NUM_BLOCKS - len(free) >= fill:
+        if num_warm < 0 and num_blocks - len(free) >= fill:
             num_warm = len(steps)
         new: dict[str, list[int]] = {}
         finished = []
-        while NUM_BLOCKS - len(free) > fill and live:
+        while num_blocks - len(free) > fill and live:
             req_id = rng.choice(sorted(live))
             free.extend(live.pop(req_id))
             finished.append(req_id)
@@ -77,7 +84,7 @@ def make_trace(num_steps: int, seed: int = 0) -> tuple[list[Step], list[Step]]:
                 block = free.popleft()
                 live[req_id].append(block)
                 new[req_id] = [block]
-        filling = NUM_BLOCKS - len(free) < fill
+        filling = num_blocks - len(free) < fill
         for _ in range(rng.randint(4, 8) if filling else rng.randint(0, 2)):
             n = rng.randint(4, 64)
             if len(free) > n:
@@ -92,9 +99,9 @@ def make_trace(num_steps: int, seed: int = 0) -> tuple[list[Step], list[Step]]:
 Runner = Callable[[Step], None]
 
 
-def seed_runner(threshold: int) -> tuple[Runner, Callable[[], None]]:
+def seed_runner(threshold: int, num_blocks: int) -> tuple[Runner, Callable[[], None]]:
     defrag = SeedDefragmenter(threshold=threshold)
-    defrag.initialize(make_hpu_caches(NUM_BLOCKS, BLOCK_SIZE), BLOCK_SIZE)
+    defrag.initialize(make_hpu_caches(num_blocks, BLOCK_SIZE), BLOCK_SIZE)
 
     def step(s: Step) -> None:
         defrag.update_state(s.new_blocks, s.finished)
@@ -105,13 +112,13 @@ def seed_runner(threshold: int) -> tuple[Runner, Callable[[], None]]:
 
 
 def facade_runner(
-    threshold: int, log_path: str | None, sync: str
+    threshold: int, num_blocks: int, log_path: str | None, sync: str
 ) -> tuple[Runner, Callable[[], None]]:
     env = {"VLLM_DEFRAG_THRESHOLD": str(threshold), "KVLOG_SYNC": sync}
     if log_path is not None:
         env["KVLOG_PATH"] = log_path
     defrag = OnlineDefragmenter(environ=env, backend="cpu")
-    defrag.initialize(make_hpu_caches(NUM_BLOCKS, BLOCK_SIZE), BLOCK_SIZE)
+    defrag.initialize(make_hpu_caches(num_blocks, BLOCK_SIZE), BLOCK_SIZE)
 
     def step(s: Step) -> None:
         defrag.update_state(s.new_blocks, s.finished)
@@ -130,6 +137,7 @@ def measure(
     for s in warm:
         step(s)
     times = []
+    gc.collect()
     for s in timed:
         start = time.perf_counter()
         step(s)
@@ -145,25 +153,40 @@ def p99(values: list[float]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="300 steps, one pass")
+    parser.add_argument(
+        "--blocks", default="4096,32768", help="pool sizes, comma-separated (default 4096,32768)"
+    )
     args = parser.parse_args()
     num_steps, repeats = (300, 1) if args.quick else (1000, 3)
-    warm, timed = make_trace(num_steps)
-    for threshold in (THRESHOLD, NUM_BLOCKS):
-        what = "defrag fires" if threshold == THRESHOLD else "defrag never fires"
-        print(f"\nthreshold {threshold} ({what}):")
-        run_variants(threshold, warm, timed, repeats)
+    for num_blocks in (int(n) for n in args.blocks.split(",")):
+        warm, timed = make_trace(num_steps, num_blocks=num_blocks)
+        gc.collect()
+        gc.freeze()  # the pre-built trace is no garbage for either side to scan
+        for threshold in (THRESHOLD, num_blocks):
+            what = "defrag fires" if threshold == THRESHOLD else "defrag idle (never fires)"
+            print(f"\n{num_blocks} blocks, threshold {threshold} ({what}):")
+            run_variants(threshold, num_blocks, warm, timed, repeats)
+        gc.unfreeze()
 
 
-def run_variants(threshold: int, warm: list[Step], timed: list[Step], repeats: int) -> None:
+def run_variants(
+    threshold: int, num_blocks: int, warm: list[Step], timed: list[Step], repeats: int
+) -> None:
     """Every variant once per round (rounds interleave them against machine noise)."""
     tmp = tempfile.mkdtemp(prefix="kvlog-bench-facade-")
-    none_log, step_log = os.path.join(tmp, "none.kvlog"), os.path.join(tmp, "step.kvlog")
     variants: list[tuple[str, Callable[[], tuple[Runner, Callable[[], None]]], str | None]] = [
-        ("seed (baseline)", lambda: seed_runner(threshold), None),
-        ("kvlog, no log", lambda: facade_runner(threshold, None, "none"), None),
-        ("kvlog, log sync=none", lambda: facade_runner(threshold, none_log, "none"), none_log),
-        ("kvlog, log sync=step", lambda: facade_runner(threshold, step_log, "step"), step_log),
+        ("seed (baseline)", lambda: seed_runner(threshold, num_blocks), None),
+        ("kvlog, no log", lambda: facade_runner(threshold, num_blocks, None, "none"), None),
     ]
+    for sync in [m for m in ("background", "none", "step") if m in SYNC_MODES]:
+        path = os.path.join(tmp, f"{sync}.kvlog")
+        variants.append(
+            (
+                f"kvlog, log sync={sync}",
+                lambda path=path, sync=sync: facade_runner(threshold, num_blocks, path, sync),  # type: ignore[misc]
+                path,
+            )
+        )
     runs: dict[str, list[list[float]]] = {name: [] for name, _, _ in variants}
     log_bytes: dict[str, int] = {}
     for _ in range(repeats):
@@ -183,14 +206,17 @@ def report(
     seed = statistics.fmean(results["seed (baseline)"])
     bare = statistics.fmean(results["kvlog, no log"])
     warmup = total_steps - num_steps
-    print(f"{NUM_BLOCKS} blocks, {num_steps} timed steps (after {warmup} warm-up steps)")
-    print(f"{'variant':24} {'mean us':>9} {'p99 us':>9} {'vs seed':>8} {'vs no log':>10} B/step")
+    print(f"{num_steps} timed steps (after {warmup} warm-up steps)")
+    print(
+        f"{'variant':26} {'mean us':>9} {'median':>9} {'p99 us':>9} {'vs seed':>8} "
+        f"{'vs no log':>10} B/step"
+    )
     for name, times in results.items():
         mean = statistics.fmean(times)
         per_step = log_bytes.get(name, 0) / total_steps
         print(
-            f"{name:24} {mean * 1e6:9.1f} {p99(times) * 1e6:9.1f} {mean / seed:8.2f} "
-            f"{mean / bare:10.2f} {per_step:6.0f}"
+            f"{name:26} {mean * 1e6:9.1f} {statistics.median(times) * 1e6:9.1f} "
+            f"{p99(times) * 1e6:9.1f} {mean / seed:8.2f} {mean / bare:10.2f} {per_step:6.0f}"
         )
 
 

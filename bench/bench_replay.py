@@ -3,6 +3,7 @@
     python bench/bench_replay.py            # ~100k+ events (records a log first, ~15 s)
     python bench/bench_replay.py --quick    # ~20k events
     python bench/bench_replay.py --fifo-blocks 32768 --events 60000  # the FIFO-pool trace
+    python bench/bench_replay.py --fifo-blocks 32768 --whole-steps   # one record per step
 
 The log is recorded by ``kvlog synth`` (prefix caching, offload, defrag, memory pressure)
 into a temporary directory (or ``--log PATH``, reused when it exists). Every mode reads the
@@ -41,10 +42,12 @@ def record(path: str, steps: int) -> int:
     return result.num_events
 
 
-def record_fifo(path: str, num_gpu_blocks: int, num_events: int) -> int:
+def record_fifo(path: str, num_gpu_blocks: int, num_events: int, whole: bool = False) -> int:
     """A log of the FIFO-pool trace of ``bench_step.py`` (defrag firing every step): the
-    trace's warm-up, then steps until ``num_events`` events; default checkpoints."""
-    from bench_step import THRESHOLD, Trace
+    trace's warm-up, then steps until ``num_events`` events (counted fine-grained);
+    default checkpoints. ``whole``: each step logged as one ``StepScheduled``, as the
+    runner's path records it."""
+    from bench_step import THRESHOLD, Trace, as_steps
 
     from kvlog import Engine
     from kvlog.events import CacheConfigured
@@ -58,9 +61,10 @@ def record_fifo(path: str, num_gpu_blocks: int, num_events: int) -> int:
             count += 1
         step = 0
         while count < num_events:
-            for event in trace.step(step):
+            events = trace.step(step)
+            count += len(events)
+            for event in as_steps([events])[0] if whole else events:
                 engine.apply(event)
-                count += 1
             step += 1
     return count
 
@@ -91,6 +95,11 @@ def main(argv: list[str] | None = None) -> int:
         help="record bench_step's FIFO-pool trace at this many blocks instead of kvlog synth",
     )
     parser.add_argument("--events", type=int, default=60000, help="events of --fifo-blocks")
+    parser.add_argument(
+        "--whole-steps",
+        action="store_true",
+        help="with --fifo-blocks: log each step as one StepScheduled (the runner's path)",
+    )
     args = parser.parse_args(argv)
     steps = 3000 if args.quick else 16000
     repeat = args.repeat or (1 if args.quick else 3)
@@ -99,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.exists(path):
         started = time.perf_counter()
         if args.fifo_blocks:
-            num = record_fifo(path, args.fifo_blocks, args.events)
+            num = record_fifo(path, args.fifo_blocks, args.events, args.whole_steps)
         else:
             num = record(path, steps)
         print(f"recorded {num:,} events in {time.perf_counter() - started:.1f} s -> {path}")

@@ -33,9 +33,12 @@ from kvlog.events import (
     Plan,
     RequestFinished,
     RequestPreempted,
+    StepScheduled,
     StoreRequested,
     TransferFinished,
 )
+from kvlog.reducers import State
+from kvlog.reducers import step as step_reducer
 
 if TYPE_CHECKING:
     from kvlog.executors import Executor
@@ -170,6 +173,8 @@ class CanaryTracker:
         self.num_writes = 0
         self._page_bytes = -1
         self._released: list[int] = []
+        self._step_events: list[Event] = []
+        self._step_released: list[list[int]] = []
 
     # -- tokens --------------------------------------------------------------------------
     def token(self, block_id: int, generation: int) -> int:
@@ -205,13 +210,31 @@ class CanaryTracker:
 
     # -- event hooks ---------------------------------------------------------------------
     def before(self, state: _StateView, event: Event) -> None:
-        """Call before the engine applies ``event`` (captures what a release frees)."""
+        """Call before the engine applies ``event`` (captures what a release frees; a
+        ``StepScheduled``: its fine-grained events and what each of its releases frees)."""
         if isinstance(event, (RequestFinished, RequestPreempted)):
             self._released = list(state.request_blocks(event.req_id))
+        elif isinstance(event, StepScheduled):
+            assert isinstance(state, State), "a StepScheduled comes from a machine's state"
+            self._step_events = step_reducer.expand(state, event)[:-1]
+            self._step_released = [
+                list(state.request_blocks(e.req_id))
+                for e in self._step_events
+                if isinstance(e, (RequestFinished, RequestPreempted))
+            ]
 
     def after(self, state: _StateView, event: Event, plans: Sequence[Plan] = ()) -> None:
         """Call after the engine applied ``event`` successfully (a machine observer)."""
-        if isinstance(event, BlocksAllocated):
+        if isinstance(event, StepScheduled):
+            released = iter(self._step_released)
+            for fine in self._step_events:  # the step's own order; writes land where the
+                if isinstance(fine, BlocksAllocated):  # blocks are after its defrag moves
+                    self._allocated(state, fine.block_ids)
+                else:
+                    self._released = next(released)
+                    self.after(state, fine)
+            self._step_events, self._step_released = [], []
+        elif isinstance(event, BlocksAllocated):
             self._allocated(state, event.block_ids)
         elif isinstance(event, (RequestFinished, RequestPreempted)):
             for b in self._released:

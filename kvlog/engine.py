@@ -58,11 +58,11 @@ from kvlog.errors import (
     StateTooLarge,
 )
 from kvlog.events import (
+    STEP_EVENTS,
     CacheConfigured,
     Checkpoint,
     Event,
     Plan,
-    StepEnded,
     StepScheduled,
     TransferFinished,
     encode,
@@ -86,8 +86,7 @@ if TYPE_CHECKING:
 __all__ = ["Engine", "available_memory", "check_state_memory", "state_bytes"]
 
 _EVENT_TYPES = frozenset(typing.get_args(Event))
-_STEP_TYPES = frozenset({StepEnded, StepScheduled})
-"""The events that end a scheduler step (checkpoints count them)."""
+_STEP_TYPES = STEP_EVENTS
 DEFAULT_SNAPSHOT_EVERY = 16
 """Checkpoints between snapshots by default (``snapshot_every=None``)."""
 SNAPSHOT_BLOCKS_PER_RECORD = 4

@@ -34,12 +34,14 @@ from kvlog import reducers
 from kvlog.canary import CanaryReport, CanaryTracker, make_canary_executor
 from kvlog.errors import CorruptLogError, InvalidEvent, NotConfigured
 from kvlog.events import (
+    STEP_EVENTS,
     CacheConfigured,
     Checkpoint,
     Event,
     Plan,
     Record,
     StepEnded,
+    StepScheduled,
     TransferFinished,
     to_dict,
 )
@@ -193,7 +195,7 @@ class _StatsObserver(Observer):
         self.stats.num_events += 1
         if plans:
             self.tally.add(plans)
-        if type(event) is StepEnded:
+        if isinstance(event, (StepEnded, StepScheduled)):
             self._end_step(state, event.step)
 
     def _end_step(self, state: reducers.State, step: int) -> None:
@@ -483,7 +485,7 @@ class _Replayer:
             self.stopped = True
             return
         self._whatif(seq, event)
-        if type(event) is StepEnded:
+        if type(event) in STEP_EVENTS:
             self._compare_step()
         self.last_event_seq, self.last_event = seq, event
         if self.other is not None:

@@ -38,11 +38,11 @@ from kvlog import reducers
 from kvlog.cost import CostModel
 from kvlog.errors import InvalidEvent, MissingExtra
 from kvlog.events import (
+    STEP_EVENTS,
     CacheConfigured,
     Checkpoint,
     Event,
     Plan,
-    StepEnded,
     SwapPlan,
     validate_event,
 )
@@ -181,7 +181,7 @@ class _Tally(Observer):
                 if type(plan) is SwapPlan:
                     swap = plan.mode == "swap"
                     self.step_defrag_s += self.cost.defrag_s(plan.padded_to, page, swap)
-        if type(event) is StepEnded:
+        if type(event) in STEP_EVENTS:
             self._step(state)
 
     def _step(self, state: reducers.State) -> None:

@@ -10,6 +10,7 @@ import pytest
 import torch
 from seed_reference import SeedDefragmenter, make_hpu_caches, read_tags, write_canary
 
+from kvlog import replay
 from kvlog.errors import (
     BlockInUse,
     ConfigError,
@@ -425,3 +426,41 @@ def test_an_async_load_into_its_requests_stale_blocks_holds_them() -> None:
     defrag.update_state({"q": [30]}, [])
     assert defrag.req_blocks == {"q": [30]}
     assert all(defrag.used_blocks.get(defrag.resolve(b)) for b in (17, 46, 15))
+
+
+def test_a_facade_log_of_whole_steps_replays_with_canaries_and_counts_its_steps(
+    tmp_path: Path,
+) -> None:
+    """The runner's path logs one StepScheduled per step: replay counts every one as a step,
+    re-runs its plans on canary-filled tensors (every live block checked), and a what-if
+    replays it under another threshold."""
+    log = tmp_path / "steps.kvlog"
+    defrag = OnlineDefragmenter(
+        environ={"VLLM_DEFRAG_THRESHOLD": "2", "KVLOG_PATH": str(log), "KVLOG_SYNC": "none"},
+        backend="cpu",
+    )
+    defrag.initialize(make_hpu_caches(64, BS), BS)
+    live: dict[str, list[int]] = {}
+    free = list(range(1, 64))
+    for step in range(40):
+        finished = [r for i, r in enumerate(sorted(live)) if (i + step) % 3 == 0][:2]
+        for r in finished:
+            free += live.pop(r)
+        new = {f"s{step}": [free.pop(0) for _ in range(3)]} if len(free) > 8 else {}
+        for r in list(live)[:4]:
+            if free:
+                new[r] = [free.pop(0)]
+        for r, blocks in new.items():
+            live.setdefault(r, []).extend(blocks)
+        defrag.update_state(new, finished)
+        defrag.defragment()
+    defrag.close()
+    kinds = {type(e).__name__ for e in events(log)}
+    assert kinds == {"CacheConfigured", "StepScheduled"}
+    result = replay(str(log), execute=True)
+    assert result.ok and result.recorded is not None and result.recorded.num_steps == 40
+    assert result.recorded.num_swap_plans > 0
+    num_live = sum(map(len, live.values()))
+    assert result.canary is not None and result.canary.ok
+    assert result.canary.num_checked >= num_live > 0
+    assert replay(str(log), threshold=32).ok

@@ -18,6 +18,7 @@ __all__ = [
     "DEFAULT_PAD_SIZES",
     "DEFRAG_POLICIES",
     "SCHEMA_VERSION",
+    "STEP_EVENTS",
     "BlocksAllocated",
     "CacheConfigured",
     "Checkpoint",
@@ -256,4 +257,7 @@ Event = (
     | StepScheduled
 )
 Record = Event | Checkpoint
+STEP_EVENTS: frozenset[type] = frozenset({StepEnded, StepScheduled})
+"""The events that end a scheduler step (each carries ``step``): checkpoints, group commits
+and per-step statistics count them."""
 Plan = SwapPlan | TransferPlan | FencePlan

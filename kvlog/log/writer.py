@@ -55,7 +55,7 @@ from kvlog.errors import (
     RecordRejected,
     SchemaVersionError,
 )
-from kvlog.events import SCHEMA_VERSION, Checkpoint, Record, StepEnded, StepScheduled
+from kvlog.events import SCHEMA_VERSION, STEP_EVENTS, Checkpoint, Record
 from kvlog.log.format import (
     FLAG_CLOSED,
     FLAGS_OFFSET,
@@ -88,7 +88,7 @@ __all__ = ["SYNC_MODES", "LogWriter", "SyncMode"]
 SyncMode = Literal["none", "step", "always"]
 SYNC_MODES: tuple[str, ...] = ("none", "step", "always")
 _RECORD_TYPES = frozenset(typing.get_args(Record))
-_STEP_TYPES = frozenset({StepEnded, StepScheduled})
+_STEP_TYPES = STEP_EVENTS
 """Records that end a scheduler step: ``sync="step"`` commits the group at each."""
 _EMPTY_FRAME = bytes(FRAME_BYTES)
 _CRC = struct.Struct("<I")

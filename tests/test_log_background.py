@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import gc
 import itertools
 import os
 import threading
@@ -32,6 +33,12 @@ LAG_BOUND_S = 0.5  # loose: the point is a bound, CI machines stall
 
 def _flushers() -> list[threading.Thread]:
     return [thread for thread in threading.enumerate() if thread.name == FLUSHER]
+
+
+def _flusher(writer: LogWriter) -> threading.Thread:
+    thread = writer._flusher
+    assert thread is not None and thread.name == FLUSHER
+    return thread
 
 
 class SyncSpy:
@@ -73,7 +80,7 @@ def _wait_for(condition: Callable[[], bool], timeout_s: float = 5.0) -> bool:
 def test_steps_at_1khz_become_durable_within_the_bound(tmp_path: Path, spy: SyncSpy) -> None:
     writer = LogWriter(tmp_path / "a.kvlog", "background", sync_interval_s=0.005)
     spy.fd = writer._fd
-    assert len(_flushers()) == 1
+    assert _flusher(writer).is_alive() and _flusher(writer).daemon
     pending: collections.deque[tuple[int, float]] = collections.deque()
     worst = 0.0
     start = time.monotonic()
@@ -100,7 +107,7 @@ def test_steps_at_1khz_become_durable_within_the_bound(tmp_path: Path, spy: Sync
     assert spy.threads and set(spy.threads) == {FLUSHER}, "the serving thread fsynced"
     assert len(spy.threads) < step, "no group commit: about one fsync per step"
     writer.close()
-    assert not _flushers(), "close() left the flusher running"
+    assert not _flusher(writer).is_alive(), "close() left the flusher running"
     assert spy.threads[-1] == "MainThread"  # close syncs inline, after the flusher stopped
     assert LogReader(tmp_path / "a.kvlog").closed_cleanly
     assert sum(1 for _ in LogReader(tmp_path / "a.kvlog")) == 2 * (step + 1)
@@ -132,7 +139,7 @@ def test_flusher_error_poisons_and_close_still_releases(tmp_path: Path, spy: Syn
     assert str(path) in str(info.value)
     with pytest.raises(LogPoisoned):
         writer.flush()
-    assert _wait_for(lambda: not _flushers()), "the flusher did not end after its error"
+    assert _wait_for(lambda: not _flusher(writer).is_alive()), "the flusher outlived its error"
     spy.fault = None
     size = path.stat().st_size
     writer.close()  # returns, writes nothing more, releases the lock
@@ -148,7 +155,7 @@ def test_close_and_abandon_stop_the_flusher(tmp_path: Path) -> None:
         writer.append(StepEnded(0))
         end(writer)
         end(writer)  # idempotent
-        assert not _flushers()
+        assert not _flusher(writer).is_alive()
         assert [r for _, r in LogReader(tmp_path / f"{index}.kvlog")] == [StepEnded(0)]
 
 
@@ -162,10 +169,12 @@ def test_sync_interval_bounds(tmp_path: Path, bad: object) -> None:
 def test_engine_and_facade_config_accept_background(tmp_path: Path) -> None:
     assert "background" in SYNC_MODES
     config = CacheConfigured(num_gpu_blocks=16, block_size=4, num_cpu_blocks=8, threshold=2)
+    before = len(_flushers())
     with Engine(config, str(tmp_path / "e.kvlog"), sync="background") as engine:
+        assert len(_flushers()) == before + 1
         engine.apply(BlocksAllocated("a", [3]))
         engine.apply(StepEnded(0))
-    assert not _flushers()
+    assert len(_flushers()) == before
     assert config_from_env({}).sync == "background"  # the facades' default
     assert config_from_env({"KVLOG_SYNC": " Background "}).sync == "background"
     assert config_from_env({"KVLOG_SYNC": "step"}).sync == "step"
@@ -190,3 +199,12 @@ def test_sigkill_keeps_every_step_handed_to_the_os(server: ForkServer, tmp_path:
         assert [record for _, record in got] == expected  # a prefix of what it appended
         assert written[-1] < len(got), f"written record {written[-1]} lost ({len(got)} kept)"
         assert all(isinstance(expected[seq], StepEnded) for seq in written)
+
+
+def test_a_writer_dropped_unclosed_does_not_keep_its_flusher(tmp_path: Path) -> None:
+    writer = LogWriter(tmp_path / "a.kvlog", "background", sync_interval_s=0.001)
+    fd, thread = writer._fd, _flusher(writer)
+    del writer
+    gc.collect()
+    assert _wait_for(lambda: not thread.is_alive()), "the flusher kept a dropped writer alive"
+    os.close(fd)  # a writer dropped without close() leaks its fd, as before

@@ -57,6 +57,7 @@ import tempfile
 import threading
 import time
 import typing
+import weakref
 from types import TracebackType
 from typing import Literal
 
@@ -159,13 +160,15 @@ class LogWriter:
             self._offset = os.lseek(self._fd, 0, os.SEEK_END)  # where the next frame goes
             self.written_seq = self.durable_seq = self.next_seq - 1  # recovery synced them
             if sync == "background":
-                flusher = threading.Thread(
-                    target=self._flush_loop, name="kvlog-log-flusher", daemon=True
+                self._flusher = threading.Thread(
+                    target=_flush_loop,
+                    args=(weakref.ref(self), self._stop, self.sync_interval_s),
+                    name="kvlog-log-flusher",
+                    daemon=True,
                 )
-                flusher.start()
-                self._flusher = flusher
+                self._flusher.start()
         except BaseException:
-            os.close(self._fd)
+            self._release()  # the flusher first, if it started
             raise
 
     def _init_counters(self, interval: float) -> None:
@@ -321,7 +324,7 @@ class LogWriter:
     def _stop_flusher(self) -> None:
         """Stop the background flusher and wait for it (idempotent)."""
         flusher = self._flusher
-        if flusher is not None:
+        if flusher is not None and flusher.ident is not None:  # started
             self._stop.set()
             flusher.join()
 
@@ -399,21 +402,14 @@ class LogWriter:
             else:
                 self._unsynced_since = -1.0
 
-    def _flush_loop(self) -> None:
-        """The flusher thread: every ``sync_interval_s``, fsync what was written since the
-        last sync. An error poisons the writer and ends the thread; nothing escapes it."""
-        while not self._stop.wait(self.sync_interval_s):
-            with self._counters:
-                seq, since = self.written_seq, self._unsynced_since
-                self._unsynced_since = -1.0
-            if seq <= self.durable_seq:
-                continue
-            try:
-                _datasync(self._fd)
-            except BaseException as exc:  # an OSError; anything else is a bug, kept too
-                if self._poison is None:
-                    self._poison = exc
-                return
+    def _background_sync(self) -> None:
+        """One round of the flusher: fsync what was written since the last sync, if
+        anything was (``_flush_loop`` calls it on its thread)."""
+        with self._counters:
+            seq, since = self.written_seq, self._unsynced_since
+            self._unsynced_since = -1.0
+        if seq > self.durable_seq:
+            _datasync(self._fd)
             self._note_durable(seq, since)
 
     def _write_flags(self, flags: int) -> None:
@@ -426,6 +422,24 @@ class LogWriter:
         except OSError as exc:
             self._poison = exc
             raise LogPoisoned(f"{self.path}: writing the header flags failed: {exc}") from exc
+
+
+def _flush_loop(ref: weakref.ref[LogWriter], stop: threading.Event, interval: float) -> None:
+    """The flusher thread's body: a sync round every ``interval`` until ``stop`` is set
+    or the writer is gone (a weak reference: a writer dropped unclosed is not kept alive).
+    Any exception (an ``OSError`` from fdatasync; anything else would be a bug) poisons the
+    writer and ends the thread: nothing escapes into the thread's excepthook."""
+    while not stop.wait(interval):
+        writer = ref()
+        if writer is None:
+            return
+        try:
+            writer._background_sync()
+        except BaseException as exc:
+            if writer._poison is None:
+                writer._poison = exc
+            return
+        del writer
 
 
 def _encode_frame(record: LogRecord, buffer: bytearray, start: int, seq: int, seed: int) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 import kvlog.log.writer as writer_module
-from kvlog.errors import LogPoisoned
+from kvlog.errors import LogPoisoned, RecordRejected
 from kvlog.events import BlocksAllocated, Checkpoint, Record, StepEnded
 from kvlog.log import SYNC_MODES, LogReader, LogWriter
 
@@ -140,3 +140,20 @@ def test_interrupt_at_every_line(
         pytest.fail(f"{op} still hit line event {MAX_K}")
     assert k > 5, f"{op} ran only {k - 1} writer lines: is the tracer filtering the right file?"
     print(f"{sync} {op}: interrupted at each of {k - 1} line events")
+
+
+def test_rejected_checkpoint_takes_back_its_parts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint that does not encode after its parts were framed leaves none of them
+    (parts without their checkpoint, followed by more records, would be corruption)."""
+    monkeypatch.setattr(writer_module, "SNAPSHOT_PART_BYTES", 64)
+    path = tmp_path / "a.kvlog"
+    with LogWriter(path, "step") as writer:
+        writer.append(PREFIX[0])
+        bad = Checkpoint(seq=0, digest="\ud800", step=0, snapshot=bytes(200))
+        with pytest.raises(RecordRejected):
+            writer.append(bad)
+        assert not writer.poisoned and writer.next_seq == 1
+        writer.append(AFTER)
+    assert _read(path) == [PREFIX[0], AFTER]

@@ -10,8 +10,11 @@ records and a ``StepEnded`` per step. Each kvlog figure is printed with its rati
 baseline measured in the same run on the same records: a bare length-prefixed msgpack
 file through Python's buffered I/O (no sequence numbers, no checksums, no recovery), with
 the same fsync points. The fsync-bound modes (``sync="step"``, and ``"always"``: an fsync per
-record, to show what group commit saves) run on the first records only. MB/s counts the
-log file's bytes (framing included).
+record, to show what group commit saves) run on the first records only; ``"background"``
+writes once per step and leaves the fsyncs to its flusher thread (its baseline: a bare file
+flushed at each step). MB/s counts the log file's bytes (framing included). Then the cost
+on the serving thread: each append timed alone, step-ending appends (where the group is
+written, and fsynced with ``step``) apart from the others, mean and percentiles in us.
 """
 
 from __future__ import annotations
@@ -108,6 +111,8 @@ def _baseline_append(path: str, records: list[Record], sync: str) -> Callable[[]
             if sync == "always" or (sync == "step" and type(record) is StepEnded):
                 file.flush()
                 os.fdatasync(file.fileno())
+            elif sync == "background" and type(record) is StepEnded:
+                file.flush()
         file.flush()
         os.fdatasync(file.fileno())
         file.close()
@@ -156,6 +161,7 @@ def _bench_appends(directory: str, records: list[Record], repeat: int, quick: bo
     fsynced = (2_000, 200) if quick else (10_000, 1_000)  # fsync-bound: fewer records
     for sync, subset in (
         ("none", records),
+        ("background", records),
         ("step", records[: fsynced[0]]),
         ("always", records[: fsynced[1]]),
     ):
@@ -167,6 +173,54 @@ def _bench_appends(directory: str, records: list[Record], repeat: int, quick: bo
         size = os.path.getsize(path)
         rows.append(_row(f"append sync={sync}", len(subset), size, seconds, base_s))
         rows.append(_row("  baseline (bare file, same fsyncs)", len(subset), size, base_s, None))
+    return rows
+
+
+def _append_costs(path: str, records: list[Record], sync: str) -> tuple[list[float], list[float]]:
+    """Each append's time alone (s): step-ending ones, then the others."""
+    if os.path.exists(path):
+        os.unlink(path)
+    steps: list[float] = []
+    others: list[float] = []
+    clock = time.perf_counter
+    with LogWriter(path, sync) as writer:  # type: ignore[arg-type]
+        for record in records:
+            start = clock()
+            writer.append(record)
+            took = clock() - start
+            (steps if type(record) is StepEnded else others).append(took)
+    return steps, others
+
+
+def _cost_row(name: str, times: list[float]) -> str:
+    ordered = sorted(times)
+
+    def pct(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e6
+
+    mean = sum(ordered) / len(ordered) * 1e6
+    return (
+        f"{name:<36} {len(ordered):>8} {mean:>9.2f} {pct(0.5):>9.2f} {pct(0.99):>9.2f}"
+        f" {ordered[-1] * 1e6:>9.1f}"
+    )
+
+
+def _bench_costs(directory: str, records: list[Record], quick: bool) -> list[str]:
+    """The serving thread's cost per append, by sync mode (one pass each)."""
+    rows = [
+        f"{'per append on the serving thread, us':<36} {'count':>8} {'mean':>9} "
+        f"{'p50':>9} {'p99':>9} {'worst':>9}"
+    ]
+    fsynced = 2_000 if quick else 10_000
+    path = os.path.join(directory, "c.kvlog")
+    for sync, subset in (
+        ("none", records),
+        ("background", records),
+        ("step", records[:fsynced]),
+    ):
+        steps, others = _append_costs(path, subset, sync)
+        rows.append(_cost_row(f"sync={sync}: step-ending append", steps))
+        rows.append(_cost_row(f"sync={sync}: other appends", others))
     return rows
 
 
@@ -213,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
         for line in _bench_appends(directory, records, repeat, args.quick):
             print(line, flush=True)
         for line in _bench_reads(directory, records, repeat):
+            print(line, flush=True)
+        for line in _bench_costs(directory, records, args.quick):
             print(line, flush=True)
     print("ratio = baseline time / kvlog time (above 1: kvlog is faster)")
     return 0

@@ -127,7 +127,7 @@ def _add_synth(sub: Any) -> None:
     p.add_argument("--execute", action="store_true", help="run on CPU tensors with canary checks")
     p.add_argument("--backend", choices=("cpu", "fake"), default="cpu")
     p.add_argument("--check-every", type=int, default=0, help="canary check every N steps")
-    p.add_argument("--sync", choices=("none", "step", "always"), default="step")
+    p.add_argument("--sync", choices=("none", "step", "always", "background"), default="step")
     p.add_argument("--checkpoint-every", type=int, default=256)
     _add_policy(p, defaults=True)
     add_trace_flags(p)

@@ -5,7 +5,9 @@ stdin, one per line, and answers on stdout:
 
     run PATH SYNC SEED   fork a child that appends ``record_stream(SEED)`` to the log at
                          PATH with ``sync=SYNC`` and writes ``synced SEQ`` to stdout each
-                         time an append returned with record SEQ durable; answer ``pid PID``
+                         time an append returned with record SEQ durable (with
+                         ``background``: handed to the OS, which a SIGKILL cannot take
+                         back); answer ``pid PID``
     reap PID             wait for that child to end; answer ``reaped PID STATUS``
 
 Forking from one warm process keeps each killed writer cheap (no interpreter start, no

@@ -13,7 +13,7 @@ from kvlog.integrations.config import FacadeConfig, config_from_env, parse_bool
 
 def test_defaults_without_environment() -> None:
     assert config_from_env({}) == FacadeConfig(
-        defrag=True, threshold=32, with_graphs=False, log_path=None, sync="step"
+        defrag=True, threshold=32, with_graphs=False, log_path=None, sync="background"
     )
 
 

@@ -35,4 +35,6 @@ def test_bench_prints_a_table(
     out = capsys.readouterr().out
     for row in ("append sync=none", "append sync=step", "append sync=always", "read all"):
         assert row in out
-    assert out.count("x\n") == 6  # a ratio on every kvlog row
+    assert "append sync=background" in out
+    assert "sync=background: step-ending append" in out
+    assert out.count("x\n") == 7  # a ratio on every kvlog row

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from log_child_writer import record_stream
 
+import kvlog
 from kvlog.events import StepEnded
 from kvlog.log import LogReader, LogWriter
 
@@ -33,10 +34,13 @@ class ForkServer:
 
     def __init__(self) -> None:
         script = Path(__file__).with_name("log_child_writer.py")
+        root = str(Path(kvlog.__file__).parent.parent)  # the children import this kvlog
+        path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
         self.process = subprocess.Popen(
             [sys.executable, str(script), "serve"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            env={**os.environ, "PYTHONPATH": path},
         )
         assert self.process.stdin is not None and self.process.stdout is not None
         self._stdin = self.process.stdin

@@ -1,7 +1,8 @@
 """The durable log: an append-only file of CRC-framed, sequence-numbered records.
 
-``LogWriter`` appends (buffered, group commit at ``StepEnded``) and recovers a torn tail
-on reopen; ``LogReader`` / ``read_log`` stream records back and never modify the file.
+``LogWriter`` appends (buffered, group commit at each step's end, fsynced inline or by a
+background thread) and recovers a torn tail on reopen; ``LogReader`` / ``read_log`` stream
+records back and never modify the file.
 The byte format is in ``kvlog.log.format``; the torn-tail-versus-corruption rule in
 ``kvlog.log.scan``. One file per log (no segments in format version 1).
 """

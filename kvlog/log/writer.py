@@ -1,12 +1,28 @@
 """The log writer: buffered, CRC-framed appends with group commit, and recovery on reopen.
 
 Appends go into one ``bytearray`` (bounded by ``buffer_bytes``) and reach the file in one
-``write`` per group: at each ``StepEnded`` with ``sync="step"`` (then fsync: group
-commit), at each record with ``sync="always"`` (then fsync), and when the buffer passes
-``buffer_bytes``, on ``flush()`` and on ``close()`` (then fsync) otherwise. Any
+``write`` per group: at each step-ending record (``StepEnded``, ``StepScheduled``) with
+``sync="step"`` (then fsync: group commit) or ``sync="background"`` (no fsync on the
+serving thread), at each record with ``sync="always"`` (then fsync), and when the buffer
+passes ``buffer_bytes``, on ``flush()`` and on ``close()`` (then fsync) otherwise. Any
 ``OSError`` from a write or an fsync poisons the writer: the bytes on disk are then
 unknown (after a failed fsync the kernel may have dropped dirty pages), so that append
 and every later one raise ``LogPoisoned``; reopen the log to recover what is on disk.
+
+``sync="background"``: a daemon thread ("kvlog-log-flusher", started at open) calls
+``fdatasync`` every ``sync_interval_s`` when something was written since its last one, so
+a step's records are durable within about ``sync_interval_s`` plus one fsync of its
+``append`` returning, and the serving thread pays one ``write`` per step instead of a
+write and an fsync. ``written_seq`` (last record handed to the OS), ``durable_seq`` (last
+record known synced) and ``max_lag_s`` (the longest a write waited for its sync) say where
+it stands. A failed background fsync poisons the writer like an inline one: the next call
+raises ``LogPoisoned``. The flusher only syncs the fd and updates its counters under a
+small lock; ``close()`` and ``abandon()`` stop and join it before the fd is closed.
+
+An exception or ``KeyboardInterrupt`` at any point of an append, flush or close leaves
+the record wholly in the buffer or wholly absent (the writer still usable), or poisons
+the writer where bytes may have reached the file without the bookkeeping that follows
+(a later ``close()`` then writes nothing more but still releases the fd and its lock).
 
 Opening, in this order, so that two writers can never both win: the path must be a
 regular file or absent (a directory, device, FIFO or socket raises ``LogPathError`` and is
@@ -33,11 +49,15 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import math
 import os
 import stat
 import struct
 import tempfile
+import threading
+import time
 import typing
+import weakref
 from types import TracebackType
 from typing import Literal
 
@@ -85,11 +105,14 @@ except ImportError:  # pragma: no cover - not POSIX
 
 __all__ = ["SYNC_MODES", "LogWriter", "SyncMode"]
 
-SyncMode = Literal["none", "step", "always"]
-SYNC_MODES: tuple[str, ...] = ("none", "step", "always")
+SyncMode = Literal["none", "step", "always", "background"]
+SYNC_MODES: tuple[str, ...] = ("none", "step", "always", "background")
+SYNC_INTERVAL_BOUNDS = (1e-4, 60.0)
+"""``sync_interval_s`` must lie in this closed range (seconds)."""
 _RECORD_TYPES = frozenset(typing.get_args(Record))
 _STEP_TYPES = STEP_EVENTS
-"""Records that end a scheduler step: ``sync="step"`` commits the group at each."""
+"""Records that end a scheduler step: ``sync="step"`` and ``"background"`` write the group
+at each (``"step"`` fsyncs it too)."""
 _EMPTY_FRAME = bytes(FRAME_BYTES)
 _CRC = struct.Struct("<I")
 _COPY_BYTES = 4096
@@ -111,27 +134,55 @@ class LogWriter:
         buffer_bytes: int = 1 << 20,
         file_id: int | None = None,
         new: bool = False,
+        sync_interval_s: float = 0.005,
     ) -> None:
         if sync not in SYNC_MODES:
             raise ConfigError("sync", sync, f"one of {SYNC_MODES}")
         if type(buffer_bytes) is not int or buffer_bytes < 0:
             raise ConfigError("buffer_bytes", buffer_bytes, "an int >= 0")
+        _check_interval(sync_interval_s)
         header = _new_header(meta, file_id)  # arguments are checked before the path
         self.path = os.fspath(path)
         self.sync_mode: SyncMode = sync
-        self._fsync_each, self._fsync_step = sync == "always", sync == "step"
+        self._fsync_each = sync == "always"
+        self._step_commit = sync in ("step", "background")  # write the group at a step's end
+        self._commit_fsync = sync != "background"  # ... and fsync it on the serving thread
         self._buffer_bytes = buffer_bytes
         self._buffer = bytearray()
-        self._poison: OSError | None = None
+        self._poison: BaseException | None = None
         self._closed = False
         self._seed = 0
+        self._flusher: threading.Thread | None = None  # sync="background" only
+        self._init_counters(float(sync_interval_s))
         self._fd = _open_locked(self.path, header)
         try:
             self.header, self.next_seq, self.recovery = self._recover(new)
             self._offset = os.lseek(self._fd, 0, os.SEEK_END)  # where the next frame goes
+            self.written_seq = self.durable_seq = self.next_seq - 1  # recovery synced them
+            if sync == "background":
+                self._flusher = threading.Thread(
+                    target=_flush_loop,
+                    args=(weakref.ref(self), self._stop, self.sync_interval_s),
+                    name="kvlog-log-flusher",
+                    daemon=True,
+                )
+                self._flusher.start()
         except BaseException:
-            os.close(self._fd)
+            self._release()  # the flusher first, if it started
             raise
+
+    def _init_counters(self, interval: float) -> None:
+        """The durability counters and the flusher's state (no thread yet)."""
+        self.sync_interval_s = interval
+        self.written_seq = -1
+        """The last sequence number handed to the OS (written, maybe not synced)."""
+        self.durable_seq = -1
+        """The last sequence number known synced (fdatasync returned after its write)."""
+        self.max_lag_s = 0.0
+        """The longest time a write waited for the fsync that made it durable."""
+        self._unsynced_since = -1.0  # monotonic time of the oldest unsynced write, or -1
+        self._counters = threading.Lock()
+        self._stop = threading.Event()
 
     def _recover(self, new: bool) -> tuple[LogHeader, int, Recovery | None]:
         """Verify every frame; cut a torn tail; clear the closed flag. Returns the header,
@@ -179,38 +230,46 @@ class LogWriter:
         if record_type is Checkpoint and len(record.snapshot) > SNAPSHOT_PART_BYTES:  # type: ignore[union-attr]
             return self._append_parts(record)  # type: ignore[arg-type]
         seq = self._frame(record)
-        if self._fsync_each or (self._fsync_step and record_type in _STEP_TYPES):
-            self._commit(fsync=True)
+        if self._fsync_each or (self._step_commit and record_type in _STEP_TYPES):
+            self._commit(fsync=self._commit_fsync)
         elif len(self._buffer) >= self._buffer_bytes:
             self._commit(fsync=False)
         return seq
 
     def _frame(self, record: LogRecord) -> int:
-        """Encode one record into the buffer; its sequence number (nothing kept on error)."""
+        """Encode one record into the buffer; its sequence number. On any exception (an
+        interrupt included) before ``next_seq`` moves, nothing of the record stays; the
+        ``next_seq`` assignment is the commit point."""
         buffer, seq = self._buffer, self.next_seq
         start = len(buffer)
-        buffer += _EMPTY_FRAME
         try:
-            _encoder.encode_into(record, buffer, start + FRAME_BYTES)  # the payload, in place
-        except (TypeError, ValueError, OverflowError) as exc:  # UnicodeEncodeError included
-            del buffer[start:]
-            raise RecordRejected(f"{type(record).__name__} does not encode: {exc}") from exc
-        length = len(buffer) - start - FRAME_BYTES
-        if length > MAX_RECORD_BYTES:
-            del buffer[start:]
-            raise RecordRejected(f"record of {length} bytes > {MAX_RECORD_BYTES}")
-        FRAME_HEAD.pack_into(buffer, start + 4, length, seq)
-        if length <= _COPY_BYTES:  # copying a small record is cheaper than a memoryview
-            crc = _crc32c.crc32c(buffer[start + 4 :], self._seed)
-        else:
-            with memoryview(buffer)[start + 4 :] as checked:
-                crc = _crc32c.crc32c(checked, self._seed)
-        _CRC.pack_into(buffer, start, crc)
-        self.next_seq = seq + 1
+            buffer += _EMPTY_FRAME
+            _encode_frame(record, buffer, start, seq, self._seed)
+            self.next_seq = seq + 1
+        except BaseException:
+            if self.next_seq == seq:
+                del buffer[start:]
+            raise
         return seq
 
     def _append_parts(self, checkpoint: Checkpoint) -> int:
-        """A checkpoint with a large snapshot: its parts, then itself without the snapshot."""
+        """A checkpoint with a large snapshot: its parts, then itself without the snapshot.
+        On an exception part-way the parts are taken back if none reached the file, else
+        the writer is poisoned (parts without their checkpoint must not be followed)."""
+        first_seq, start, offset = self.next_seq, len(self._buffer), self._offset
+        try:
+            seq = self._frame_parts(checkpoint)
+        except BaseException as exc:
+            if self._poison is None and self._offset == offset:
+                del self._buffer[start:]
+                self.next_seq = first_seq
+            elif self._poison is None:
+                self._poison = exc
+            raise
+        self._commit(fsync=self._fsync_each)
+        return seq
+
+    def _frame_parts(self, checkpoint: Checkpoint) -> int:
         snapshot = checkpoint.snapshot
         count = -(-len(snapshot) // SNAPSHOT_PART_BYTES)
         with memoryview(snapshot) as view:
@@ -219,9 +278,7 @@ class LogWriter:
                 self._frame(SnapshotPart(index, count, piece))  # type: ignore[arg-type]
                 if len(self._buffer) >= self._buffer_bytes:
                     self._commit(fsync=False)
-        seq = self._frame(msgspec.structs.replace(checkpoint, snapshot=b""))
-        self._commit(fsync=self._fsync_each)
-        return seq
+        return self._frame(msgspec.structs.replace(checkpoint, snapshot=b""))
 
     def flush(self) -> None:
         """Hand the buffered records to the OS (no fsync)."""
@@ -234,30 +291,49 @@ class LogWriter:
         self._commit(fsync=True)
 
     def close(self) -> None:
-        """Write, fsync, mark the clean close and close; idempotent. A poisoned writer just
-        closes its file (no close mark: its log may end torn)."""
-        if self._closed:
+        """Stop the flusher, write, fsync, mark the clean close and close; idempotent. A
+        poisoned writer just closes its file (no close mark: its log may end torn). A close
+        that was interrupted is finished by the next: that one only releases the fd."""
+        if self._fd < 0:
             return
         try:
-            if self._poison is None:
-                self._frame(LogEnd(self._offset + len(self._buffer)))
-                self._commit(fsync=True)
-                self._write_flags(FLAG_CLOSED)
+            if not self._closed:
+                self._stop_flusher()
+                if self._poison is None:
+                    self._frame(LogEnd(self._offset + len(self._buffer)))
+                    self._commit(fsync=True)
+                    self._write_flags(FLAG_CLOSED)
         finally:
             self._closed = True
-            os.close(self._fd)  # releases the lock
+            self._release()
 
     def abandon(self) -> None:
         """Close the file as a crash would leave it: the buffered records are written (not
         synced), no close record, no closed flag (crash tests). Idempotent."""
-        if self._closed:
+        if self._fd < 0:
             return
         try:
-            if self._poison is None:
-                self._commit(fsync=False)
+            if not self._closed:
+                self._stop_flusher()
+                if self._poison is None:
+                    self._commit(fsync=False)
         finally:
             self._closed = True
-            os.close(self._fd)
+            self._release()
+
+    def _stop_flusher(self) -> None:
+        """Stop the background flusher and wait for it (idempotent)."""
+        flusher = self._flusher
+        if flusher is not None and flusher.ident is not None:  # started
+            self._stop.set()
+            flusher.join()
+
+    def _release(self) -> None:
+        """Close the fd (releasing the lock), never while the flusher may still use it."""
+        self._stop_flusher()
+        if self._fd >= 0:
+            # one line: no line event (nor interrupt) between the close and its mark
+            self._fd = os.close(self._fd) or -1  # type: ignore[func-returns-value]
 
     @property
     def closed(self) -> bool:
@@ -281,24 +357,60 @@ class LogWriter:
     def _check_usable(self) -> None:
         if self._poison is not None:
             raise LogPoisoned(
-                f"{self.path}: an earlier write or fsync failed ({self._poison}); "
+                f"{self.path}: an earlier write or fsync failed ({self._poison!r}); "
                 "no more appends, reopen the log to recover"
             ) from self._poison
         if self._closed:
             raise LogClosed(f"{self.path}: log writer is closed")
 
     def _commit(self, *, fsync: bool) -> None:
+        """Write the buffer (and fsync). Any exception poisons: what reached the file is
+        then unknown, or the buffer and ``_offset`` no longer say what did."""
         try:
             if self._buffer:
                 _write_all(self._fd, self._buffer)
                 self._offset += len(self._buffer)
                 self._buffer.clear()
+                self._note_written()
             if fsync:
                 _datasync(self._fd)
+                self._note_durable(self.written_seq, -1.0)
         except OSError as exc:
             self._poison = exc
             self._buffer.clear()
             raise LogPoisoned(f"{self.path}: log write or fsync failed: {exc}") from exc
+        except BaseException as exc:  # an interrupt: the buffer may be partly on disk
+            if self._poison is None:
+                self._poison = exc
+            raise
+
+    def _note_written(self) -> None:
+        """Everything framed so far is now with the OS (the buffer is empty)."""
+        with self._counters:
+            self.written_seq = self.next_seq - 1
+            if self._unsynced_since < 0:
+                self._unsynced_since = time.monotonic()
+
+    def _note_durable(self, seq: int, since: float) -> None:
+        """An fsync made ``seq`` durable; ``since``: when its oldest write happened (or -1:
+        an inline fsync, which clears the pending time)."""
+        now = time.monotonic()
+        with self._counters:
+            self.durable_seq = max(self.durable_seq, seq)
+            if since >= 0:
+                self.max_lag_s = max(self.max_lag_s, now - since)
+            else:
+                self._unsynced_since = -1.0
+
+    def _background_sync(self) -> None:
+        """One round of the flusher: fsync what was written since the last sync, if
+        anything was (``_flush_loop`` calls it on its thread)."""
+        with self._counters:
+            seq, since = self.written_seq, self._unsynced_since
+            self._unsynced_since = -1.0
+        if seq > self.durable_seq:
+            _datasync(self._fd)
+            self._note_durable(seq, since)
 
     def _write_flags(self, flags: int) -> None:
         """Rewrite the header's flags (one 10-byte write in the first sector), synced."""
@@ -310,6 +422,53 @@ class LogWriter:
         except OSError as exc:
             self._poison = exc
             raise LogPoisoned(f"{self.path}: writing the header flags failed: {exc}") from exc
+
+
+def _flush_loop(ref: weakref.ref[LogWriter], stop: threading.Event, interval: float) -> None:
+    """The flusher thread's body: a sync round every ``interval`` until ``stop`` is set
+    or the writer is gone (a weak reference: a writer dropped unclosed is not kept alive).
+    Any exception (an ``OSError`` from fdatasync; anything else would be a bug) poisons the
+    writer and ends the thread: nothing escapes into the thread's excepthook."""
+    while not stop.wait(interval):
+        writer = ref()
+        if writer is None:
+            return
+        try:
+            writer._background_sync()
+        except BaseException as exc:
+            if writer._poison is None:
+                writer._poison = exc
+            return
+        del writer
+
+
+def _encode_frame(record: LogRecord, buffer: bytearray, start: int, seq: int, seed: int) -> None:
+    """Fill the empty frame at ``start`` (its last byte ends the buffer): the payload
+    encoded in place, then length, seq and CRC. ``RecordRejected`` when it cannot be."""
+    try:
+        _encoder.encode_into(record, buffer, start + FRAME_BYTES)  # the payload, in place
+    except (TypeError, ValueError, OverflowError) as exc:  # UnicodeEncodeError included
+        raise RecordRejected(f"{type(record).__name__} does not encode: {exc}") from exc
+    length = len(buffer) - start - FRAME_BYTES
+    if length > MAX_RECORD_BYTES:
+        raise RecordRejected(f"record of {length} bytes > {MAX_RECORD_BYTES}")
+    FRAME_HEAD.pack_into(buffer, start + 4, length, seq)
+    if length <= _COPY_BYTES:  # copying a small record is cheaper than a memoryview
+        crc = _crc32c.crc32c(buffer[start + 4 :], seed)
+    else:
+        with memoryview(buffer)[start + 4 :] as checked:
+            crc = _crc32c.crc32c(checked, seed)
+    _CRC.pack_into(buffer, start, crc)
+
+
+def _check_interval(value: object) -> None:
+    low, high = SYNC_INTERVAL_BOUNDS
+    if (
+        type(value) not in (int, float)
+        or not math.isfinite(value)  # type: ignore[arg-type]
+        or not low <= value <= high  # type: ignore[operator]
+    ):
+        raise ConfigError("sync_interval_s", value, f"a number of seconds in [{low}, {high}]")
 
 
 def _new_header(meta: dict[str, str] | None, file_id: int | None) -> LogHeader:

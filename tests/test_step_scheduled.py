@@ -196,3 +196,18 @@ def test_trace_logs_regrouped_into_whole_steps_fold_to_the_same_states(tmp_path:
         num_steps = sum(isinstance(e, StepScheduled) for e in whole)
         assert num_steps > len(whole) // 20, "the trace's steps were not regrouped"
         assert _fold(whole) == _fold(fine)
+
+
+def test_a_resumed_request_is_released_just_before_its_own_blocks() -> None:
+    """Found by the fuzz profile: a resumed request's old table is released between the
+    allocations, not before all of them, so an earlier request cannot take its block."""
+    config = CacheConfigured(num_gpu_blocks=8, block_size=4, threshold=32)
+    machine = Machine()
+    machine.apply(config)
+    machine.apply(StepScheduled(step=0, allocated={"r1": [1]}, finished=[]))
+    early = StepScheduled(step=1, allocated={"r2": [1], "r1": [2]}, finished=[], resumed=["r1"])
+    assert isinstance(_whole(machine, early), KvlogError)
+    late = StepScheduled(step=1, allocated={"r1": [2], "r2": [1]}, finished=[], resumed=["r1"])
+    assert _whole(machine, late) == []
+    assert machine.state.tables == {"r1": [2], "r2": [1]}
+    check_invariants(machine.state)

@@ -76,9 +76,10 @@ def check_step(state: State, event: StepScheduled) -> StepFound:
     resumed = event.resumed
     allocations: list[tuple[str, list[int], bool, list[int] | None, bool]] = []
     count = 0
+    again_released = set(released)  # grows in the step's order, for the resumed rule only
     for req_id, block_ids in event.allocated.items():
         if block_ids:
-            again = bool(resumed) and _resumed_again(req_id, resumed, tables, released)
+            again = bool(resumed) and _resumed_again(req_id, resumed, tables, again_released)
             allocations.append((req_id, block_ids, again, None, True))
             count += len(block_ids)
     if not allocations:
@@ -127,9 +128,11 @@ def _scan(
 ) -> list[tuple[str, list[int], bool, list[int] | None, bool]]:
     """Each allocation checked where it stands (``_Scan``), with its physical ids."""
     assert state.config is not None, "reduce() dispatches only configured states here"
-    scan = _Scan(state, state.config.prefix_caching, released)
+    scan = _Scan(state, state.config.prefix_caching, set(released))
     out: list[tuple[str, list[int], bool, list[int] | None, bool]] = []
     for req_id, block_ids, again, _, _ in allocations:
+        if again:  # released just before its own blocks, after the earlier allocations
+            scan.release(req_id)
         physical, free = scan.allocate(req_id, block_ids)
         out.append((req_id, block_ids, again, physical, free))
     return out
@@ -145,9 +148,14 @@ class _Scan:
     def __init__(self, state: State, prefix_caching: bool, released: set[str]) -> None:
         self.state = state
         self.prefix_caching = prefix_caching
-        self.released = released  # every release of the step: all come before any block
+        self.released = released  # the step's releases so far
         self.taken: dict[int, int] = {}  # physical -> references the step added
         self._dropped: dict[int, int] | None = None
+
+    def release(self, req_id: str) -> None:
+        """``req_id``'s table is released here, between two allocations."""
+        self.released.add(req_id)
+        self._dropped = None
 
     def dropped(self, physical: int) -> int:
         """References to ``physical`` that the step's releases so far drop."""

@@ -298,13 +298,14 @@ def _allocation(
 
 
 def _step_allocation(
-    fwd: Any, refs: Any, store_pins: Any, load_pins: Any, logical: Any, marks: Any, physical: Any
+    fwd: Any, refs: Any, store_pins: Any, load_pins: Any, logical: Any, physical: Any
 ) -> int:
     """A whole step's allocations at once: resolve ``logical`` into ``physical``. Returns 0
     when every block is in range, free, unpinned and given once (then the step takes them
     all as they are), 2 when an id is negative or not below the pool size (nothing
-    resolved), else 1 (the caller checks block by block). ``marks`` is an all-zero scratch
-    array over the pool, left all-zero."""
+    resolved), else 1 (the caller checks block by block). A repeat is found by sorting a
+    copy of the ids (the step's few dozen), not by marking the pool: no pool-sized scratch
+    to touch at random."""
     n = len(logical)
     size = len(fwd)
     for i in range(n):
@@ -314,11 +315,13 @@ def _step_allocation(
     for i in range(n):
         p = fwd[logical[i]]
         physical[i] = p
-        if refs[p] or store_pins[p] or load_pins[p] or marks[p]:
+        if refs[p] or store_pins[p] or load_pins[p]:
             status = 1
-        marks[p] = 1
-    for i in range(n):
-        marks[physical[i]] = 0
+    if status == 0 and n > 1:
+        ordered = np.sort(physical)
+        for i in range(1, n):
+            if ordered[i] == ordered[i - 1]:
+                return 1
     return status
 
 
@@ -416,7 +419,7 @@ def load() -> None:
     add_refs(words, words, words, blocks, none)
     drop_refs(words, words, words, blocks, blocks, none, ids)
     allocation(blocks, blocks, blocks, blocks, none, False, ids)
-    step_allocation(blocks, blocks, blocks, blocks, none, np.zeros(1, dtype=np.int8), ids)
+    step_allocation(blocks, blocks, blocks, blocks, none, ids)
     table_terms(np.uint64(GOLDEN), 0, none)
     tables_terms(words[:0], none, none, none, words[:0])
     step_commit(

@@ -102,8 +102,6 @@ class State:
         self.store_pins_buffer, self.store_pins = int32_buffer(zeros)
         self.load_pins_buffer, self.load_pins = int32_buffer(zeros)
         self.used = BlockSet(num_gpu_blocks)
-        self.marks = np.zeros(num_gpu_blocks, dtype=np.int8)
-        """All-zero scratch over the pool for the compiled checks (left all-zero)."""
         self.pinned_buffer, self.pinned = uint64_buffer(self.used.words.size)
         self._max_used = -1
 

@@ -94,7 +94,7 @@ def check_step(state: State, event: StepScheduled) -> StepFound:
         _refuse_range(allocations, size)
     physical = np.empty(count, dtype=np.int64)
     status = kernels.step_allocation(
-        state.fwd, state.refs, state.store_pins, state.load_pins, logical, state.marks, physical
+        state.fwd, state.refs, state.store_pins, state.load_pins, logical, physical
     )
     if status == 0:
         return StepFound(releases, allocations, (logical, physical))

@@ -20,14 +20,29 @@ log between its check and its change. Its order, and what it guarantees:
 
 So ``apply`` raises only before anything changed, except ``LogPoisoned`` from the
 checkpoint that a ``StepEnded`` may write after it was applied (the engine has then
-stopped; resume the log). Every ``checkpoint_every`` steps the engine appends a
-``Checkpoint`` record (sequence number of the last applied record and the state digest),
-with a state snapshot every ``snapshot_every`` checkpoints (by default 16, and no sooner than
-``num_gpu_blocks // 4`` records after the last, so large pools snapshot less often: see
-``Engine._snapshot_due``), so a replay verifies as it goes
-and can start from the latest snapshot; a snapshot of any allowed pool fits the log (it is
-split across records when large). ``close()`` drains the executor's transfers, writes a
-final checkpoint (with a snapshot) and closes the log cleanly.
+stopped; resume the log), and an exception that cut it short (below). Every
+``checkpoint_every`` steps the engine appends a ``Checkpoint`` record (sequence number of
+the last applied record and the state digest), with a state snapshot every
+``snapshot_every`` checkpoints (by default 16, and no sooner than ``num_gpu_blocks // 4``
+records after the last, so large pools snapshot less often: see ``Engine._snapshot_due``),
+so a replay verifies as it goes and can start from the latest snapshot; a snapshot of any
+allowed pool fits the log (it is split across records when large). ``close()`` drains the
+executor's transfers, writes a final checkpoint (with a snapshot) and closes the log
+cleanly.
+
+**Interrupts and exceptions.** Every public call is atomic under any exception, wherever it
+lands (``KeyboardInterrupt``, ``MemoryError``, an executor's or an observer's error): from
+a call's first log append to the end of its change the engine is busy, and a raise there
+leaves it broken. Every later call then raises ``EngineBroken`` (a ``LogPoisoned``) and
+``close()`` writes no checkpoint, only closes the log, which ends with the event: replay
+applies it and ``Engine.resume`` continues it. An executor error comes after the state
+changed: the event is logged and counts as applied; the engine is broken (the plan's bytes
+are unknown). Interrupting a blocking ``wait`` (or ``close``'s drain) breaks it too.
+
+**Threads.** Calls from several threads are serialized: an ``RLock`` is taken by every
+public call (apply, poll, wait, resolve, resolve_all, digest, running_digest, snapshot,
+checkpoint, close), so each runs whole and the log holds them in the order they ran. It is
+reentrant (an observer may read the engine inside a call); ``.state`` is not locked.
 
 The constructor checks the configuration, that this machine can hold its state
 (``StateTooLarge``) and builds the state before it opens or creates the log, so a refused
@@ -80,7 +95,7 @@ from kvlog.memory import (
 from kvlog.reducers import running
 from kvlog.reducers.digest import digest_and_snapshot
 from kvlog.reducers.ranges import check_id_dtype
-from kvlog.replay import replay_state
+from kvlog.replay import checkpoint_digest, replay_state
 
 if TYPE_CHECKING:
     from kvlog.executors import Executor, TransferCompletion
@@ -98,7 +113,11 @@ most ~1 us of snapshot per record at any pool size (a 1M-block snapshot takes ~0
 
 
 class Engine:
-    """Event-sourced KV-cache bookkeeping: log, reduce, execute (see the module docstring)."""
+    """Event-sourced KV-cache bookkeeping: log, reduce, execute (see the module docstring).
+
+    Thread-safe by serialization: every public call holds the engine's ``RLock``. A call
+    cut short after its log append (an interrupt, an executor error) leaves the engine
+    broken: later calls raise ``EngineBroken``, ``close()`` writes no checkpoint."""
 
     def __init__(
         self,
@@ -368,9 +387,10 @@ class Engine:
     ) -> Engine:
         """An engine continuing from ``snapshot()`` bytes.
 
-        With ``log_path``, the log must be the one the snapshot came from: the engine
-        appends to it, starting with a checkpoint of the restored state, so a replay of the
-        log verifies that the snapshot matches what the log says. Bytes that are not an
+        With ``log_path``, the snapshot must be of the state at the log's end (its last
+        checkpoint's digest when that covers the last event, else a verified replay's):
+        another one raises ``ConfigError`` and nothing is appended. The engine appends to
+        the log, starting with a checkpoint of the restored state. Bytes that are not an
         intact snapshot raise ``CorruptLogError``; a snapshot taken before
         ``CacheConfigured`` raises ``NotConfigured``.
         """
@@ -391,6 +411,8 @@ class Engine:
                     f"{writer.path} holds no events: a restored engine continues the log its "
                     "snapshot came from (start a new log with Engine(config, log_path))",
                 )
+            if writer is not None:
+                _check_snapshot_of(writer.path, state, last)
             return cls._continued(
                 state, last, writer, executor, sync, checkpoint_every, snapshot_every
             )
@@ -648,6 +670,27 @@ def _open_existing(path: str | os.PathLike[str], sync: SyncMode) -> LogWriter:
     if not os.path.lexists(path) or (os.path.isfile(path) and os.path.getsize(path) == 0):
         raise LogNotFound(2, f"{os.fspath(path)}: no log to continue")
     return LogWriter(path, sync=sync)
+
+
+def _check_snapshot_of(path: str, state: reducers.State, last: int) -> None:
+    """``ConfigError`` unless ``state`` is the state at the end of the log at ``path``
+    (whose last event is ``last``): a snapshot of another log, or of another point of this
+    one, would make the continued log one that no longer replays."""
+    final: Checkpoint | None = None
+    for _, record in LogReader(path).records():
+        if type(record) is Checkpoint:
+            final = record
+    if final is not None and final.seq == last:
+        expected, actual = final.digest, checkpoint_digest(state, final.digest)
+    else:  # the log ends past its last checkpoint (a crash): its end, replayed
+        expected = running.checkpoint_digest(replay_state(path)[0])
+        actual = running.checkpoint_digest(state)
+    if actual != expected:
+        raise ConfigError(
+            "blob",
+            f"<snapshot with digest {actual}>",
+            f"a snapshot of the state at the end of {path} (digest {expected})",
+        )
 
 
 def _last_event_seq(path: str | os.PathLike[str]) -> int:

@@ -831,20 +831,26 @@ def crash_trial(
 
 
 def resume_trial(tmp: Path, source: Path, location: Location, exc: type[BaseException]) -> None:
-    """``Engine.resume`` of a finished log cut short at ``location``: nothing is left
-    locked, and the log still replays, verifies and resumes."""
-    path = tmp / "resume.kvlog"
+    """``Engine.resume`` of a finished log, and its ``close()``, cut short at
+    ``location``: the resumed engine (if any) closes on a second ``close()``, nothing is
+    left locked, and the log still replays, verifies and resumes."""
+    path = tmp / f"resume-{Path(location[0]).stem}-{location[1]}.kvlog"
     path.write_bytes(source.read_bytes())
     injector = LineInjector(crash_files(), location, 1, exc)
+    engines: list[Engine] = []
     sys.settrace(injector)
     try:
-        Engine.resume(path, sync="step").close()
+        engines.append(Engine.resume(path, sync="step"))
+        engines[0].close()
     except BaseException as caught:
         if not injector.fired or not _caused_by(caught, exc):
             raise
     finally:
         sys.settrace(None)
+    if engines:
+        engines[0].close()  # finishes a close that was cut short
     verify_crashed_log(path)
+    path.unlink()
 
 
 def crash_campaign(

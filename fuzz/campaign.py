@@ -2,7 +2,7 @@
 
     python fuzz/campaign.py all              every campaign at full size (about 20 minutes
                                              on 2 cores), figures on stdout, JSON with --json
-    python fuzz/campaign.py flips|truncate|zeros|kill|writers|pools [--quick]
+    python fuzz/campaign.py flips|truncate|zeros|kill|writers|crash|pools [--quick]
 
 - ``flips``: a single-bit flip and a byte overwrite at every byte of a log of >= 400
   records (checkpoints with snapshots, a final checkpoint), once closed cleanly and once
@@ -17,6 +17,12 @@
   parts): every record reported durable survives, the rest is a prefix.
 - ``writers``: two processes open one log at once (a ``touch``-ed empty file, and an absent
   one): exactly one wins, and the log holds exactly its records.
+- ``crash``: ``KeyboardInterrupt``, ``MemoryError`` and ``RuntimeError`` raised (``sys.settrace``)
+  at every line event location of the Engine, the Machine and the reducers that a small
+  serving run on the canary executor reaches (its first, last and a random occurrence),
+  and at every line of ``Engine.resume``: the engine afterwards holds exactly the logged
+  state or refuses every call with ``EngineBroken``, and every log replays, verifies and
+  resumes (issue 20).
 - ``pools``: 1M, 10M and the bound (2**25) GPU blocks: constructor, checkpoint with snapshot,
   close, resume, replay; time and peak memory (each size in its own process).
 
@@ -46,7 +52,8 @@ from pathlib import Path
 from typing import Any
 
 from kvlog import Engine, replay
-from kvlog.errors import CorruptLogError, KvlogError, LogLocked
+from kvlog.canary import make_canary_executor
+from kvlog.errors import CorruptLogError, EngineBroken, KvlogError, LogLocked
 from kvlog.events import (
     BlocksAllocated,
     CacheConfigured,
@@ -58,11 +65,16 @@ from kvlog.events import (
     TransferFinished,
 )
 from kvlog.log import LogReader, LogWriter
+from kvlog.reducers import running
+from kvlog.replay import replay_state
+from kvlog.synth import SynthConfig, SynthRun
 
 __all__ = [
     "DamageOutcome",
     "WrittenLog",
     "build_log",
+    "crash_campaign",
+    "crash_trial",
     "flip_campaign",
     "kill_campaign",
     "pool_campaign",
@@ -626,6 +638,279 @@ def _damage_campaigns(tmp: Path, name: str, quick: bool) -> dict[str, Any]:
     return out
 
 
+# -- crash points (issue 20) -----------------------------------------------------------
+CRASH_SYNTH = SynthConfig(
+    seed=3,
+    steps=40,
+    num_gpu_blocks=96,
+    block_size=16,
+    num_cpu_blocks=64,
+    prefix_caching=True,
+    arrival_rate=0.5,
+    prompt_len_mean=100.0,
+    output_len_mean=12.0,
+    max_num_seqs=8,
+    num_prefixes=3,
+    prefix_len_max_blocks=4,
+    transfer_failure_rate=0.2,
+    threshold=1,
+)
+"""The crash-point program: a small serving run with prefix hits, preemption, defrag,
+stores and loads (some failing) on the canary CPU executor, so ``poll``, ``wait`` and
+``Machine.commit``'s executor call all run; a checkpoint every 4 steps, a snapshot every
+other one."""
+CRASH_EXCEPTIONS: dict[str, type[BaseException]] = {
+    "KeyboardInterrupt": KeyboardInterrupt,
+    "MemoryError": MemoryError,
+    "RuntimeError": RuntimeError,  # an executor's or an observer's error
+}
+Location = tuple[str, int]
+
+
+def crash_files(writer: bool = False) -> frozenset[str]:
+    """The source files whose every line event is a crash point: the Engine, the Machine,
+    the reducers (check and commit) and, with ``writer``, the log writer."""
+    import kvlog
+
+    root = Path(kvlog.__file__).resolve().parent
+    files = [root / "engine.py", root / "machine.py", *sorted((root / "reducers").glob("*.py"))]
+    if writer:
+        files.append(root / "log" / "writer.py")
+    return frozenset(str(f) for f in files)
+
+
+class LineInjector:
+    """A ``sys.settrace`` tracer over ``files``: counts every line event by location or, with
+    a ``target``, raises ``exc`` at that location's ``occurrence``-th line event (once)."""
+
+    def __init__(
+        self,
+        files: frozenset[str],
+        target: Location | None = None,
+        occurrence: int = 1,
+        exc: type[BaseException] = KeyboardInterrupt,
+    ) -> None:
+        self.files, self.target, self.occurrence, self.exc = files, target, occurrence, exc
+        self.counts: Counter[Location] = Counter()
+        self.fired = False
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> Any:
+        return self._line if frame.f_code.co_filename in self.files else None
+
+    def _line(self, frame: Any, event: str, arg: Any) -> Any:
+        if event != "line" or self.fired:
+            return self._line
+        key = (frame.f_code.co_filename, frame.f_lineno)
+        self.counts[key] += 1
+        if key == self.target and self.counts[key] == self.occurrence:
+            self.fired = True
+            raise self.exc(f"injected at {Path(key[0]).name}:{key[1]} #{self.occurrence}")
+        return self._line
+
+
+def _run_program(path: Path, injector: LineInjector, config: SynthConfig) -> Engine | None:
+    """Build an engine on ``path``, serve ``config`` through it and close it, traced by
+    ``injector``; the engine (None when its constructor was cut short). The injected
+    exception propagates, as a Ctrl-C would, after tracing stops."""
+    executor, tracker = make_canary_executor(config.cache_config(), "cpu")
+    holder: list[Engine] = []
+    try:
+        sys.settrace(injector)
+        try:
+            holder.append(Engine(config.cache_config(), path, executor, "step", 4, 2))
+            SynthRun(config, holder[0], tracker).run()
+            holder[0].close()
+        finally:
+            sys.settrace(None)
+    except BaseException as exc:
+        if not injector.fired or not _caused_by(exc, injector.exc):
+            raise
+        _judge_engine(holder[0] if holder else None, path)
+    finally:
+        executor.shutdown()
+    return holder[0] if holder else None
+
+
+def _caused_by(exc: BaseException | None, injected: type[BaseException]) -> bool:
+    """``exc`` is the injected exception, or a typed error raised from it (a
+    ``MemoryError`` in the constructor is ``StateTooLarge``)."""
+    while exc is not None:
+        if type(exc) is injected and str(exc).startswith("injected at "):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _judge_engine(engine: Engine | None, path: Path) -> str:
+    """After an injected exception: the engine holds exactly the logged state, or refuses
+    every call with ``EngineBroken``; then it closes. The outcome's name."""
+    if engine is None:
+        outcome = "constructor"
+    elif engine.closed:
+        outcome = "closed"
+    elif engine.broken:
+        for call in (
+            lambda: engine.apply(StepEnded(1 << 30)),
+            engine.poll,
+            engine.wait,
+            engine.checkpoint,
+            engine.digest,
+            engine.running_digest,
+            lambda: engine.resolve_all([[0]]),
+        ):
+            try:
+                call()
+            except EngineBroken:
+                continue
+            raise AssertionError(f"{path}: a broken engine answered {call}")
+        outcome = "broken"
+    else:
+        live = engine.running_digest()
+        assert engine._log is not None
+        engine._log.flush()
+        state, _ = replay_state(path)
+        assert running.checkpoint_digest(state) == live, f"{path}: live state is not the log's"
+        outcome = "consistent"
+    if engine is not None:
+        engine.close()
+        engine.close()  # idempotent, and finishes a close that was cut short
+    _JUDGED[outcome] += 1
+    return outcome
+
+
+_JUDGED: Counter[str] = Counter()
+
+
+def verify_crashed_log(path: Path) -> bool:
+    """The log left by a crash point replays and verifies (``replay(verify=True)``), and
+    ``Engine.resume`` continues it at the replayed state; False when no log holds events
+    (a constructor cut short before ``CacheConfigured`` was written)."""
+    if not path.exists() or not any(True for _ in LogReader(path).records()):
+        with LogWriter(path):  # no lock left behind
+            pass
+        return False
+    result = replay(path, verify=True)
+    assert result.ok, f"{path}: {result.divergence}"
+    state, _ = replay_state(path)
+    with Engine.resume(path, sync="none") as resumed:
+        assert resumed.running_digest() == running.checkpoint_digest(state), path
+    assert replay(path, verify=True).ok, f"{path}: after resume"
+    return True
+
+
+def crash_locations(
+    tmp: Path, writer: bool = False, config: SynthConfig = CRASH_SYNTH
+) -> Counter[Location]:
+    """Every line location of the crash files that the program reaches, with its count
+    (the second of two runs: the first may compile or cache what later runs skip)."""
+    for run in range(2):
+        injector = LineInjector(crash_files(writer))
+        path = tmp / f"dry{run}.kvlog"
+        path.unlink(missing_ok=True)
+        _run_program(path, injector, config)
+    return injector.counts
+
+
+def crash_trial(
+    tmp: Path,
+    location: Location,
+    occurrence: int,
+    exc: type[BaseException],
+    writer: bool = False,
+    config: SynthConfig = CRASH_SYNTH,
+) -> bool:
+    """One crash point: the program with ``exc`` raised at that line event; then the
+    engine and the log are judged (see ``_judge_engine``, ``verify_crashed_log``). Whether
+    a log was verified."""
+    path = tmp / "crash.kvlog"
+    path.unlink(missing_ok=True)
+    injector = LineInjector(crash_files(writer), location, occurrence, exc)
+    _run_program(path, injector, config)
+    assert injector.fired, f"{location} #{occurrence} not reached"
+    return verify_crashed_log(path)
+
+
+def resume_trial(tmp: Path, source: Path, location: Location, exc: type[BaseException]) -> None:
+    """``Engine.resume`` of a finished log, and its ``close()``, cut short at
+    ``location``: the resumed engine (if any) closes on a second ``close()``, nothing is
+    left locked, and the log still replays, verifies and resumes."""
+    path = tmp / f"resume-{Path(location[0]).stem}-{location[1]}.kvlog"
+    path.write_bytes(source.read_bytes())
+    injector = LineInjector(crash_files(), location, 1, exc)
+    engines: list[Engine] = []
+    sys.settrace(injector)
+    try:
+        engines.append(Engine.resume(path, sync="step"))
+        engines[0].close()
+    except BaseException as caught:
+        if not injector.fired or not _caused_by(caught, exc):
+            raise
+    finally:
+        sys.settrace(None)
+    if engines:
+        engines[0].close()  # finishes a close that was cut short
+    verify_crashed_log(path)
+    path.unlink()
+
+
+def crash_campaign(
+    tmp: Path,
+    *,
+    occurrences: int = 3,
+    exceptions: tuple[str, ...] = tuple(CRASH_EXCEPTIONS),
+    writer: bool = False,
+    sample: int = 0,
+    seed: int = 0,
+    every_exception: bool = True,
+) -> dict[str, Any]:
+    """Every reached line location (or ``sample`` of them) x its first, last and random
+    occurrences (up to ``occurrences``) x each exception (or one in turn); then the resume
+    path's locations. Figures: points tried, logs verified, engine outcomes."""
+    rng = random.Random(seed)
+    _JUDGED.clear()
+    counts = crash_locations(tmp, writer)
+    locations = sorted(counts)
+    if sample:
+        locations = rng.sample(locations, min(sample, len(locations)))
+    tried = verified = 0
+    for index, location in enumerate(locations):
+        total = counts[location]
+        picks = sorted({1, total, *(rng.randint(1, total) for _ in range(occurrences))})
+        for occurrence in picks[:occurrences]:
+            rotated = [exceptions[(index + occurrence) % len(exceptions)]]
+            for name in exceptions if every_exception else rotated:
+                tried += 1
+                exc = CRASH_EXCEPTIONS[name]
+                verified += crash_trial(tmp, location, occurrence, exc, writer)
+    resumed = _resume_points(tmp, rng, sample)
+    return {
+        "locations": len(counts),
+        "points_tried": tried,
+        "logs_verified": verified,
+        "engine_outcomes": dict(_JUDGED),
+        "resume_points": resumed,
+    }
+
+
+def _resume_points(tmp: Path, rng: random.Random, sample: int) -> int:
+    """Cut ``Engine.resume`` short at each of its line locations (or ``sample``)."""
+    source = tmp / "whole.kvlog"
+    source.unlink(missing_ok=True)
+    _run_program(source, LineInjector(frozenset()), CRASH_SYNTH)
+    injector = LineInjector(crash_files())
+    sys.settrace(injector)
+    try:
+        Engine.resume(tmp / "whole.kvlog", sync="step").close()
+    finally:
+        sys.settrace(None)
+    locations = sorted(injector.counts)
+    if sample:
+        locations = rng.sample(locations, min(sample, len(locations)))
+    for location in locations:
+        resume_trial(tmp, source, location, KeyboardInterrupt)
+    return len(locations)
+
+
 def run(name: str, quick: bool) -> dict[str, Any]:
     """One campaign by name; its figures."""
     with tempfile.TemporaryDirectory(prefix="kvlog-campaign-") as tmp_name:
@@ -637,6 +922,13 @@ def run(name: str, quick: bool) -> dict[str, Any]:
             figures = kill_campaign(tmp, kills=30 if quick else 300)
         elif name == "writers":
             figures = writers_campaign(tmp, trials=10 if quick else 100)
+        elif name == "crash":
+            figures = crash_campaign(
+                tmp,
+                occurrences=1 if quick else 3,
+                sample=60 if quick else 0,
+                every_exception=not quick,
+            )
         else:
             figures = pool_campaign(((100_000, False), (100_000, True)) if quick else POOLS)
         return {
@@ -650,7 +942,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "campaign",
-        choices=("all", "flips", "truncate", "zeros", "kill", "writers", "pools", "pool-one"),
+        choices=(
+            "all",
+            "flips",
+            "truncate",
+            "zeros",
+            "kill",
+            "writers",
+            "crash",
+            "pools",
+            "pool-one",
+        ),
     )
     parser.add_argument("size", nargs="?", type=int, default=0, help="pool-one: num_gpu_blocks")
     parser.add_argument("--quick", action="store_true", help="a small size (as in CI)")
@@ -662,7 +964,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(pool_one(args.size, Path(tmp), args.dense)))
         return 0
     names = (
-        ["flips", "truncate", "zeros", "kill", "writers", "pools"]
+        ["flips", "truncate", "zeros", "kill", "writers", "crash", "pools"]
         if args.campaign == "all"
         else [args.campaign]
     )

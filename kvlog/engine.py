@@ -20,14 +20,29 @@ log between its check and its change. Its order, and what it guarantees:
 
 So ``apply`` raises only before anything changed, except ``LogPoisoned`` from the
 checkpoint that a ``StepEnded`` may write after it was applied (the engine has then
-stopped; resume the log). Every ``checkpoint_every`` steps the engine appends a
-``Checkpoint`` record (sequence number of the last applied record and the state digest),
-with a state snapshot every ``snapshot_every`` checkpoints (by default 16, and no sooner than
-``num_gpu_blocks // 4`` records after the last, so large pools snapshot less often: see
-``Engine._snapshot_due``), so a replay verifies as it goes
-and can start from the latest snapshot; a snapshot of any allowed pool fits the log (it is
-split across records when large). ``close()`` drains the executor's transfers, writes a
-final checkpoint (with a snapshot) and closes the log cleanly.
+stopped; resume the log), and an exception that cut it short (below). Every
+``checkpoint_every`` steps the engine appends a ``Checkpoint`` record (sequence number of
+the last applied record and the state digest), with a state snapshot every
+``snapshot_every`` checkpoints (by default 16, and no sooner than ``num_gpu_blocks // 4``
+records after the last, so large pools snapshot less often: see ``Engine._snapshot_due``),
+so a replay verifies as it goes and can start from the latest snapshot; a snapshot of any
+allowed pool fits the log (it is split across records when large). ``close()`` drains the
+executor's transfers, writes a final checkpoint (with a snapshot) and closes the log
+cleanly.
+
+**Interrupts and exceptions.** Every public call is atomic under any exception, wherever it
+lands (``KeyboardInterrupt``, ``MemoryError``, an executor's or an observer's error): from
+a call's first log append to the end of its change the engine is busy, and a raise there
+leaves it broken. Every later call then raises ``EngineBroken`` (a ``LogPoisoned``) and
+``close()`` writes no checkpoint, only closes the log, which ends with the event: replay
+applies it and ``Engine.resume`` continues it. An executor error comes after the state
+changed: the event is logged and counts as applied; the engine is broken (the plan's bytes
+are unknown). Interrupting a blocking ``wait`` (or ``close``'s drain) breaks it too.
+
+**Threads.** Calls from several threads are serialized: an ``RLock`` is taken by every
+public call (apply, poll, wait, resolve, resolve_all, digest, running_digest, snapshot,
+checkpoint, close), so each runs whole and the log holds them in the order they ran. It is
+reentrant (an observer may read the engine inside a call); ``.state`` is not locked.
 
 The constructor checks the configuration, that this machine can hold its state
 (``StateTooLarge``) and builds the state before it opens or creates the log, so a refused
@@ -38,8 +53,9 @@ configuration that cannot be loaded back.
 from __future__ import annotations
 
 import os
+import threading
 import typing
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, overload
 
@@ -49,6 +65,7 @@ from kvlog import reducers
 from kvlog.errors import (
     BlockOutOfRange,
     ConfigError,
+    EngineBroken,
     InvalidEvent,
     LogClosed,
     LogNotFound,
@@ -78,7 +95,7 @@ from kvlog.memory import (
 from kvlog.reducers import running
 from kvlog.reducers.digest import digest_and_snapshot
 from kvlog.reducers.ranges import check_id_dtype
-from kvlog.replay import replay_state
+from kvlog.replay import checkpoint_digest, replay_state
 
 if TYPE_CHECKING:
     from kvlog.executors import Executor, TransferCompletion
@@ -95,7 +112,11 @@ most ~1 us of snapshot per record at any pool size (a 1M-block snapshot takes ~0
 
 
 class Engine:
-    """Event-sourced KV-cache bookkeeping: log, reduce, execute (see the module docstring)."""
+    """Event-sourced KV-cache bookkeeping: log, reduce, execute (see the module docstring).
+
+    Thread-safe by serialization: every public call holds the engine's ``RLock``. A call
+    cut short after its log append (an interrupt, an executor error) leaves the engine
+    broken: later calls raise ``EngineBroken``, ``close()`` writes no checkpoint."""
 
     def __init__(
         self,
@@ -111,49 +132,61 @@ class Engine:
         _last_event_seq: int = -1,
         _writer: LogWriter | None = None,
     ) -> None:
+        self._log: LogWriter | None = _writer
+        self._closed = False
+        self._busy: str | None = None
+        """The call between its first log append and the end of its change, else None:
+        still set after that call raised, the engine is broken (``EngineBroken``)."""
+        self._broken = False
         try:
             _check_arguments(sync, checkpoint_every, snapshot_every)
             if _state is None:
                 config, _state = _configured(config)
-        except BaseException:
-            if _writer is not None:
-                _writer.close()
+            self._init(_state, executor, checkpoint_every, snapshot_every, _last_event_seq)
+            if _writer is None and log_path is not None:
+                self._log = LogWriter(log_path, sync=sync, meta=meta, new=True)
+            self._record: Callable[[Event], object] = (
+                _check_record_size if self._log is None else self._log.append
+            )
+            """What ``apply`` does between check and commit: the log's append, or without
+            a log the same size bound the writer would enforce."""
+            self.recovery: Recovery | None = None if self._log is None else self._log.recovery
+            """The torn tail cut when the log was opened (``Engine.resume``), else None."""
+            if self._log is not None:
+                self._start_log(config, fresh=_last_event_seq < 0)
+        except BaseException:  # an interrupt too: no descriptor or lock left behind
+            self._closed = True
+            if self._log is not None:
+                self._log.close()
             raise
-        self._machine = Machine(_state, executor)
+
+    def _init(
+        self,
+        state: reducers.State,
+        executor: Executor | None,
+        checkpoint_every: int,
+        snapshot_every: int | None,
+        last_event_seq: int,
+    ) -> None:
+        self._lock = threading.RLock()
+        """Serializes every public call (see the class docstring)."""
+        self._machine = Machine(state, executor)
         self.checkpoint_every = checkpoint_every
         self.snapshot_every = snapshot_every
-        self._log: LogWriter | None = _writer
-        self._closed = False
         self._num_steps = 0
         self._num_checkpoints = 0
         self._snapshot_checkpoint = 0  # the checkpoint and the record of the last snapshot
-        self._snapshot_seq = max(_last_event_seq, 0)
-        self._last_seq = _last_event_seq
-        if _writer is None and log_path is not None:
-            self._log = LogWriter(log_path, sync=sync, meta=meta, new=True)
-        self._record: Callable[[Event], object] = (
-            _check_record_size if self._log is None else self._log.append
-        )
-        """What ``Machine.apply`` does between check and commit: the log's append, or
-        without a log the same size bound the writer would enforce."""
-        self.recovery: Recovery | None = None if self._log is None else self._log.recovery
-        """The torn tail cut when the log was opened (``Engine.resume``), else None."""
-        if self._log is not None:
-            self._start_log(config, fresh=_last_event_seq < 0)
+        self._snapshot_seq = max(last_event_seq, 0)
+        self._last_seq = last_event_seq
 
     def _start_log(self, config: CacheConfigured, *, fresh: bool) -> None:
         """Log the configuration (a new log) or a checkpoint of the state (a continued one);
         on failure close the log (its descriptor and lock go with it) and re-raise."""
         assert self._log is not None
-        try:
-            if fresh:
-                self._last_seq = self._log.append(config)
-            else:
-                self._checkpoint(force_snapshot=True)
-        except BaseException:
-            self._closed = True
-            self._log.close()
-            raise
+        if fresh:
+            self._last_seq = self._log.append(config)
+        else:
+            self._checkpoint(force_snapshot=True)
 
     # -- the way in ----------------------------------------------------------------------
     @property
@@ -187,18 +220,36 @@ class Engine:
 
     def apply(self, event: Event) -> list[Plan]:
         """Check, log, change, execute one event (one step of the machine); the plans."""
-        if self._closed or (self._log is not None and self._log.poisoned):
-            self._check_open()
-        record = self._record
+        with self._lock:
+            if self._busy is not None or self._closed:
+                self._check_open()
+            try:
+                return self._apply(event)
+            except BaseException:
+                self._broken = self._busy is not None
+                raise
+
+    def _apply(self, event: Event) -> list[Plan]:
+        """``apply`` without the lock and the entry check (``poll`` applies through it)."""
+        outer = self._busy
+        machine = self._machine
         try:
-            plans = self._machine.apply(event, record)
+            checked = machine.check(event)
         except (InvalidEvent, RecordRejected):  # nothing changed
             plain = _plain_event(event)
             if plain is event:
                 raise
-            plans = self._machine.apply(plain, record)
+            checked = machine.check(plain)
+        self._busy = "apply"  # from here a raise leaves the engine broken
+        try:
+            self._record(checked.event)
+        except (RecordRejected, LogPoisoned):  # nothing logged, or a poisoned log: the
+            self._busy = outer  # state is that of every event appended before (docstring)
+            raise
+        plans = machine.commit(checked)
         if self._log is not None:
             self._last_seq = self._log.next_seq - 1  # the event just appended
+        self._busy = outer
         if type(event) in _STEP_TYPES:
             self._num_steps += 1
             if self.checkpoint_every and self._num_steps % self.checkpoint_every == 0:
@@ -213,31 +264,48 @@ class Engine:
 
     def poll(self) -> list[TransferCompletion]:
         """Finished transfers from the executor, each logged and reduced as TransferFinished."""
-        self._check_open()
-        if self.executor is None:
-            return []
-        return self._finish(self.executor.poll())
+        with self._lock:
+            self._check_open()
+            if self.executor is None:
+                return []
+            return self._drain("poll", None)
 
     def wait(self, job_ids: Iterable[int] | None = None) -> list[TransferCompletion]:
         """Block until those transfers (all in flight, by default) finish; like ``poll``."""
-        self._check_open()
-        if self.executor is None:
-            return []
-        ids = None if job_ids is None else [int(j) for j in job_ids]
-        if ids is not None and not ids:
-            return []
-        return self._finish(self.executor.wait(ids))
+        with self._lock:
+            self._check_open()
+            if self.executor is None:
+                return []
+            ids = None if job_ids is None else [int(j) for j in job_ids]
+            if ids is not None and not ids:
+                return []
+            return self._drain("wait", ids)
 
-    def _finish(self, results: Sequence[TransferCompletion]) -> list[TransferCompletion]:
-        for result in results:
-            self.apply(TransferFinished(job_id=result.job_id, success=result.success))
+    def _drain(self, call: str, ids: list[int] | None) -> list[TransferCompletion]:
+        """The executor's finished transfers, each applied as ``TransferFinished``. From the
+        executor's call to the last one applied the engine is busy: completions the
+        executor handed over and the log lacks would be lost to a cut-short call."""
+        executor = self.executor
+        assert executor is not None, "_drain without an executor: engine bug"
+        self._busy = call
+        try:
+            results = executor.poll() if call == "poll" else executor.wait(ids)
+            for result in results:
+                self._apply(TransferFinished(job_id=result.job_id, success=result.success))
+        except BaseException:
+            self._broken = True
+            raise
+        self._busy = None
         return list(results)
 
     # -- reading -------------------------------------------------------------------------
     def resolve(self, block_id: int) -> int:
         """The physical block that logical ``block_id`` lives in now."""
-        self._check_range(block_id)
-        return int(self.state.resolve(int(block_id)))
+        with self._lock:
+            if self._broken:
+                self._check_sound()
+            self._check_range(block_id)
+            return int(self.state.resolve(int(block_id)))
 
     @overload
     def resolve_all(self, block_tables: list[list[int]]) -> list[list[int]]: ...
@@ -249,8 +317,14 @@ class Engine:
         Returns the same kind (a new list of lists; an array of the same dtype and shape).
         Negative entries in an array are padding and pass through unchanged.
         """
-        if isinstance(block_tables, np.ndarray):
-            return self._resolve_array(block_tables)
+        with self._lock:
+            if self._broken:
+                self._check_sound()
+            if isinstance(block_tables, np.ndarray):
+                return self._resolve_array(block_tables)
+            return self._resolve_rows(block_tables)
+
+    def _resolve_rows(self, block_tables: Any) -> list[list[int]]:
         rows = [_table_row(row) for row in block_tables]
         if not rows:
             return []
@@ -288,16 +362,22 @@ class Engine:
 
     def digest(self) -> str:
         """Hex digest of the whole state (equal states, equal digests)."""
-        return str(reducers.digest(self.state))
+        with self._lock:
+            self._check_sound()
+            return str(reducers.digest(self.state))
 
     def running_digest(self) -> str:
         """The digest checkpoints record (``"v2:..."``): kept up to date with every change,
         O(1) to read (``kvlog.reducers.running``); equal states, equal running digests."""
-        return running.checkpoint_digest(self.state)
+        with self._lock:
+            self._check_sound()
+            return running.checkpoint_digest(self.state)
 
     def snapshot(self) -> bytes:
         """The whole state as bytes (checksummed), for ``Engine.restore``."""
-        return bytes(reducers.snapshot(self.state))
+        with self._lock:
+            self._check_sound()
+            return bytes(reducers.snapshot(self.state))
 
     # -- restore and resume --------------------------------------------------------------
     @classmethod
@@ -312,9 +392,10 @@ class Engine:
     ) -> Engine:
         """An engine continuing from ``snapshot()`` bytes.
 
-        With ``log_path``, the log must be the one the snapshot came from: the engine
-        appends to it, starting with a checkpoint of the restored state, so a replay of the
-        log verifies that the snapshot matches what the log says. Bytes that are not an
+        With ``log_path``, the snapshot must be of the state at the log's end (its last
+        checkpoint's digest when that covers the last event, else a verified replay's):
+        another one raises ``ConfigError`` and nothing is appended. The engine appends to
+        the log, starting with a checkpoint of the restored state. Bytes that are not an
         intact snapshot raise ``CorruptLogError``; a snapshot taken before
         ``CacheConfigured`` raises ``NotConfigured``.
         """
@@ -325,8 +406,9 @@ class Engine:
                 "cannot restore an engine from a snapshot taken before CacheConfigured"
             )
         check_state_memory(state.config, resident=True)
-        writer = None if log_path is None else _open_existing(log_path, sync)
-        try:
+        writer = None
+        try:  # opened inside: an interrupt anywhere leaves no descriptor or lock behind
+            writer = None if log_path is None else _open_existing(log_path, sync)
             last = -1 if writer is None else _last_event_seq(writer.path)
             if writer is not None and last < 0:
                 raise LogNotFound(
@@ -334,11 +416,15 @@ class Engine:
                     f"{writer.path} holds no events: a restored engine continues the log its "
                     "snapshot came from (start a new log with Engine(config, log_path))",
                 )
+            if writer is not None:
+                _check_snapshot_of(writer.path, state, last)
+            return cls._continued(
+                state, last, writer, executor, sync, checkpoint_every, snapshot_every
+            )
         except BaseException:
             if writer is not None:
                 writer.close()
             raise
-        return cls._continued(state, last, writer, executor, sync, checkpoint_every, snapshot_every)
 
     @classmethod
     def resume(
@@ -358,15 +444,19 @@ class Engine:
         their data is gone).
         """
         _check_arguments(sync, checkpoint_every, snapshot_every)
-        writer = _open_existing(log_path, sync)
-        try:
+        writer = None
+        try:  # opened inside: an interrupt anywhere leaves no descriptor or lock behind
+            writer = _open_existing(log_path, sync)
             state, last = replay_state(writer.path)
             if state.config is None:
                 raise LogNotFound(2, f"{writer.path} holds no events to resume")
+            return cls._continued(
+                state, last, writer, executor, sync, checkpoint_every, snapshot_every
+            )
         except BaseException:
-            writer.close()
+            if writer is not None:
+                writer.close()
             raise
-        return cls._continued(state, last, writer, executor, sync, checkpoint_every, snapshot_every)
 
     @classmethod
     def _continued(
@@ -396,8 +486,9 @@ class Engine:
     # -- checkpoints and closing ---------------------------------------------------------
     def checkpoint(self, snapshot: bool = False) -> None:
         """Append a checkpoint now (with a snapshot if asked); no-op without a log."""
-        self._check_open()
-        self._checkpoint(force_snapshot=snapshot)
+        with self._lock:
+            self._check_open()
+            self._checkpoint(force_snapshot=snapshot)
 
     def _checkpoint(self, force_snapshot: bool = False) -> None:
         if self._log is None:
@@ -412,7 +503,16 @@ class Engine:
         record = Checkpoint(
             seq=self._last_seq, digest=digest, step=int(self.state.step), snapshot=blob
         )
-        self._log.append(record)
+        outer, self._busy = self._busy, "checkpoint"
+        try:
+            self._log.append(record)
+        except LogPoisoned:  # the state is still that of every event logged before
+            self._busy = outer
+            raise
+        except BaseException:
+            self._broken = True  # cut short: appending after it is the writer's guess
+            raise
+        self._busy = outer
 
     def _snapshot_due(self) -> bool:
         """Every ``snapshot_every`` checkpoints; by default (None) every
@@ -432,29 +532,53 @@ class Engine:
     def close(self) -> None:
         """Drain transfers (logging them), write a final checkpoint, close the log.
 
-        Idempotent. The executor is the caller's: it is drained, not shut down.
+        Idempotent. The executor is the caller's: it is drained, not shut down. A broken
+        engine (``EngineBroken``: an earlier call was cut short after its append) or a
+        poisoned log gets no checkpoint: the log is only closed, and replays as it ends.
         """
-        if self._closed:
-            return
-        try:
-            if self._log is None or not self._log.poisoned:
-                if self.executor is not None:
-                    self.wait()
-                self._checkpoint(force_snapshot=True)
-        finally:
-            self._closed = True
-            if self._log is not None:
-                self._log.close()
+        with self._lock:
+            if self._closed:
+                if self._log is not None:
+                    self._log.close()  # idempotent: finishes a close that was cut short
+                return
+            try:
+                if self._busy is None and (self._log is None or not self._log.poisoned):
+                    if self.executor is not None:
+                        self.wait()
+                    self._checkpoint(force_snapshot=True)
+            finally:
+                self._closed = True
+                if self._log is not None:
+                    self._log.close()
 
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def broken(self) -> bool:
+        """An earlier call was cut short after its log append (``EngineBroken``)."""
+        return self._broken or self._busy is not None
 
     def _check_open(self) -> None:
         if self._closed:
             raise LogClosed("the engine is closed")
         if self._log is not None and self._log.poisoned:
             raise LogPoisoned(f"{self._log.path}: an earlier append failed; the engine stopped")
+        if self._busy is not None:  # a call cut short (this is no call's own re-entry)
+            self._broken = True
+        self._check_sound()
+
+    def _check_sound(self) -> None:
+        """``EngineBroken`` when an earlier call was cut short after its append (a read
+        checks only this: an observer may read the engine inside a call)."""
+        if self._broken:
+            raise EngineBroken(
+                f"{self.log_path or 'the engine'}: an earlier {self._busy or 'call'} was cut "
+                "short after its log append (an interrupt or an executor error): the state "
+                "may lack what the log holds, so the engine stopped; close it and "
+                "Engine.resume the log"
+            )
 
     def __enter__(self) -> Engine:
         return self
@@ -556,6 +680,27 @@ def _open_existing(path: str | os.PathLike[str], sync: SyncMode) -> LogWriter:
     if not os.path.lexists(path) or (os.path.isfile(path) and os.path.getsize(path) == 0):
         raise LogNotFound(2, f"{os.fspath(path)}: no log to continue")
     return LogWriter(path, sync=sync)
+
+
+def _check_snapshot_of(path: str, state: reducers.State, last: int) -> None:
+    """``ConfigError`` unless ``state`` is the state at the end of the log at ``path``
+    (whose last event is ``last``): a snapshot of another log, or of another point of this
+    one, would make the continued log one that no longer replays."""
+    final: Checkpoint | None = None
+    for _, record in LogReader(path).records():
+        if type(record) is Checkpoint:
+            final = record
+    if final is not None and final.seq == last:
+        expected, actual = final.digest, checkpoint_digest(state, final.digest)
+    else:  # the log ends past its last checkpoint (a crash): its end, replayed
+        expected = running.checkpoint_digest(replay_state(path)[0])
+        actual = running.checkpoint_digest(state)
+    if actual != expected:
+        raise ConfigError(
+            "blob",
+            f"<snapshot with digest {actual}>",
+            f"a snapshot of the state at the end of {path} (digest {expected})",
+        )
 
 
 def _last_event_seq(path: str | os.PathLike[str]) -> int:

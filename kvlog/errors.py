@@ -22,6 +22,8 @@ builtin exception, so callers that do not know kvlog can still catch ``ValueErro
     ├── RecordRejected (ValueError)          not a record, or larger than the log's record bound
     ├── LogWriterError (OSError)             the log writer cannot go on
     │   ├── LogPoisoned                      an earlier write or fsync failed; no more appends
+    │   │   └── EngineBroken                 an Engine call cut short (an interrupt, an executor
+    │   │                                    error) after its append: no more calls
     │   ├── LogClosed                        an append after close()
     │   ├── LogLocked                        another writer holds the log open for append
     │   └── LogPathError                     a path that cannot hold a log: not a regular file,
@@ -51,6 +53,7 @@ __all__ = [
     "BlockOutOfRange",
     "ConfigError",
     "CorruptLogError",
+    "EngineBroken",
     "DuplicateBlock",
     "DuplicateJob",
     "ExecutorError",
@@ -165,6 +168,15 @@ class LogWriterError(KvlogError, OSError):
 
 class LogPoisoned(LogWriterError):
     """An earlier write or fsync failed: the on-disk state is unknown, so appends stop."""
+
+
+class EngineBroken(LogPoisoned):
+    """An ``Engine`` call was cut short (a ``KeyboardInterrupt``, a ``MemoryError``, an
+    executor error, ...) between its log append and the end of its state change: the log
+    may hold an event that the state lacks (or half applied), so the engine refuses every
+    later call and ``close()`` writes no checkpoint. The log replays (it ends with that
+    event, which replay applies); ``Engine.resume`` continues it. A ``LogPoisoned``: the
+    engine's log has stopped, as after a failed write."""
 
 
 class LogClosed(LogWriterError):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import logging
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -70,6 +71,7 @@ POLICY_FIELDS: tuple[str, ...] = ("defrag", "threshold", "max_swaps", "pad_sizes
 """Fields a what-if may override without touching the recorded geometry."""
 _ALL_FIELDS = tuple(CacheConfigured.__struct_fields__)
 
+_log = logging.getLogger(__name__)
 Progress = Callable[[int, int], None]
 """Called as ``progress(records_done, bytes_done_estimate)`` every few thousand records."""
 
@@ -78,7 +80,8 @@ Progress = Callable[[int, int], None]
 class Divergence:
     """The first place where a re-run disagrees with what it is checked against."""
 
-    kind: str  # "rejected" | "checkpoint" | "checkpoint-seq" | "event" | "plans" | "digest"
+    kind: str  # "rejected" | "checkpoint" | "checkpoint-seq" | "snapshot" | "event" | "plans"
+    # | "digest"
     seq: int  # the record where it was found (exact for rejected/event/plans)
     after_seq: int  # the last sequence number known to agree (-1: none)
     message: str
@@ -278,11 +281,14 @@ def _check_overrides(overrides: dict[str, Any]) -> None:
         overrides["pad_sizes"] = tuple(overrides["pad_sizes"])
 
 
-def _latest_snapshot(path: str) -> tuple[int, Checkpoint | None]:
-    """Sequence number and record of the last checkpoint that carries a snapshot."""
+def _latest_snapshot(
+    path: str, skip: frozenset[int] = frozenset()
+) -> tuple[int, Checkpoint | None]:
+    """Sequence number and record of the last checkpoint that carries a snapshot (but
+    those at a sequence number in ``skip``)."""
     found: tuple[int, Checkpoint | None] = (-1, None)
     for seq, record in LogReader(path).records():
-        if type(record) is Checkpoint and record.snapshot:
+        if type(record) is Checkpoint and record.snapshot and seq not in skip:
             found = (seq, record)
     return found
 
@@ -290,12 +296,25 @@ def _latest_snapshot(path: str) -> tuple[int, Checkpoint | None]:
 def replay_state(path: str | os.PathLike[str]) -> tuple[reducers.State, int]:
     """The state at the end of a log (from its latest snapshot, verified) and the sequence
     number of its last event; raises ``CorruptLogError`` on a divergence, so a resumed
-    engine never continues a wrong state."""
-    result, state = _replay(os.fspath(path), verify=True, from_snapshot=True, series=False)
-    if result.divergence is not None:
+    engine never continues a wrong state.
+
+    A bad snapshot (one that does not restore, or restores another state than the log's
+    events give there) is skipped with a warning: the replay starts again from the
+    snapshot before it (or the log's start), and checks the bad one no more. Any other
+    divergence raises."""
+    path = os.fspath(path)
+    skip: set[int] = set()
+    while True:
+        result, state = _replay(
+            path, verify=True, from_snapshot=True, series=False, skip_snapshots=frozenset(skip)
+        )
         d = result.divergence
-        raise CorruptLogError(f"replay diverged: {d.message}", path=result.path, seq=d.seq)
-    return state, result.last_event_seq
+        if d is None:
+            return state, result.last_event_seq
+        if d.kind != "snapshot" or d.seq in skip:
+            raise CorruptLogError(f"replay diverged: {d.message}", path=result.path, seq=d.seq)
+        _log.warning("%s: %s; replaying from the snapshot before it", path, d.message)
+        skip.add(d.seq)
 
 
 def replay(
@@ -348,8 +367,10 @@ def _replay(
     series: bool = True,
     progress: Progress | None = None,
     overrides: dict[str, Any] | None = None,
+    skip_snapshots: frozenset[int] = frozenset(),
 ) -> tuple[ReplayResult, reducers.State]:
     replayer = _Replayer(path, verify, overrides or {}, against, execute, backend, series, progress)
+    replayer.skip_snapshots = skip_snapshots
     started = time.perf_counter()
     replayer.run(from_snapshot)
     result = replayer.finish()
@@ -391,6 +412,9 @@ class _Replayer:
         self.last_verified_seq = -1
         self.num_steps_max_used_differs = 0
         self.stopped = False
+        self.skip_snapshots: frozenset[int] = frozenset()
+        """Snapshot checkpoints known bad (``replay_state``): not started from, not checked."""
+        self.start_snapshot = -1  # the snapshot checkpoint the replay started from
 
     # -- setup ---------------------------------------------------------------------------
     def _start(self, config: CacheConfigured) -> None:
@@ -411,14 +435,24 @@ class _Replayer:
             effective.machine.observers += [_FinishedInLog(self.executor), self.tracker]
 
     def _start_from_snapshot(self) -> int:
-        seq, checkpoint = _latest_snapshot(self.reader.path)
+        seq, checkpoint = _latest_snapshot(self.reader.path, self.skip_snapshots)
         if checkpoint is None:
             return 0
-        state = reducers.restore(checkpoint.snapshot)
+        self.start_snapshot = seq
+        try:
+            state = reducers.restore(checkpoint.snapshot)
+        except CorruptLogError as exc:
+            self._bad_snapshot(seq, checkpoint, f"it does not restore ({exc})")
+            self.stopped = True  # nothing to start from
+            return seq + 1
         if state.config is None:
             raise CorruptLogError(
                 "a checkpoint snapshot without a configuration", path=self.reader.path, seq=seq
             )
+        if checkpoint_digest(state, checkpoint.digest) != checkpoint.digest:
+            self._bad_snapshot(seq, checkpoint, "it restores another state than its digest")
+            self.stopped = True
+            return seq + 1
         self.result.recorded_config = state.config
         self.recorded = _Run("recorded", state.config, self.series)
         self.recorded.machine.state = state
@@ -433,7 +467,7 @@ class _Replayer:
         done_bytes = 0
         counts: collections.Counter[type] = collections.Counter()
         try:
-            for seq, record in self.reader.records(start):
+            for seq, record in self.reader.records(start) if not self.stopped else ():
                 self.result.num_records += 1
                 counts[type(record)] += 1
                 if isinstance(record, Checkpoint):
@@ -533,6 +567,8 @@ class _Replayer:
         if actual == checkpoint.digest:
             self.result.num_verified += 1
             self.last_verified_seq = checkpoint.seq
+            if checkpoint.snapshot and seq != self.start_snapshot:
+                self._check_snapshot(seq, checkpoint)
             return
         message = (
             f"state digest differs at the checkpoint after seq {checkpoint.seq}: it "
@@ -550,6 +586,25 @@ class _Replayer:
                 actual_digest=actual,
             )
         )
+
+    def _check_snapshot(self, seq: int, checkpoint: Checkpoint) -> None:
+        """A snapshot passed on the way must restore to the state replayed up to it (whose
+        digest its checkpoint just matched), as ``--parallel``'s segments check the
+        snapshots they start from: flipped bytes under a valid frame CRC, or another
+        checkpoint's snapshot, are a divergence. O(pool) per snapshot, as writing it was."""
+        if seq in self.skip_snapshots:
+            return
+        try:
+            restored = reducers.restore(checkpoint.snapshot)
+        except CorruptLogError as exc:
+            self._bad_snapshot(seq, checkpoint, f"it does not restore ({exc})")
+            return
+        if checkpoint_digest(restored, checkpoint.digest) != checkpoint.digest:
+            self._bad_snapshot(seq, checkpoint, "it restores another state than the log's")
+
+    def _bad_snapshot(self, seq: int, checkpoint: Checkpoint, why: str) -> None:
+        message = f"the snapshot of the checkpoint at seq {seq} (after seq {checkpoint.seq}): {why}"
+        self._diverge(Divergence("snapshot", seq, self.last_verified_seq, message))
 
     def _diverge(self, divergence: Divergence) -> None:
         if self.result.divergence is None:

@@ -234,7 +234,7 @@ class Engine:
         outer = self._busy
         machine = self._machine
         try:
-            checked = machine.check(event)
+            checked = machine.prepared(event)  # checked once: Engine.check may have done it
         except (InvalidEvent, RecordRejected):  # nothing changed
             plain = _plain_event(event)
             if plain is event:
@@ -258,9 +258,11 @@ class Engine:
 
     def check(self, event: Event) -> None:
         """Raise what ``apply(event)`` would raise against the state as it is now (a
-        ``KvlogError``); change nothing, log nothing."""
-        self._check_open()
-        self._machine.check(event)
+        ``KvlogError``); change nothing, log nothing. An ``apply`` of this same event object
+        next, with no other event between, does not check it again."""
+        with self._lock:
+            self._check_open()
+            self._machine.check(event)
 
     def poll(self) -> list[TransferCompletion]:
         """Finished transfers from the executor, each logged and reduced as TransferFinished."""

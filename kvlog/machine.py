@@ -69,6 +69,14 @@ class Machine:
         self._checked = checked
         return checked
 
+    def prepared(self, event: Event) -> Checked:
+        """``check(event)``, or what the last ``check`` found for this same event object
+        when no commit has changed the state since (then it is not checked twice)."""
+        checked = self._checked
+        if checked is None or checked.event is not event:
+            checked = reducers.check(self.state, event)
+        return checked
+
     def commit(self, checked: Checked) -> list[Plan]:
         """Change the state by a checked event, execute its plans, notify; the plans."""
         self._checked = None

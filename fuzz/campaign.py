@@ -53,7 +53,7 @@ from typing import Any
 
 from kvlog import Engine, replay
 from kvlog.canary import make_canary_executor
-from kvlog.errors import CorruptLogError, EngineBroken, KvlogError, LogLocked
+from kvlog.errors import CorruptLogError, KvlogError, LogLocked, LogPoisoned
 from kvlog.events import (
     BlocksAllocated,
     CacheConfigured,
@@ -743,12 +743,14 @@ def _caused_by(exc: BaseException | None, injected: type[BaseException]) -> bool
 
 def _judge_engine(engine: Engine | None, path: Path) -> str:
     """After an injected exception: the engine holds exactly the logged state, or refuses
-    every call with ``EngineBroken``; then it closes. The outcome's name."""
+    every call with ``EngineBroken`` (or, where the interrupt landed in the log writer
+    outside an engine call, with the poisoned log's ``LogPoisoned``, its base class);
+    then it closes. The outcome's name."""
     if engine is None:
         outcome = "constructor"
     elif engine.closed:
         outcome = "closed"
-    elif engine.broken:
+    elif engine.broken or (engine._log is not None and engine._log.poisoned):
         for call in (
             lambda: engine.apply(StepEnded(1 << 30)),
             engine.poll,
@@ -760,10 +762,10 @@ def _judge_engine(engine: Engine | None, path: Path) -> str:
         ):
             try:
                 call()
-            except EngineBroken:
+            except LogPoisoned:  # EngineBroken, or the poisoned log's refusal (its base)
                 continue
             raise AssertionError(f"{path}: a broken engine answered {call}")
-        outcome = "broken"
+        outcome = "broken" if engine.broken else "poisoned"
     else:
         live = engine.running_digest()
         assert engine._log is not None

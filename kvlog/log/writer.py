@@ -154,8 +154,9 @@ class LogWriter:
         self._seed = 0
         self._flusher: threading.Thread | None = None  # sync="background" only
         self._init_counters(float(sync_interval_s))
-        self._fd = _open_locked(self.path, header)
+        self._fd = -1
         try:
+            _open_locked(self.path, header, self)
             self.header, self.next_seq, self.recovery = self._recover(new)
             self._offset = os.lseek(self._fd, 0, os.SEEK_END)  # where the next frame goes
             self.written_seq = self.durable_seq = self.next_seq - 1  # recovery synced them
@@ -490,8 +491,14 @@ def _new_header(meta: dict[str, str] | None, file_id: int | None) -> LogHeader:
     return header
 
 
-def _open_locked(path: str, header: LogHeader) -> int:
-    """The fd of the log file, opened read-write and locked; an absent file is created
+class _FdHolder(typing.Protocol):
+    _fd: int
+
+
+def _open_locked(path: str, header: LogHeader, owner: _FdHolder) -> None:
+    """Open the log file read-write and lock it, into ``owner._fd`` (the last thing done:
+    an interrupt before it closes the fd here, after it the owner's own clean-up does, so
+    no interrupt can leak the descriptor and its lock); an absent file is created
     (atomically) and an empty one gets its header, under the lock."""
     if check_kind(path) is None:
         _create(path, header)
@@ -504,10 +511,11 @@ def _open_locked(path: str, header: LogHeader) -> int:
         _lock(fd, path)
         if os.fstat(fd).st_size == 0:  # decided under the lock: one writer writes it
             _write_header_in_place(fd, path, header)
+        owner._fd = fd
     except BaseException:
-        os.close(fd)
+        if owner._fd != fd:
+            os.close(fd)
         raise
-    return fd
 
 
 def check_kind(path: str) -> os.stat_result | None:

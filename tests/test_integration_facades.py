@@ -13,6 +13,7 @@ from seed_reference import SeedDefragmenter, make_hpu_caches, read_tags, write_c
 from kvlog import replay
 from kvlog.errors import (
     BlockInUse,
+    BlockOutOfRange,
     ConfigError,
     InvalidEvent,
     LayoutError,
@@ -464,3 +465,54 @@ def test_a_facade_log_of_whole_steps_replays_with_canaries_and_counts_its_steps(
     assert result.canary is not None and result.canary.ok
     assert result.canary.num_checked >= num_live > 0
     assert replay(str(log), threshold=32).ok
+
+
+@pytest.mark.parametrize(
+    "new_blocks",
+    [
+        {"f": [1.9, 2.2]},  # once allocated [1, 2]
+        {"f": [True]},  # once block 1
+        {"f": [3, None]},
+        {"f": ["3"]},
+        {"f": np.array([[1, 2]])},  # 2-D: once an untyped error
+        {"f": torch.tensor([1.0, 2.0])},
+    ],
+)
+def test_update_state_never_casts_a_block_id(new_blocks: dict[str, object]) -> None:
+    """Issue 20 item 8: the Gaudi facade cast ids with ``int()``. Now a float, a bool, a
+    string, None or a 2-D array is refused with a typed error and nothing changes."""
+    defrag = make(backend="fake")
+    defrag.update_state({"a": [5]}, [])
+    defrag.defragment()
+    before = defrag.engine.digest()
+    with pytest.raises(InvalidEvent):
+        defrag.update_state(new_blocks, [])  # type: ignore[arg-type]
+    assert defrag.engine.digest() == before and defrag.req_blocks == {"a": [5]}
+
+
+def test_update_state_takes_integer_arrays_and_tensors() -> None:
+    defrag = make(backend="fake")
+    defrag.update_state({"a": np.array([3, 4], dtype=np.int32), "b": torch.tensor([7])}, [])
+    defrag.defragment()
+    assert defrag.req_blocks == {"a": [3, 4], "b": [7]}
+
+
+@pytest.mark.parametrize("table", [[40.7], [1.9, 2], [None], ["1"], [[1, 2]]])
+def test_resolve_all_never_casts_a_block_id(table: list[object]) -> None:
+    """Issue 20 item 8: ``resolve_all([[40.7]])`` answered; every facade entry now follows
+    ``Engine.resolve_all``'s rules for lists (integers only, never cast)."""
+    defrag = make(backend="fake")
+    defrag.update_state({"a": [5]}, [])
+    defrag.defragment()
+    with pytest.raises(BlockOutOfRange):
+        defrag.resolve_all([table])  # type: ignore[list-item]
+
+
+def test_resolve_refuses_a_float_and_passes_pads_through() -> None:
+    defrag = make(backend="fake")
+    defrag.update_state({"a": [5]}, [])
+    defrag.defragment()
+    for bad in (1.9, True, "1"):
+        with pytest.raises(BlockOutOfRange):
+            defrag.resolve(bad)  # type: ignore[arg-type]
+    assert defrag.resolve_all([[-1, 5], [BS * 1000]]) == [[-1, defrag.resolve(5)], [BS * 1000]]

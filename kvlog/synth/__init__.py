@@ -17,7 +17,7 @@ from typing import Protocol
 
 from kvlog.canary import CanaryTracker, make_canary_executor
 from kvlog.engine import Engine
-from kvlog.errors import ConfigError
+from kvlog.errors import ConfigError, TraceError
 from kvlog.events import CacheConfigured
 from kvlog.log import SyncMode
 from kvlog.synth.driver import SynthResult, SynthRun
@@ -55,9 +55,18 @@ def run_synth(
     sync: SyncMode = "step",
     checkpoint_every: int = 256,
     snapshot_every: int | None = None,
+    meta: dict[str, str] | None = None,
 ) -> SynthResult:
-    """Run one synthetic workload; with ``out``, record it to that (new) log file."""
-    meta = {"workload": "kvlog synth", "synth": json.dumps(_jsonable(config), sort_keys=True)}
+    """Run one synthetic workload; with ``out``, record it to that (new) log file.
+
+    A config that cannot run (``SynthConfig.check``) is refused before the log exists;
+    ``meta`` adds entries to the log header's."""
+    config.check()
+    meta = {
+        **(meta or {}),
+        "workload": "kvlog synth",
+        "synth": json.dumps(_jsonable(config), sort_keys=True),
+    }
     return _record(
         config.cache_config(),
         lambda engine, tracker: SynthRun(config, engine, tracker),
@@ -83,7 +92,10 @@ def run_trace(
     """Serve ``requests`` (a trace) until all finished; with ``out``, record the log.
 
     ``scheduler="vllm"`` drives vLLM's own scheduler instead (``vllm_scheduler.py``; needs
-    vLLM, no offload, no ``execute``)."""
+    vLLM, no offload, no ``execute``). A run that cannot progress or end is refused
+    before the log exists (``TraceConfig.check``), or, if it stalls anyway, when it does:
+    then the partial log is removed."""
+    config.check(requests)
     described = dataclasses.asdict(config)
     described["synth"] = _jsonable(config.synth)
     described.update(source=source, num_requests=len(requests), scheduler=scheduler)
@@ -128,8 +140,13 @@ def _record(
         engine = Engine(
             cache_config, out, executor, sync, checkpoint_every, snapshot_every, meta=meta
         )
-        with engine:
-            result = make_run(engine, tracker).run()
+        try:
+            with engine:
+                result = make_run(engine, tracker).run()
+        except TraceError:
+            if out is not None:  # a stalled trace, refused: no partial log (ours)
+                os.unlink(out)
+            raise
         result.num_events += 1  # the CacheConfigured the engine applied itself
     finally:
         if executor is not None:

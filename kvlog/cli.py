@@ -657,3 +657,7 @@ def _demo_report(directory: str, series: list[Series], config: Any) -> None:
         except MissingExtra as exc:
             print(f"no picture: {exc}")
             return
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -294,7 +294,11 @@ def progress_bar(
     console = Console(file=stream or sys.stderr)
     columns = (BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(
-        *Progress.get_default_columns()[:1], *columns, console=console, transient=True
+        *Progress.get_default_columns()[:1],
+        *columns,
+        console=console,
+        transient=True,
+        disable=not console.is_terminal,  # else rich leaves a blank line on stderr
     ) as bar:
         task = bar.add_task(description, total=None)
 

@@ -26,6 +26,7 @@ import dataclasses
 import json
 import math
 import os
+import reprlib
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
@@ -34,6 +35,7 @@ from kvlog.errors import TraceError
 
 __all__ = [
     "HASH_BLOCK_TOKENS",
+    "MAX_SECONDS",
     "TRACE_FORMATS",
     "TraceRequest",
     "block_keys",
@@ -44,6 +46,8 @@ __all__ = [
 TRACE_FORMATS: tuple[str, ...] = ("mooncake", "azure")
 HASH_BLOCK_TOKENS = 512
 """Tokens per Mooncake ``hash_ids`` entry."""
+MAX_SECONDS = 1e12
+"""The largest timestamp read, in seconds (31,700 years: past it a number is not a time)."""
 
 
 @dataclass(frozen=True)
@@ -149,7 +153,8 @@ def _azure(path: str) -> Iterator[TraceRequest]:
             ts = _wall_seconds(stamp)
             request = _checked(ts, int(context), int(generated), [])
         except _ROW_ERRORS as exc:
-            raise TraceError(f"{path}:{number}: not an Azure trace row {row}: {exc}") from None
+            shown = reprlib.repr(row)  # a 128 KiB field is not repeated whole
+            raise TraceError(f"{path}:{number}: not an Azure trace row {shown}: {exc}") from None
         yield request
 
 
@@ -164,8 +169,8 @@ def _wall_seconds(stamp: str) -> float:
 
 
 def _checked(ts: float, input_len: object, output_len: object, hashes: object) -> TraceRequest:
-    if not math.isfinite(ts) or ts < 0:
-        raise ValueError(f"timestamp {ts} is not a time")
+    if not math.isfinite(ts) or not 0 <= ts <= MAX_SECONDS:
+        raise ValueError(f"timestamp {ts} s is not a time in [0, {MAX_SECONDS:g}] s")
     if type(input_len) is not int or type(output_len) is not int:
         raise ValueError("input and output lengths must be integers")
     if input_len < 1 or output_len < 1:

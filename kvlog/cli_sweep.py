@@ -192,6 +192,8 @@ def trace_flags(args: argparse.Namespace) -> dict[str, Any]:
     if given and not args.trace:
         name = next(iter(given))
         raise ConfigError("--" + name.replace("_", "-"), given[name], "--trace with it")
+    if given.get("requests", 0) < 0:
+        raise ConfigError("--requests", given["requests"], "a count >= 0")
     return {**_TRACE_ONLY, **given}
 
 

@@ -261,6 +261,8 @@ def report_path(path: str, *, flag: str = "--report", log: str | None = None) ->
     a picture, a directory that exists and is writable, not a directory itself, and not
     the ``log`` being read. Raises :class:`~kvlog.errors.ConfigError` naming ``flag``, or
     :class:`~kvlog.errors.MissingExtra`."""
+    if os.path.isdir(path) or path.endswith(os.sep):
+        raise ConfigError(flag, path, "a file name, not a directory")
     ext = os.path.splitext(path)[1].lower()
     if ext == "":
         path += ".png"

@@ -487,3 +487,19 @@ def test_sigint_exits_130_and_the_cut_log_verifies(
     assert done.returncode == 130, done.stderr
     assert done.stderr == "kvlog synth: interrupted\n"
     assert kvlog("replay", str(out)) == 0
+
+
+def test_report_onto_a_directory_is_refused_not_renamed(
+    log: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "r").mkdir()
+    refused(capsys, ["replay", log, "--report", str(tmp_path / "r")], "--report", "directory")
+    assert entries(tmp_path) == ["r"] and entries(tmp_path / "r") == []
+
+
+def test_a_negative_request_count_names_its_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = str(tmp_path / "t.kvlog")
+    refused(capsys, ["synth", "--out", out, "--trace", MOONCAKE, "--requests", "-1"], "--requests")
+    assert entries(tmp_path) == []

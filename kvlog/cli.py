@@ -1,17 +1,24 @@
 """The ``kvlog`` command line: synth, replay, inspect, demo, sweep.
 
-Exit status: 0 when everything checked out, 1 when a replay diverged or a canary failed,
-2 for bad arguments or a log that cannot be read.
+Exit status: 0 when everything checked out, 1 when a replay diverged or a canary failed
+(or ``--execute`` had nothing to check), 2 for bad arguments or a log that cannot be read
+(refused before anything is written), 130 after Ctrl-C (the log being written is closed
+first, so it replays).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from types import FrameType
 from typing import Any, TextIO
 
 from kvlog.cli_sweep import (
@@ -25,15 +32,17 @@ from kvlog.cli_sweep import (
     progress_bar,
     render_table,
     run_trace_command,
+    trace_flags,
     trace_geometry,
 )
-from kvlog.errors import KvlogError, MissingExtra
+from kvlog.errors import ConfigError, KvlogError, LogExists, MissingExtra
 from kvlog.events import DEFAULT_PAD_SIZES, Checkpoint, to_dict
 from kvlog.log import LogReader
 from kvlog.replay import ReplayResult, replay
-from kvlog.report import Series, write_report
+from kvlog.report import Series, report_path, write_report
 from kvlog.sweep import format_bytes
 from kvlog.synth import SynthConfig, SynthResult, run_synth
+from kvlog.synth.driver import defer_sigint
 
 __all__ = ["build_parser", "main"]
 
@@ -177,7 +186,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``kvlog`` console script; returns the exit status."""
+    """Entry point of the ``kvlog`` console script; returns the exit status.
+
+    Ctrl-C: the command unwinds (an open Engine's ``close()`` runs, so the log it was
+    writing ends on a checkpoint and replays), a later Ctrl-C is ignored while it does,
+    one line goes to stderr and the status is 130, as a shell reports SIGINT."""
     args = build_parser().parse_args(argv)
     commands = {
         "synth": cmd_synth,
@@ -186,15 +199,49 @@ def main(argv: Sequence[str] | None = None) -> int:
         "demo": cmd_demo,
         "sweep": cmd_sweep,
     }
+    with _interruptible():
+        try:
+            return commands[args.command](args)
+        except KeyboardInterrupt:
+            print(f"kvlog {args.command}: interrupted", file=sys.stderr)
+            return 130
+        except BrokenPipeError:  # `kvlog inspect LOG | head`
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            return 0
+        except (KvlogError, OSError) as exc:
+            print(f"kvlog {args.command}: {exc}", file=sys.stderr)
+            return 2
+
+
+@contextlib.contextmanager
+def _interruptible() -> Iterator[None]:
+    """Ctrl-C handling for one command: the first SIGINT raises ``KeyboardInterrupt`` (in a
+    synth loop at the end of the current step, see ``kvlog.synth.driver.defer_sigint``,
+    so no Engine call is cut in two); later ones are ignored, so the clean-up it starts
+    (closing the log) is not cut short. Restored on exit; a no-op off the main thread or
+    under a SIGINT handler that is not Python's default."""
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield
+        return
+    interrupted = False
+
+    def on_sigint(signum: int, frame: FrameType | None) -> None:
+        nonlocal interrupted
+        if interrupted:
+            return
+        interrupted = True
+        if not defer_sigint():
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_sigint)
     try:
-        return commands[args.command](args)
-    except (KvlogError, FileExistsError, FileNotFoundError, IsADirectoryError) as exc:
-        print(f"kvlog {args.command}: {exc}", file=sys.stderr)
-        return 2
-    except BrokenPipeError:  # `kvlog inspect LOG | head`
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return 0
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 # -- synth -------------------------------------------------------------------------------
@@ -221,10 +268,13 @@ def synth_config(args: argparse.Namespace) -> SynthConfig:
 
 
 def cmd_synth(args: argparse.Namespace) -> int:
+    check_policy_flags(args, args.policy)
+    trace_flags(args)  # refuses trace-only flags without --trace
     config = synth_config(args)
     from kvlog.events import validate_event
 
     validate_event(config.cache_config())
+    config.check()
     if args.trace:
         result = run_trace_command(args, config)
     else:
@@ -290,7 +340,65 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+_PARALLEL_REFUSES = (
+    ("against", "--against"),
+    ("execute", "--execute"),
+    ("report", "--report"),
+    ("from_snapshot", "--from-snapshot"),
+)
+
+
+def check_replay_flags(args: argparse.Namespace) -> None:
+    """Refuse a flag combination replay would ignore or fail on after the work: ``--parallel``
+    verifies the recorded run only, ``--from-snapshot`` too, ``--report`` must be
+    writable (checked first, not after the replay); ``--address``/``--num-cpus`` need
+    ``--parallel``. Raises :class:`~kvlog.errors.ConfigError` naming the flag."""
+    whatif = _overrides(args)
+    if args.parallel:
+        for name, flag in _PARALLEL_REFUSES:
+            if getattr(args, name):
+                raise ConfigError(flag, getattr(args, name), "no --parallel (it verifies only)")
+        if whatif:
+            flags = ", ".join(_flag_of(n) for n in whatif)
+            raise ConfigError(flags, whatif, "no --parallel (it replays the recorded policy)")
+        if args.num_cpus is not None and args.num_cpus < 1:
+            raise ConfigError("--num-cpus", args.num_cpus, "an int >= 1")
+    else:
+        for name in ("address", "num_cpus"):
+            if getattr(args, name) is not None:
+                raise ConfigError(_flag_of(name), getattr(args, name), "--parallel with it")
+    if args.from_snapshot and (args.execute or args.against or whatif):
+        flag = "--execute" if args.execute else "--against" if args.against else "a what-if"
+        raise ConfigError("--from-snapshot", flag, "plain verification (no what-if, --against "
+                          "or --execute)")  # fmt: skip
+    if whatif:
+        check_policy_flags(args, args.policy or _recorded_policy(args.log))
+    if args.report:
+        report_path(args.report, log=args.log)
+
+
+def _flag_of(name: str) -> str:
+    names = {"policy_ratio_pct": "ratio-limit", "policy_min_swaps": "min-swaps"}
+    return "--" + names.get(name, name.replace("_", "-"))
+
+
+def _recorded_policy(path: str) -> str:
+    """The defrag policy the log at ``path`` was recorded with (its first record)."""
+    for _, record in LogReader(path).records(0):
+        return str(getattr(record, "policy", "seed"))
+    return "seed"
+
+
+def check_policy_flags(args: argparse.Namespace, policy: str) -> None:
+    """``--ratio-limit`` and ``--min-swaps`` tune the tail policy only: refused under any
+    other (they would be ignored)."""
+    for name in ("policy_ratio_pct", "policy_min_swaps"):
+        if getattr(args, name, None) is not None and policy != "tail":
+            raise ConfigError(_flag_of(name), getattr(args, name), "--policy tail with it")
+
+
 def cmd_replay(args: argparse.Namespace) -> int:
+    check_replay_flags(args)
     if args.parallel:
         return cmd_replay_parallel(args, sys.stdout)
     total = max(os.path.getsize(args.log), 1)
@@ -311,6 +419,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
         title = f"kvlog replay {os.path.basename(args.log)}"
         config = result.recorded_config
         print(write_report(args.report, _series(result), title, config=config))
+    if result.canary is not None and result.canary.num_checked == 0:
+        print("kvlog replay: --execute read no block: nothing was checked", file=sys.stderr)
+        return 1
     return 0 if result.ok else 1
 
 
@@ -416,6 +527,10 @@ def format_table(rows: Sequence[tuple[str, ...]]) -> str:
 def cmd_inspect(args: argparse.Namespace) -> int:
     import msgspec
 
+    if args.start < 0:
+        raise ConfigError("--from", args.start, "a sequence number >= 0")
+    if args.end < -1:
+        raise ConfigError("--to", args.end, "a sequence number >= 0 (or -1: the end)")
     reader = LogReader(args.log)
     write = sys.stdout.write
     if args.header:
@@ -463,19 +578,41 @@ def demo_config(steps: int, seed: int) -> SynthConfig:
     )
 
 
+_DEMO_MARK = {"kvlog_demo": "1"}
+"""In the header of every log ``kvlog demo`` writes: only such a log is replaced."""
+
+
+def _clear_demo_log(log_path: str) -> None:
+    """Remove the previous demo's log at ``log_path``; refuse (``LogExists``) any other
+    file there: a log ``kvlog demo`` did not write, or something that is not a log."""
+    if not os.path.lexists(log_path):
+        return
+    try:
+        meta = LogReader(log_path).header.meta
+    except (KvlogError, OSError):
+        meta = {}
+    if meta.get("kvlog_demo") != "1":
+        raise LogExists(
+            errno.EEXIST,
+            f"{log_path} exists and is not a log kvlog demo wrote: not replaced (pick another "
+            "--out or remove it)",
+            log_path,
+        )
+    os.unlink(log_path)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     started = time.perf_counter()
+    config = demo_config(args.steps, args.seed)
+    config.check()
     directory = _demo_dir(args.out)
     log_path = os.path.join(directory, "demo.kvlog")
-    for leftover in (log_path,):
-        if os.path.exists(leftover):
-            os.unlink(leftover)
-    config = demo_config(args.steps, args.seed)
+    _clear_demo_log(log_path)
     print(
         f"kvlog demo: {args.steps} scheduler steps on CPU tensors, prefix caching, offload "
         "and defrag on\n"
     )
-    synth = run_synth(config, log_path, execute=True, sync="none")
+    synth = run_synth(config, log_path, execute=True, sync="none", meta=_DEMO_MARK)
     print_synth(synth, sys.stdout)
     print()
     result = replay(log_path, execute=True)
@@ -520,3 +657,7 @@ def _demo_report(directory: str, series: list[Series], config: Any) -> None:
         except MissingExtra as exc:
             print(f"no picture: {exc}")
             return
+
+
+if __name__ == "__main__":
+    sys.exit(main())

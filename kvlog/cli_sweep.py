@@ -16,9 +16,10 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TextIO
 
 from kvlog.cost import HARDWARE, cost_model
+from kvlog.errors import ConfigError
 from kvlog.events import DEFRAG_POLICIES
 from kvlog.synth import SynthConfig, SynthResult, TraceConfig, bytes_per_token, read_trace
-from kvlog.synth.traces import TRACE_FORMATS
+from kvlog.synth.traces import TRACE_FORMATS, TraceRequest
 
 __all__ = [
     "add_parallel_flags",
@@ -32,11 +33,14 @@ __all__ = [
     "render_table",
     "run_trace_command",
     "size_arg",
+    "trace_flags",
 ]
 
 TRACE_DEFAULTS = {"num_gpu_blocks": 4096, "block_size": 128}
 """Geometry of trace runs when not given (real prompts are long: 128-token blocks)."""
 _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_MAX_SIZE = 1 << 50  # CacheConfigured's bound on max_bytes_per_step
+_MAX_RATIO = 100.0
 
 
 # -- argument types ------------------------------------------------------------------------
@@ -49,8 +53,8 @@ def size_arg(text: str) -> int:
         value = float(digits)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 64MiB)") from exc
-    if unit not in _SIZE_UNITS or value < 0:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 64MiB)")
+    if unit not in _SIZE_UNITS or not 0 <= value * _SIZE_UNITS[unit] <= _MAX_SIZE:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 64MiB, at most 1PiB)")
     return int(value * _SIZE_UNITS[unit])
 
 
@@ -72,9 +76,20 @@ def _ratio_pct(text: str) -> int:
         ratio = float(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"a ratio like 1.5, not {text!r}") from exc
-    if not ratio >= 1.0:
-        raise argparse.ArgumentTypeError(f"the ratio must be >= 1, not {text!r}")
+    if not 1.0 <= ratio <= _MAX_RATIO:
+        raise argparse.ArgumentTypeError(
+            f"a ratio of highest used id to used blocks in [1, {_MAX_RATIO:g}] like 1.5 "
+            f"(not a percent), not {text!r}"
+        )
     return round(ratio * 100)
+
+
+def _policy_name(text: str) -> str:
+    from kvlog.sweep import POLICY_NAMES
+
+    if text not in POLICY_NAMES:
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(POLICY_NAMES)}")
+    return text
 
 
 # -- policy flags --------------------------------------------------------------------------
@@ -92,15 +107,16 @@ def add_policy_flags(p: argparse.ArgumentParser, defaults: bool) -> None:
         "--ratio-limit",
         dest="policy_ratio_pct",
         type=_ratio_pct,
-        default=d.policy_ratio_pct if defaults else None,
-        help="tail: defrag when highest used id / used blocks exceeds this (1.5)",
+        default=None,
+        help=f"tail: defrag when highest used id / used blocks exceeds this "
+        f"({d.policy_ratio_pct / 100:g})",
     )
     p.add_argument(
         "--min-swaps",
         dest="policy_min_swaps",
         type=int,
-        default=d.policy_min_swaps if defaults else None,
-        help="tail: skip defrags of fewer pairs (4)",
+        default=None,
+        help=f"tail: skip defrags of fewer pairs ({d.policy_min_swaps})",
     )
     p.add_argument(
         "--max-bytes-per-step",
@@ -119,22 +135,38 @@ def policy_fields(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # -- synth --trace -------------------------------------------------------------------------
+_TRACE_ONLY = {
+    "trace_format": None,
+    "requests": None,
+    "time_scale": 1.0,
+    "step_ms": 50.0,
+    "max_num_batched_tokens": 8192,
+    "max_model_len": 0,
+    "scheduler": "kvlog",
+}
+"""The flags only ``--trace`` reads, and their values when not given."""
+
+
 def add_trace_flags(p: argparse.ArgumentParser) -> None:
+    """The ``synth --trace`` flags; given without ``--trace`` they are refused (they would
+    be ignored), so their parser default is None and :data:`_TRACE_ONLY` has the values."""
+    d = _TRACE_ONLY
     p.add_argument("--trace", help="drive the serving loop from this public request trace")
     p.add_argument("--trace-format", choices=TRACE_FORMATS, help="default: by file extension")
     p.add_argument("--requests", type=int, help="only the first N requests of the trace")
     p.add_argument(
         "--time-scale",
         type=float,
-        default=1.0,
-        help="multiply the trace's clock (0.5: arrivals twice as fast)",
+        help=f"multiply the trace's clock (0.5: arrivals twice as fast; {d['time_scale']})",
     )
-    p.add_argument("--step-ms", type=float, default=50.0, help="simulated time of one step")
+    p.add_argument("--step-ms", type=float, help=f"simulated time of one step ({d['step_ms']})")
     p.add_argument(
-        "--max-num-batched-tokens", type=int, default=8192, help="token budget of one step"
+        "--max-num-batched-tokens",
+        type=int,
+        help=f"token budget of one step ({d['max_num_batched_tokens']})",
     )
     p.add_argument(
-        "--max-model-len", type=int, default=0, help="clip longer requests (0: half the pool)"
+        "--max-model-len", type=int, help="clip longer requests (default 0: half the pool)"
     )
     p.add_argument(
         "--page-size-bytes",
@@ -150,25 +182,36 @@ def add_trace_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--scheduler",
         choices=("kvlog", "vllm"),
-        default="kvlog",
-        help="--trace: kvlog's vLLM-like scheduler, or vLLM's own (where vLLM is installed)",
+        help="--trace: kvlog's vLLM-like scheduler (default), or vLLM's own (where installed)",
     )
+
+
+def trace_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The trace-only flags with their defaults filled in; refused without ``--trace``."""
+    given = {n: getattr(args, n) for n in _TRACE_ONLY if getattr(args, n) is not None}
+    if given and not args.trace:
+        name = next(iter(given))
+        raise ConfigError("--" + name.replace("_", "-"), given[name], "--trace with it")
+    if given.get("requests", 0) < 0:
+        raise ConfigError("--requests", given["requests"], "a count >= 0")
+    return {**_TRACE_ONLY, **given}
 
 
 def run_trace_command(args: argparse.Namespace, config: SynthConfig) -> SynthResult:
     """``kvlog synth --trace``: read the trace, serve it, record the log."""
     from kvlog.synth import run_trace
 
-    requests = read_trace(args.trace, args.trace_format, limit=args.requests)
+    flags = trace_flags(args)
+    requests = read_trace(args.trace, flags["trace_format"], limit=flags["requests"])
     trace_config = TraceConfig(
         config,
-        trace_format=args.trace_format or "",
-        time_scale=args.time_scale,
-        step_ms=args.step_ms,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
+        trace_format=flags["trace_format"] or "",
+        time_scale=flags["time_scale"],
+        step_ms=flags["step_ms"],
+        max_num_batched_tokens=flags["max_num_batched_tokens"],
+        max_model_len=flags["max_model_len"],
     )
-    _check_trace_config(trace_config, bool(requests and requests[0].hash_ids))
+    _check_trace_config(trace_config, requests)
     return run_trace(
         trace_config,
         requests,
@@ -179,7 +222,7 @@ def run_trace_command(args: argparse.Namespace, config: SynthConfig) -> SynthRes
         checkpoint_every=args.checkpoint_every,
         snapshot_every=args.snapshot_every,
         source=os.path.basename(args.trace),
-        scheduler=args.scheduler,
+        scheduler=flags["scheduler"],
     )
 
 
@@ -187,26 +230,24 @@ def trace_geometry(args: argparse.Namespace) -> dict[str, int]:
     """``num_gpu_blocks``, ``block_size``, ``page_size_bytes`` for synth, trace or not."""
     d = SynthConfig()
     trace = bool(getattr(args, "trace", None))
-    blocks = args.num_gpu_blocks or (
-        TRACE_DEFAULTS["num_gpu_blocks"] if trace else d.num_gpu_blocks
-    )
-    size = args.block_size or (TRACE_DEFAULTS["block_size"] if trace else d.block_size)
+    blocks = args.num_gpu_blocks
+    if blocks is None:  # 0 is a value (refused by the validator), not "the default"
+        blocks = TRACE_DEFAULTS["num_gpu_blocks"] if trace else d.num_gpu_blocks
+    size = args.block_size
+    if size is None:
+        size = TRACE_DEFAULTS["block_size"] if trace else d.block_size
     page = getattr(args, "page_size_bytes", None)
     if page is None:
         page = bytes_per_token() * size if trace else d.page_size_bytes
     return {"num_gpu_blocks": blocks, "block_size": size, "page_size_bytes": page}
 
 
-def _check_trace_config(config: TraceConfig, hashed: bool) -> None:
+def _check_trace_config(config: TraceConfig, requests: Sequence[TraceRequest]) -> None:
     from kvlog.errors import TraceError
 
-    if hashed and 512 % config.synth.block_size:
+    if requests and requests[0].hash_ids and 512 % config.synth.block_size:
         raise TraceError(f"--block-size {config.synth.block_size} must divide 512 for hash_ids")
-    for name in ("time_scale", "step_ms"):
-        if not getattr(config, name) > 0:
-            raise TraceError(f"--{name.replace('_', '-')} must be > 0")
-    if config.max_num_batched_tokens < 1:
-        raise TraceError("--max-num-batched-tokens must be >= 1")
+    config.check(requests)
 
 
 # -- tables and progress -------------------------------------------------------------------
@@ -255,7 +296,11 @@ def progress_bar(
     console = Console(file=stream or sys.stderr)
     columns = (BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(
-        *Progress.get_default_columns()[:1], *columns, console=console, transient=True
+        *Progress.get_default_columns()[:1],
+        *columns,
+        console=console,
+        transient=True,
+        disable=not console.is_terminal,  # else rich leaves a blank line on stderr
     ) as bar:
         task = bar.add_task(description, total=None)
 
@@ -272,7 +317,7 @@ def add_sweep(sub: Any) -> None:
     p.add_argument("--out", required=True, help="directory for sweep.csv and sweep.png")
     p.add_argument(
         "--policy",
-        type=_list_of(str, "names"),
+        type=_list_of(_policy_name, "policy names"),
         default=["seed", "tail", "budget"],
         help="policies to try, from seed, tail, budget, off, recorded",
     )
@@ -322,6 +367,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         write_sweep_plot,
     )
 
+    check_sweep_flags(args)
     cost = cost_model(args.hardware, args.hbm_tbps, args.link_gbps)
     specs = policy_grid(
         args.policy,
@@ -331,7 +377,6 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         args.min_swaps,
         args.budget,
     )
-    os.makedirs(args.out, exist_ok=True)
     where = "here" if args.serial else (args.address or "a local Ray")
     print(
         f"kvlog sweep: {len(args.logs)} logs x {len(specs)} policies on {where}; {cost.describe()}"
@@ -348,12 +393,39 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             progress=update,
         )
     print(render_table(sweep_table(rows), header=True))
+    os.makedirs(args.out, exist_ok=True)
     csv_path, png_path = os.path.join(args.out, "sweep.csv"), os.path.join(args.out, "sweep.png")
     write_sweep_csv(csv_path, rows)
     write_sweep_plot(png_path, rows)
     print(f"\nwrote {csv_path} and {png_path} ({time.perf_counter() - started:.1f} s)")
     refused = [r for r in rows if r.rejected]
     return 1 if refused else 0
+
+
+def check_sweep_flags(args: argparse.Namespace) -> None:
+    """What ``kvlog sweep`` would fail on after its work, refused before it (ConfigError
+    naming the flag, or MissingExtra): CPUs below 1, values no policy accepts, an ``--out``
+    that cannot hold the CSV and the PNG, no matplotlib for the PNG, no Ray without
+    ``--serial``."""
+    from kvlog.report import plt_module
+    from kvlog.sweep import _ray
+
+    if args.num_cpus is not None and args.num_cpus < 1:
+        raise ConfigError("--num-cpus", args.num_cpus, "an int >= 1")
+    for flag, values, low in (
+        ("--threshold", args.threshold, 0),
+        ("--max-swaps", args.max_swaps or [], 1),
+        ("--min-swaps", args.min_swaps, 1),
+    ):
+        if any(v < low for v in values):
+            raise ConfigError(flag, values, f"ints >= {low}")
+    out = os.path.abspath(args.out)
+    parent = out if os.path.isdir(out) else os.path.dirname(out)
+    if (os.path.exists(out) and not os.path.isdir(out)) or not os.access(parent, os.W_OK):
+        raise ConfigError("--out", args.out, "a directory this user may write (or create)")
+    plt_module("kvlog sweep's sweep.png")
+    if not args.serial:
+        _ray()
 
 
 # -- kvlog replay --parallel ---------------------------------------------------------------

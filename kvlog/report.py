@@ -15,15 +15,23 @@ from __future__ import annotations
 
 import csv
 import os
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvlog.cost import CostModel
-from kvlog.errors import MissingExtra
+from kvlog.errors import ConfigError, MissingExtra
 from kvlog.events import CacheConfigured
 
-__all__ = ["PICTURE_FORMATS", "Series", "byte_unit", "plt_module", "write_report"]
+__all__ = [
+    "PICTURE_FORMATS",
+    "Series",
+    "byte_unit",
+    "plt_module",
+    "report_path",
+    "write_report",
+]
 
 PICTURE_FORMATS = (".png", ".svg")
 _MAX_POINTS = 1500
@@ -247,6 +255,45 @@ def write_csv(path: str, series: Sequence[Series]) -> None:
                 )
 
 
+def report_path(path: str, *, flag: str = "--report", log: str | None = None) -> str:
+    """The file :func:`write_report` would write for ``path``, checked before any work:
+    ``.csv``, ``.png`` or ``.svg`` (no extension: ``.png`` appended), matplotlib present for
+    a picture, a directory that exists and is writable, not a directory itself, and not
+    the ``log`` being read. Raises :class:`~kvlog.errors.ConfigError` naming ``flag``, or
+    :class:`~kvlog.errors.MissingExtra`."""
+    if os.path.isdir(path) or path.endswith(os.sep):
+        raise ConfigError(flag, path, "a file name, not a directory")
+    ext = os.path.splitext(path)[1].lower()
+    if ext == "":
+        path += ".png"
+    elif ext not in (".csv", *PICTURE_FORMATS):
+        raise ConfigError(flag, path, "a .csv, .png or .svg file name")
+    if not path.lower().endswith(".csv"):
+        plt_module("a report picture")
+    directory = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) or not os.path.isdir(directory):
+        raise ConfigError(flag, path, "a file in an existing directory")
+    if not _writable(path, directory):
+        raise ConfigError(flag, path, "a file this user may write (on a writable filesystem)")
+    if log is not None and os.path.exists(path) and os.path.samefile(path, log):
+        raise ConfigError(flag, path, f"a file other than the log {log} it reports on")
+    return path
+
+
+def _writable(path: str, directory: str) -> bool:
+    """Whether ``path`` can be written: opened for update if it exists (nothing changes),
+    else a temporary file created and removed beside it (read-only filesystems, /proc,
+    permissions: what ``os.access`` misses for root)."""
+    try:
+        if os.path.exists(path):
+            with open(path, "r+b"):
+                return True
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".kvlog-probe-"):
+            return True
+    except OSError:
+        return False
+
+
 def write_report(
     path: str,
     series: Sequence[Series],
@@ -257,14 +304,13 @@ def write_report(
 ) -> str:
     """Write the report in the format the file name asks for; returns what was written.
 
-    ``.csv``: numbers; ``.png`` / ``.svg``: the figure (needs ``kvlog[plot]``); any other
-    name gets ``.png`` appended.
+    ``.csv``: numbers; ``.png`` / ``.svg``: the figure (needs ``kvlog[plot]``); a name
+    without an extension gets ``.png`` appended; any other extension is refused
+    (:func:`report_path`).
     """
-    ext = os.path.splitext(path)[1].lower()
-    if ext == ".csv":
+    path = report_path(path)
+    if path.lower().endswith(".csv"):
         write_csv(path, series)
         return f"wrote CSV {path}"
-    if ext not in PICTURE_FORMATS:
-        path += ".png"
     write_figure(path, series, title, config, cost)
     return f"wrote {os.path.splitext(path)[1][1:].upper()} {path}"

@@ -36,7 +36,7 @@ import msgspec
 
 from kvlog import reducers
 from kvlog.cost import CostModel
-from kvlog.errors import InvalidEvent, MissingExtra
+from kvlog.errors import ConfigError, InvalidEvent, MissingExtra
 from kvlog.events import (
     STEP_EVENTS,
     CacheConfigured,
@@ -96,7 +96,7 @@ def policy_grid(
     out: list[PolicySpec] = []
     for name in names:
         if name not in POLICY_NAMES:
-            raise ValueError(f"unknown policy {name!r}: expected one of {list(POLICY_NAMES)}")
+            raise ConfigError("policy", name, f"one of {list(POLICY_NAMES)}")
         if name == "seed":
             for t in thresholds:
                 for m in max_swaps:
@@ -282,6 +282,8 @@ class _RayPool:
     is running or ``address`` names a cluster; shut down after if this call started it."""
 
     def __init__(self, address: str | None, num_cpus: int | None) -> None:
+        if num_cpus is not None and (type(num_cpus) is not int or num_cpus < 1):
+            raise ConfigError("num_cpus", num_cpus, "an int >= 1 (Ray waits forever for 0)")
         self.ray = _ray()
         self.address = address
         self.started = False

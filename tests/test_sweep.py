@@ -14,6 +14,7 @@ import pytest
 from kvlog import replay
 from kvlog.cli import main
 from kvlog.cost import CostModel
+from kvlog.errors import ConfigError
 from kvlog.sweep import (
     PolicySpec,
     policy_grid,
@@ -93,7 +94,7 @@ def test_policy_grid_names_every_variant() -> None:
         "policy_ratio_pct": 150,
         "policy_min_swaps": 4,
     }
-    with pytest.raises(ValueError, match="unknown policy"):
+    with pytest.raises(ConfigError, match="policy='best'"):  # also a ValueError
         policy_grid(("best",))
 
 

@@ -20,13 +20,14 @@ pins the physical blocks until the transfer finishes, which the seed handler doe
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
 import msgspec
 import numpy as np
 
-from kvlog.errors import TransferSpecError
+from kvlog.errors import DuplicateJob, TransferSpecError
 from kvlog.events import LoadRequested, StoreRequested, TransferSubmitted
 from kvlog.executors import TransferCompletion
 from kvlog.integrations.defrag import OnlineDefragmenter
@@ -123,6 +124,16 @@ def transfer_event(
     )
 
 
+def _job_id(job_id: object) -> int:
+    """``job_id`` as an int: an int or numpy integer, never a bool, float or string."""
+    if isinstance(job_id, bool):
+        raise TransferSpecError(f"job id {job_id!r} is a bool, not an int")
+    try:
+        return operator.index(job_id)  # type: ignore[arg-type]
+    except TypeError:
+        raise TransferSpecError(f"job id {job_id!r} is not an int") from None
+
+
 def _session_of(owner: OnlineDefragmenter | KvCacheSession) -> KvCacheSession:
     return owner.session if isinstance(owner, OnlineDefragmenter) else owner
 
@@ -135,6 +146,14 @@ class OffloadingWorker:
     before the first scheduler step. A job may be declared first (``declare``: pinned from
     the scheduler's decision, see ``kvlog.integrations.vllm``); its ``submit_*`` then runs
     it. Bad input raises ``InvalidEvent`` or ``TransferSpecError``.
+
+    Job ids: ``submit_*`` takes a fresh int above every job id used before (vLLM's one
+    counter), or a job ``declare`` pinned and no ``submit_*`` ran yet. Anything else (a
+    reused or lower id, -1, ``6.7``, ``True``) raises :class:`~kvlog.errors.DuplicateJob`
+    or :class:`~kvlog.errors.TransferSpecError` instead of returning: vLLM's connector
+    asserts the returned bool (``assert success``), so a False would end as a bare
+    ``AssertionError`` (or, under ``python -O``, a job that is never submitted and a
+    ``wait`` that never returns); the typed error names the job.
     """
 
     def __init__(
@@ -148,6 +167,7 @@ class OffloadingWorker:
         self.session = _session_of(defragmenter)
         self.session.attach_offload(num_cpu_blocks, block_size_factor, quarantine=quarantine)
         self._shut_down = False
+        self._declared: set[int] = set()  # declared, their submit_* not called yet
 
     def declare(
         self,
@@ -160,8 +180,9 @@ class OffloadingWorker:
     ) -> None:
         """Pin a job the scheduler decided for request ``req_id`` (a load: ``sync`` if the
         request runs this step), before its ``submit_*`` runs it."""
-        event = transfer_event(kind, job_id, src_spec, dst_spec, deferred=True)
+        event = transfer_event(kind, _job_id(job_id), src_spec, dst_spec, deferred=True)
         self._submit(event, req_id, sync)
+        self._declared.add(event.job_id)
 
     def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
         """GPU (logical ids) -> CPU; True once submitted."""
@@ -179,14 +200,24 @@ class OffloadingWorker:
     def _run(self, kind: JobKind, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
         if self._shut_down:
             raise TransferSpecError("the offloading worker was shut down")
+        job_id = _job_id(job_id)
+        if job_id not in self._declared:
+            if self.session.known(job_id) or job_id < 0:
+                last = self.session.engine.state.last_job_id
+                raise DuplicateJob(
+                    f"{kind} job id {job_id} is not a fresh one: job ids must be ints above "
+                    f"every id used before (the last one was {last}) or a declared job "
+                    "submitted once; nothing was submitted"
+                )
+            self._submit(transfer_event(kind, job_id, src_spec, dst_spec))
+            return True
         engine = self.session.engine
-        job = engine.state.job(int(job_id))
+        job = engine.state.job(job_id)
         if job is not None and job.kind != kind:
             raise TransferSpecError(f"job {job_id} was declared as a {job.kind}, not a {kind}")
+        self._declared.discard(job_id)
         if job is not None and not job.submitted:
-            engine.apply(TransferSubmitted(job_id=int(job_id)))
-        elif job is None and not self.session.known(int(job_id)):
-            self._submit(transfer_event(kind, job_id, src_spec, dst_spec))
+            engine.apply(TransferSubmitted(job_id=job_id))
         # else: a declared store already flushed (running or done): nothing to do
         return True
 

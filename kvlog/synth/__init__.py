@@ -9,6 +9,7 @@ scheduler and block pool (``serving.py``), until every request has finished.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -17,10 +18,11 @@ from typing import Protocol
 
 from kvlog.canary import CanaryTracker, make_canary_executor
 from kvlog.engine import Engine
-from kvlog.errors import ConfigError
+from kvlog.errors import ConfigError, TraceError
 from kvlog.events import CacheConfigured
+from kvlog.executors import Executor
 from kvlog.log import SyncMode
-from kvlog.synth.driver import SynthResult, SynthRun
+from kvlog.synth.driver import SynthResult, SynthRun, step_boundaries
 from kvlog.synth.pool import BlockPool, CpuCache
 from kvlog.synth.serving import TraceConfig, TraceRun, VllmBlockPool, bytes_per_token
 from kvlog.synth.traces import TRACE_FORMATS, TraceRequest, read_trace
@@ -55,9 +57,18 @@ def run_synth(
     sync: SyncMode = "step",
     checkpoint_every: int = 256,
     snapshot_every: int | None = None,
+    meta: dict[str, str] | None = None,
 ) -> SynthResult:
-    """Run one synthetic workload; with ``out``, record it to that (new) log file."""
-    meta = {"workload": "kvlog synth", "synth": json.dumps(_jsonable(config), sort_keys=True)}
+    """Run one synthetic workload; with ``out``, record it to that (new) log file.
+
+    A config that cannot run (``SynthConfig.check``) is refused before the log exists;
+    ``meta`` adds entries to the log header's."""
+    config.check()
+    meta = {
+        **(meta or {}),
+        "workload": "kvlog synth",
+        "synth": json.dumps(_jsonable(config), sort_keys=True),
+    }
     return _record(
         config.cache_config(),
         lambda engine, tracker: SynthRun(config, engine, tracker),
@@ -83,7 +94,10 @@ def run_trace(
     """Serve ``requests`` (a trace) until all finished; with ``out``, record the log.
 
     ``scheduler="vllm"`` drives vLLM's own scheduler instead (``vllm_scheduler.py``; needs
-    vLLM, no offload, no ``execute``)."""
+    vLLM, no offload, no ``execute``). A run that cannot progress or end is refused
+    before the log exists (``TraceConfig.check``), or, if it stalls anyway, when it does:
+    then the partial log is removed."""
+    config.check(requests)
     described = dataclasses.asdict(config)
     described["synth"] = _jsonable(config.synth)
     described.update(source=source, num_requests=len(requests), scheduler=scheduler)
@@ -105,6 +119,7 @@ def run_trace(
         out,
         meta,
         (execute, backend, sync, checkpoint_every, snapshot_every),
+        deferrable=scheduler == "kvlog",
     )
 
 
@@ -118,23 +133,45 @@ def _record(
     out: str | os.PathLike[str] | None,
     meta: dict[str, str],
     options: tuple[bool, str, SyncMode, int, int | None],
+    deferrable: bool = True,
 ) -> SynthResult:
-    execute, backend, sync, checkpoint_every, snapshot_every = options
+    """Build the Engine (and executor), run, close. ``deferrable``: the run's loop has step
+    boundaries (``driver.step_boundaries``), so Ctrl-C is held off the whole Engine life
+    and acted on at a step's end; vLLM's scheduler loop has none (interrupted at once)."""
+    execute, backend = options[:2]
     executor = None
     tracker: CanaryTracker | None = None
     if execute:
         executor, tracker = make_canary_executor(cache_config, backend)
     try:
-        engine = Engine(
-            cache_config, out, executor, sync, checkpoint_every, snapshot_every, meta=meta
-        )
-        with engine:
-            result = make_run(engine, tracker).run()
+        region = step_boundaries() if deferrable else contextlib.nullcontext()
+        with region:  # a SIGINT while the Engine is built, runs or closes: at a step's end
+            result = _run_engine(cache_config, make_run, out, meta, options, executor, tracker)
         result.num_events += 1  # the CacheConfigured the engine applied itself
     finally:
         if executor is not None:
             executor.shutdown()
     return result
+
+
+def _run_engine(
+    cache_config: CacheConfigured,
+    make_run: Callable[[Engine, CanaryTracker | None], _Runs],
+    out: str | os.PathLike[str] | None,
+    meta: dict[str, str],
+    options: tuple[bool, str, SyncMode, int, int | None],
+    executor: Executor | None,
+    tracker: CanaryTracker | None,
+) -> SynthResult:
+    _, _, sync, checkpoint_every, snapshot_every = options
+    engine = Engine(cache_config, out, executor, sync, checkpoint_every, snapshot_every, meta=meta)
+    try:
+        with engine:
+            return make_run(engine, tracker).run()
+    except TraceError:
+        if out is not None:  # a stalled trace, refused: no partial log (ours)
+            os.unlink(out)
+        raise
 
 
 def _jsonable(config: SynthConfig) -> dict[str, object]:

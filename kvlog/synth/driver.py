@@ -18,8 +18,10 @@ Per step, in the DESIGN order:
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -43,9 +45,51 @@ from kvlog.reducers import State
 from kvlog.synth.pool import BlockPool, CpuCache
 from kvlog.synth.workload import Request, SynthConfig, Workload
 
-__all__ = ["RunCounts", "SynthResult", "SynthRun"]
+__all__ = ["RunCounts", "SynthResult", "SynthRun", "defer_sigint", "step_boundaries"]
 
 _MAX_WAITING = 1024
+
+
+class _Deferral:
+    """A SIGINT deferred to the next step boundary of a running synth loop."""
+
+    active = 0  # synth loops running (nested: a loop inside a loop's run)
+    pending = False  # a SIGINT came while one ran
+
+
+_SIGINT = _Deferral()
+
+
+def defer_sigint() -> bool:
+    """For a SIGINT handler (``kvlog.cli``): while a synth loop runs, note the interrupt
+    and return True; the loop raises ``KeyboardInterrupt`` at the end of its current step,
+    between two ``Engine.apply`` calls, so the log's last step is whole and ``close()``
+    checkpoints a state that holds every logged event. False (raise now) otherwise."""
+    if _SIGINT.active:
+        _SIGINT.pending = True
+        return True
+    return False
+
+
+def _boundary() -> None:
+    if _SIGINT.pending:
+        _SIGINT.pending = False
+        raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def step_boundaries() -> Iterator[Callable[[], None]]:
+    """The region of a synth loop: yields the call that raises a deferred SIGINT (made at
+    the end of every step); one deferred while finishing is raised on the way out."""
+    _SIGINT.active += 1
+    try:
+        yield _boundary
+    except BaseException:
+        _SIGINT.active -= 1
+        _SIGINT.pending = _SIGINT.pending and _SIGINT.active > 0
+        raise
+    _SIGINT.active -= 1
+    _boundary()
 
 
 @dataclass
@@ -147,12 +191,14 @@ class SynthRun:
     # -- the loop ------------------------------------------------------------------------
     def run(self) -> SynthResult:
         started = time.perf_counter()
-        for step in range(self.config.steps):
-            self.step(step)
-            every = self.config.check_every
-            if self.tracker is not None and every and (step + 1) % every == 0:
-                self.result.canary_checks.append(self.tracker.check(self.engine.state))
-        self.finish()
+        with step_boundaries() as boundary:
+            for step in range(self.config.steps):
+                self.step(step)
+                every = self.config.check_every
+                if self.tracker is not None and every and (step + 1) % every == 0:
+                    self.result.canary_checks.append(self.tracker.check(self.engine.state))
+                boundary()
+            self.finish()
         self.result.elapsed_s = time.perf_counter() - started
         return self.result
 

@@ -30,20 +30,33 @@ its own request (so a preempted request finds its own blocks again, as in vLLM).
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 import time
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from kvlog.canary import CanaryTracker
 from kvlog.engine import Engine
+from kvlog.errors import ConfigError, TraceError
 from kvlog.events import BlocksAllocated, StepEnded
-from kvlog.synth.driver import SynthResult, SynthRun, _Job
+from kvlog.synth.driver import SynthResult, SynthRun, _Job, step_boundaries
 from kvlog.synth.pool import BlockPool
 from kvlog.synth.traces import TraceRequest, block_keys
 from kvlog.synth.workload import Request, SynthConfig
 
-__all__ = ["TraceConfig", "TraceLive", "TraceRun", "VllmBlockPool", "bytes_per_token"]
+__all__ = [
+    "STALL_STEPS",
+    "TraceConfig",
+    "TraceLive",
+    "TraceRun",
+    "VllmBlockPool",
+    "bytes_per_token",
+]
+
+STALL_STEPS = 10_000
+"""Steps in a row without a computed token or a transfer after which a trace run is refused."""
 
 
 def bytes_per_token(
@@ -72,6 +85,45 @@ class TraceConfig:
 
     def arrival_step(self, arrival_s: float) -> int:
         return int(arrival_s * self.time_scale * 1000.0 / self.step_ms)
+
+    def check(self, requests: Sequence[TraceRequest]) -> None:
+        """Refuse (:class:`~kvlog.errors.ConfigError`, naming the flag) a run that cannot
+        progress or cannot end within ``max_steps``, before anything is logged: a clock that
+        is not a finite positive number, no token budget, a model length no request fits in
+        or whose blocks the pool cannot hold, a trace whose last arrival is past the limit."""
+        self.synth.check()
+        for flag, value in (("--time-scale", self.time_scale), ("--step-ms", self.step_ms)):
+            if not isinstance(value, int | float) or not (math.isfinite(value) and value > 0):
+                raise ConfigError(flag, value, "a finite number > 0")
+        if type(self.max_num_batched_tokens) is not int or self.max_num_batched_tokens < 1:
+            raise ConfigError(
+                "--max-num-batched-tokens", self.max_num_batched_tokens, "an int >= 1"
+            )
+        c = self.synth
+        usable = (c.num_gpu_blocks - 1) * c.block_size  # block 0 is the null block
+        if (
+            type(self.max_model_len) is not int
+            or self.max_model_len not in range(0, usable + 1)
+            or self.max_model_len == 1
+        ):
+            raise ConfigError(
+                "--max-model-len",
+                self.max_model_len,
+                f"0 (half the pool) or 2 .. {usable}: a prompt and an output token, at most "
+                f"the {c.num_gpu_blocks - 1} usable blocks of {c.block_size} tokens, or no "
+                "request ever runs",
+            )
+        if any(a.arrival_s > b.arrival_s for a, b in itertools.pairwise(requests)):
+            raise TraceError("trace requests must come in arrival order (read_trace sorts them)")
+        if requests:
+            last = self.arrival_step(requests[-1].arrival_s)
+            if last >= self.max_steps:
+                raise ConfigError(
+                    "--time-scale/--step-ms",
+                    (self.time_scale, self.step_ms),
+                    f"a clock that brings the last arrival ({requests[-1].arrival_s:,.1f} s) "
+                    f"before step {self.max_steps:,}; it comes at step {last:,}",
+                )
 
 
 class VllmBlockPool(BlockPool):
@@ -186,26 +238,59 @@ class TraceRun(SynthRun):
         self.pool = VllmBlockPool(config.synth.num_gpu_blocks, config.synth.prefix_caching)
         self.pending: deque[TraceRequest] = deque(requests)
         self.num_trace_requests = len(requests)
+        self._computed_this_step = False
+        self._stalled = 0
 
     # -- the loop ------------------------------------------------------------------------
     def run(self) -> SynthResult:
         started = time.perf_counter()
-        step, every = 0, self.config.check_every
-        limit = self.trace_config.max_steps
-        while step < limit and (self.pending or self._busy()):
-            if not self._busy():
-                step = max(step, self.trace_config.arrival_step(self.pending[0].arrival_s))
-            self.step(step)
-            if self.tracker is not None and every and self.result.num_steps % every == 0:
-                self.result.canary_checks.append(self.tracker.check(self.engine.state))
-            step += 1
-        self.result.simulated_s = step * self.trace_config.step_ms / 1000.0
-        self.finish()
+        with step_boundaries() as boundary:
+            step = self._serve(boundary)
+            self.result.simulated_s = step * self.trace_config.step_ms / 1000.0
+            self.finish()
         self.result.elapsed_s = time.perf_counter() - started
         return self.result
 
+    def _serve(self, boundary: Callable[[], None]) -> int:
+        """Steps until every request finished; returns the step after the last one."""
+        step, every = 0, self.config.check_every
+        limit = self.trace_config.max_steps
+        while self.pending or self._busy():
+            if not self._busy():
+                step = max(step, self.trace_config.arrival_step(self.pending[0].arrival_s))
+            if step >= limit:
+                raise TraceError(
+                    f"the trace did not finish within {limit:,} steps of "
+                    f"{self.trace_config.step_ms} ms: not served (raise --step-ms or lower "
+                    "--time-scale)"
+                )
+            self.step(step)
+            self._check_progress(step)
+            if self.tracker is not None and every and self.result.num_steps % every == 0:
+                self.result.canary_checks.append(self.tracker.check(self.engine.state))
+            step += 1
+            boundary()
+        return step
+
     def _busy(self) -> bool:
         return bool(self.waiting or self.running or self.jobs or self.just_finished or self.stored)
+
+    def _check_progress(self, step: int) -> None:
+        """Refuse a run that stalls: ``STALL_STEPS`` steps in a row that computed no token
+        while no transfer was in flight cannot end (the requests never fit)."""
+        if self._computed_this_step or self.jobs or not self._busy():
+            self._stalled = 0
+            return
+        self._stalled += 1
+        if self._stalled >= STALL_STEPS:
+            waiting = self.waiting[0] if self.waiting else None
+            what = f"request {waiting.req_id} ({waiting.num_tokens} tokens)" if waiting else "it"
+            raise TraceError(
+                f"no progress for {STALL_STEPS:,} steps up to step {step:,}: {what} never fits "
+                f"the pool of {self.config.num_gpu_blocks} blocks under --max-num-seqs "
+                f"{self.config.max_num_seqs} and --max-num-batched-tokens "
+                f"{self.trace_config.max_num_batched_tokens}"
+            )
 
     def step(self, step: int) -> None:
         self._arrive(step)
@@ -285,10 +370,12 @@ class TraceRun(SynthRun):
         """Scheduled tokens are computed; full blocks are cached; a request with all its
         tokens computed samples one more; finished requests leave the batch."""
         still: list[Request] = []
+        self._computed_this_step = False
         for req in self.running:
             if not isinstance(req, TraceLive) or req.status != "running" or not req.scheduled:
                 still.append(req)
                 continue
+            self._computed_this_step = True
             req.computed += req.scheduled
             req.scheduled = 0
             self._register(req)

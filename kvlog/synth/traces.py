@@ -12,7 +12,9 @@ tokens and, for Mooncake, the ``hash_ids`` of its 512-token blocks:
   ``TIMESTAMP,ContextTokens,GeneratedTokens`` and one row per request, the timestamp as
   absolute wall time (``2023-11-16 18:15:46.6805900``); no prefix information.
 
-A row that does not parse raises :class:`kvlog.errors.TraceError` naming the file and line.
+A row that does not parse raises :class:`kvlog.errors.TraceError` naming the file and line
+(as does a Mooncake timestamp that is not a JSON number, or a ``hash_id`` repeated within
+one request). Requests come back sorted by arrival, times counted from the earliest.
 :func:`block_keys` turns a request into the content keys of its full blocks for a block
 size that divides 512 (vLLM caches full blocks only).
 """
@@ -20,9 +22,11 @@ size that divides 512 (vLLM caches full blocks only).
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 import os
+import reprlib
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
@@ -31,6 +35,7 @@ from kvlog.errors import TraceError
 
 __all__ = [
     "HASH_BLOCK_TOKENS",
+    "MAX_SECONDS",
     "TRACE_FORMATS",
     "TraceRequest",
     "block_keys",
@@ -41,6 +46,8 @@ __all__ = [
 TRACE_FORMATS: tuple[str, ...] = ("mooncake", "azure")
 HASH_BLOCK_TOKENS = 512
 """Tokens per Mooncake ``hash_ids`` entry."""
+MAX_SECONDS = 1e12
+"""The largest timestamp read, in seconds (31,700 years: past it a number is not a time)."""
 
 
 @dataclass(frozen=True)
@@ -66,7 +73,8 @@ def guess_format(path: str | os.PathLike[str]) -> str:
 def read_trace(
     path: str | os.PathLike[str], fmt: str | None = None, *, limit: int | None = None
 ) -> list[TraceRequest]:
-    """The first ``limit`` requests (all when None) of the trace at ``path``."""
+    """The first ``limit`` requests (all when None) of the trace at ``path``, in arrival
+    order (a stable sort: traces are not always sorted) with times from the earliest."""
     fmt = fmt or guess_format(path)
     if fmt not in TRACE_FORMATS:
         raise TraceError(f"trace format must be one of {list(TRACE_FORMATS)}, got {fmt!r}")
@@ -78,12 +86,15 @@ def read_trace(
         if limit is not None and len(out) >= limit:
             break
         out.append(request)
-    return out
+    start = min((r.arrival_s for r in out), default=0.0)
+    out.sort(key=lambda r: r.arrival_s)
+    return [dataclasses.replace(r, arrival_s=r.arrival_s - start) for r in out]
 
 
 def _open(path: str) -> Iterator[tuple[int, str]]:
+    """Numbered lines; a UTF-8 byte order mark is dropped (``utf-8-sig``)."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:
             yield from enumerate(f, start=1)
     except OSError as exc:
         raise TraceError(f"cannot read trace {path}: {exc}") from exc
@@ -91,31 +102,49 @@ def _open(path: str) -> Iterator[tuple[int, str]]:
         raise TraceError(f"{path}: not a text trace: {exc}") from exc
 
 
+_ROW_ERRORS = (ValueError, KeyError, TypeError, OverflowError, RecursionError)
+"""What a malformed row raises while parsed: a 309-digit number overflows a float, deeply
+nested JSON recurses too deep."""
+
+
 def _mooncake(path: str) -> Iterator[TraceRequest]:
-    start: float | None = None
     for number, line in _open(path):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
-            ts = float(row["timestamp"]) / 1000.0
+            stamp = row["timestamp"]
+            if type(stamp) not in (int, float):
+                raise TypeError(f"timestamp {stamp!r} is not a number of milliseconds")
+            ts = float(stamp) / 1000.0
             request = _checked(ts, row["input_length"], row["output_length"], row["hash_ids"])
-        except (ValueError, KeyError, TypeError) as exc:
-            raise TraceError(f"{path}:{number}: not a Mooncake trace row: {exc}") from exc
+        except _ROW_ERRORS as exc:
+            raise TraceError(f"{path}:{number}: not a Mooncake trace row: {exc}") from None
         if len(request.hash_ids) != math.ceil(request.input_len / HASH_BLOCK_TOKENS):
             raise TraceError(
                 f"{path}:{number}: {len(request.hash_ids)} hash_ids for "
                 f"{request.input_len} input tokens (want one per {HASH_BLOCK_TOKENS})"
             )
-        start = ts if start is None else start
-        yield TraceRequest(ts - start, request.input_len, request.output_len, request.hash_ids)
+        if len(set(request.hash_ids)) != len(request.hash_ids):
+            raise TraceError(
+                f"{path}:{number}: a hash_id repeats within one request: hash_ids are "
+                "chained prefix hashes, one per 512-token block, so they never repeat"
+            )
+        yield request
 
 
 def _azure(path: str) -> Iterator[TraceRequest]:
-    start: float | None = None
     reader = csv.reader(line for _, line in _open(path))
-    for number, row in enumerate(reader, start=1):
-        if number == 1 and row and not row[0][:1].isdigit():
+    number = 0
+    while True:
+        number += 1
+        try:
+            row = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as exc:
+            raise TraceError(f"{path}:{number}: not an Azure trace row: {exc}") from None
+        if number == 1 and row and not row[0].strip()[:1].isdigit():
             continue  # the header
         if not row:
             continue
@@ -123,10 +152,10 @@ def _azure(path: str) -> Iterator[TraceRequest]:
             stamp, context, generated = row
             ts = _wall_seconds(stamp)
             request = _checked(ts, int(context), int(generated), [])
-        except ValueError as exc:
-            raise TraceError(f"{path}:{number}: not an Azure trace row {row}: {exc}") from exc
-        start = ts if start is None else start
-        yield TraceRequest(ts - start, request.input_len, request.output_len)
+        except _ROW_ERRORS as exc:
+            shown = reprlib.repr(row)  # a 128 KiB field is not repeated whole
+            raise TraceError(f"{path}:{number}: not an Azure trace row {shown}: {exc}") from None
+        yield request
 
 
 def _wall_seconds(stamp: str) -> float:
@@ -140,8 +169,8 @@ def _wall_seconds(stamp: str) -> float:
 
 
 def _checked(ts: float, input_len: object, output_len: object, hashes: object) -> TraceRequest:
-    if not math.isfinite(ts) or ts < 0:
-        raise ValueError(f"timestamp {ts} is not a time")
+    if not math.isfinite(ts) or not 0 <= ts <= MAX_SECONDS:
+        raise ValueError(f"timestamp {ts} s is not a time in [0, {MAX_SECONDS:g}] s")
     if type(input_len) is not int or type(output_len) is not int:
         raise ValueError("input and output lengths must be integers")
     if input_len < 1 or output_len < 1:

@@ -9,10 +9,12 @@ to find. Everything comes from one ``numpy.random.Generator`` seeded by ``seed``
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvlog.errors import ConfigError
 from kvlog.events import CONFIG_DEFAULTS, CacheConfigured
 
 __all__ = ["Request", "SynthConfig", "Workload"]
@@ -69,6 +71,67 @@ class SynthConfig:
 
     def replace(self, **changes: object) -> SynthConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+    def check(self) -> None:
+        """Refuse, with :class:`~kvlog.errors.ConfigError` naming the field and its ``kvlog
+        synth`` flag, a workload value that would crash the run midway, loop, or be
+        silently reinterpreted (a NaN rate, a negative seed, no steps, a batch of 0).
+        The ``CacheConfigured`` fields are the event validator's to check."""
+        for name, low, high in _INT_RANGES:
+            value = getattr(self, name)
+            if type(value) is not int or not low <= value <= high:
+                raise ConfigError(_flag(name), value, f"an int in [{low}, {high}]")
+        for name, flow, fhigh in _FLOAT_RANGES:
+            number = getattr(self, name)
+            if not isinstance(number, int | float) or not math.isfinite(number):
+                raise ConfigError(_flag(name), number, f"a finite number in [{flow}, {fhigh}]")
+            if not flow <= number <= fhigh:
+                raise ConfigError(_flag(name), number, f"a number in [{flow}, {fhigh}]")
+        if self.policy != "tail" and (
+            self.policy_ratio_pct != CONFIG_DEFAULTS["policy_ratio_pct"]
+            or self.policy_min_swaps != CONFIG_DEFAULTS["policy_min_swaps"]
+        ):
+            raise ConfigError(
+                "--ratio-limit/--min-swaps", self.policy, "--policy tail (only it reads them)"
+            )
+        cap = self.max_bytes_per_step
+        if self.defrag and 0 < cap < self.page_size_bytes:
+            raise ConfigError(
+                _flag("max_bytes_per_step"),
+                cap,
+                f"0 (no cap) or at least one page ({self.page_size_bytes} bytes): a smaller "
+                "cap moves nothing and turns defrag off",
+            )
+
+
+_BIG = 1 << 40
+_INT_RANGES = (
+    ("seed", 0, (1 << 63) - 1),
+    ("steps", 1, _BIG),
+    ("prompt_len_max", 1, _BIG),
+    ("output_len_max", 1, _BIG),
+    ("max_num_seqs", 1, _BIG),
+    ("num_prefixes", 0, 1 << 20),
+    ("prefix_len_max_blocks", 1, _BIG),
+    ("watermark_blocks", 0, _BIG),
+    ("check_every", 0, _BIG),
+)
+_FLOAT_RANGES = (
+    ("arrival_rate", 0.0, 1e6),
+    ("prompt_len_mean", 1.0, 1e9),
+    ("output_len_mean", 1.0, 1e9),
+    ("prefix_share", 0.0, 1.0),
+    ("store_latency_steps", 0.0, 1e9),
+    ("load_latency_steps", 0.0, 1e9),
+    ("transfer_failure_rate", 0.0, 1.0),
+)
+_FLAGS = {"transfer_failure_rate": "failure-rate"}
+
+
+def _flag(field_name: str) -> str:
+    """``field (--flag)``: the config field and the ``kvlog synth`` flag that sets it."""
+    flag = _FLAGS.get(field_name, field_name.replace("_", "-"))
+    return f"{field_name} (--{flag})"
 
 
 _FIELDS = frozenset(f.name for f in dataclasses.fields(SynthConfig))

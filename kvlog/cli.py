@@ -17,6 +17,7 @@ import sys
 import tempfile
 import threading
 import time
+import typing
 from collections.abc import Iterator, Sequence
 from types import FrameType
 from typing import Any, TextIO
@@ -36,7 +37,7 @@ from kvlog.cli_sweep import (
     trace_geometry,
 )
 from kvlog.errors import ConfigError, KvlogError, LogExists, MissingExtra
-from kvlog.events import DEFAULT_PAD_SIZES, Checkpoint, to_dict
+from kvlog.events import DEFAULT_PAD_SIZES, Checkpoint, Event, to_dict
 from kvlog.log import LogReader
 from kvlog.replay import ReplayResult, replay
 from kvlog.report import Series, report_path, write_report
@@ -47,14 +48,7 @@ from kvlog.synth.driver import defer_sigint
 __all__ = ["build_parser", "main"]
 
 _EVENT_TYPES = (
-    "CacheConfigured",
-    "BlocksAllocated",
-    "RequestFinished",
-    "RequestPreempted",
-    "StepEnded",
-    "StoreRequested",
-    "LoadRequested",
-    "TransferFinished",
+    *(t.__name__ for t in typing.get_args(Event)),
     "Checkpoint",
 )
 

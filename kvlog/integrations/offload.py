@@ -217,7 +217,7 @@ class OffloadingWorker:
             raise TransferSpecError(f"job {job_id} was declared as a {job.kind}, not a {kind}")
         self._declared.discard(job_id)
         if job is not None and not job.submitted:
-            engine.apply(TransferSubmitted(job_id=job_id))
+            self.session.apply(TransferSubmitted(job_id=job_id))  # after a pending step
         # else: a declared store already flushed (running or done): nothing to do
         return True
 

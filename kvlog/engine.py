@@ -85,7 +85,16 @@ from kvlog.events import (
     encode,
 )
 from kvlog.events.validate import MAX_REQ_ID_LENGTH, normalize_event
-from kvlog.log import MAX_RECORD_BYTES, SYNC_MODES, LogReader, LogWriter, Recovery, SyncMode
+from kvlog.log import (
+    DEFAULT_SYNC_INTERVAL_S,
+    MAX_RECORD_BYTES,
+    SYNC_MODES,
+    LogReader,
+    LogWriter,
+    Recovery,
+    SyncMode,
+    check_sync_interval,
+)
 from kvlog.machine import Machine
 from kvlog.memory import (
     available_memory,
@@ -128,6 +137,7 @@ class Engine:
         snapshot_every: int | None = None,
         *,
         meta: dict[str, str] | None = None,
+        sync_interval_s: float = DEFAULT_SYNC_INTERVAL_S,
         _state: reducers.State | None = None,
         _last_event_seq: int = -1,
         _writer: LogWriter | None = None,
@@ -140,11 +150,14 @@ class Engine:
         self._broken = False
         try:
             _check_arguments(sync, checkpoint_every, snapshot_every)
+            check_sync_interval(sync_interval_s)
             if _state is None:
                 config, _state = _configured(config)
             self._init(_state, executor, checkpoint_every, snapshot_every, _last_event_seq)
             if _writer is None and log_path is not None:
-                self._log = LogWriter(log_path, sync=sync, meta=meta, new=True)
+                self._log = LogWriter(
+                    log_path, sync=sync, meta=meta, new=True, sync_interval_s=sync_interval_s
+                )
             self._record: Callable[[Event], object] = (
                 _check_record_size if self._log is None else self._log.append
             )
@@ -391,6 +404,8 @@ class Engine:
         sync: SyncMode = "step",
         checkpoint_every: int = 256,
         snapshot_every: int | None = None,
+        *,
+        sync_interval_s: float = DEFAULT_SYNC_INTERVAL_S,
     ) -> Engine:
         """An engine continuing from ``snapshot()`` bytes.
 
@@ -410,7 +425,7 @@ class Engine:
         check_state_memory(state.config, resident=True)
         writer = None
         try:  # opened inside: an interrupt anywhere leaves no descriptor or lock behind
-            writer = None if log_path is None else _open_existing(log_path, sync)
+            writer = None if log_path is None else _open_existing(log_path, sync, sync_interval_s)
             last = -1 if writer is None else _last_event_seq(writer.path)
             if writer is not None and last < 0:
                 raise LogNotFound(
@@ -436,6 +451,8 @@ class Engine:
         sync: SyncMode = "step",
         checkpoint_every: int = 256,
         snapshot_every: int | None = None,
+        *,
+        sync_interval_s: float = DEFAULT_SYNC_INTERVAL_S,
     ) -> Engine:
         """Reopen an existing log (a torn tail is cut, and reported on ``.recovery``) and
         continue it where it ends.
@@ -448,7 +465,7 @@ class Engine:
         _check_arguments(sync, checkpoint_every, snapshot_every)
         writer = None
         try:  # opened inside: an interrupt anywhere leaves no descriptor or lock behind
-            writer = _open_existing(log_path, sync)
+            writer = _open_existing(log_path, sync, sync_interval_s)
             state, last = replay_state(writer.path)
             if state.config is None:
                 raise LogNotFound(2, f"{writer.path} holds no events to resume")
@@ -676,12 +693,14 @@ def _size_bound(event: Event) -> int:
     return total
 
 
-def _open_existing(path: str | os.PathLike[str], sync: SyncMode) -> LogWriter:
+def _open_existing(
+    path: str | os.PathLike[str], sync: SyncMode, sync_interval_s: float = DEFAULT_SYNC_INTERVAL_S
+) -> LogWriter:
     """The writer of a log that must exist already (``LogNotFound`` otherwise; nothing is
     created). Opening locks it and cuts a torn tail."""
     if not os.path.lexists(path) or (os.path.isfile(path) and os.path.getsize(path) == 0):
         raise LogNotFound(2, f"{os.fspath(path)}: no log to continue")
-    return LogWriter(path, sync=sync)
+    return LogWriter(path, sync=sync, sync_interval_s=sync_interval_s)
 
 
 def _check_snapshot_of(path: str, state: reducers.State, last: int) -> None:

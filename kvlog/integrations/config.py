@@ -4,14 +4,16 @@ The plugin reads ``VLLM_DEFRAG`` (its ``defrag`` feature), ``VLLM_DEFRAG_THRESHO
 ``VLLM_DEFRAG_WITH_GRAPHS``; kvlog adds ``KVLOG_PATH`` (where to record the log; unset or
 empty: no log) and ``KVLOG_SYNC`` (``background``, the default: one write per step and
 an fdatasync on a background thread within about 5 ms; ``step``: an fsync per step on the
-serving thread; ``always``; ``none``). Constructor arguments
-win over the environment, the environment over the defaults. A value that cannot be parsed
+serving thread; ``always``; ``none``) and ``KVLOG_SYNC_INTERVAL_MS`` (the background
+flusher's interval, 5 by default, 0.1 to 60000). Constructor arguments win over the
+environment, the environment over the defaults. A value that cannot be parsed
 raises :class:`~kvlog.errors.ConfigError` naming the variable, at construction, not later
 in the serving loop.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 
@@ -19,12 +21,19 @@ import msgspec
 
 from kvlog.errors import ConfigError
 from kvlog.events import CONFIG_DEFAULTS
-from kvlog.log import SYNC_MODES, SyncMode
+from kvlog.log import (
+    DEFAULT_SYNC_INTERVAL_S,
+    SYNC_INTERVAL_BOUNDS,
+    SYNC_MODES,
+    SyncMode,
+    check_sync_interval,
+)
 
 __all__ = [
     "ENV_DEFRAG",
     "ENV_LOG_PATH",
     "ENV_SYNC",
+    "ENV_SYNC_INTERVAL",
     "ENV_THRESHOLD",
     "ENV_WITH_GRAPHS",
     "FacadeConfig",
@@ -38,6 +47,7 @@ ENV_THRESHOLD = "VLLM_DEFRAG_THRESHOLD"
 ENV_WITH_GRAPHS = "VLLM_DEFRAG_WITH_GRAPHS"
 ENV_LOG_PATH = "KVLOG_PATH"
 ENV_SYNC = "KVLOG_SYNC"
+ENV_SYNC_INTERVAL = "KVLOG_SYNC_INTERVAL_MS"
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
@@ -51,7 +61,8 @@ class FacadeConfig(msgspec.Struct, frozen=True):
     ``threshold``: the trigger slack (``max_used - threshold > num_used``);
     ``with_graphs``: wrap swaps in HPU graphs / ``torch.compile`` (HPU only);
     ``log_path``: the log file, or None for no log; ``sync``: the log's group commit
-    (``background``: the fsync off the serving thread).
+    (``background``: the fsync off the serving thread); ``sync_interval_s``: the background
+    flusher's interval, the bound of its durability lag (``KVLOG_SYNC_INTERVAL_MS``).
     ``defrag`` and ``threshold`` default to ``CacheConfigured``'s (``CONFIG_DEFAULTS``).
     """
 
@@ -60,6 +71,7 @@ class FacadeConfig(msgspec.Struct, frozen=True):
     with_graphs: bool = False
     log_path: str | None = None
     sync: SyncMode = "background"
+    sync_interval_s: float = DEFAULT_SYNC_INTERVAL_S
 
 
 def parse_bool(name: str, text: str) -> bool:
@@ -114,7 +126,22 @@ def _from_environ(env: Mapping[str, str], base: FacadeConfig) -> FacadeConfig:
     if env.get(ENV_SYNC, "").strip():
         sync = _check_sync(ENV_SYNC, env[ENV_SYNC].strip().lower())
         out = msgspec.structs.replace(out, sync=sync)
+    if env.get(ENV_SYNC_INTERVAL, "").strip():
+        interval = _parse_interval_ms(ENV_SYNC_INTERVAL, env[ENV_SYNC_INTERVAL])
+        out = msgspec.structs.replace(out, sync_interval_s=interval)
     return out
+
+
+def _parse_interval_ms(name: str, text: str) -> float:
+    """Milliseconds (a finite number) as seconds within ``SYNC_INTERVAL_BOUNDS``."""
+    low, high = SYNC_INTERVAL_BOUNDS
+    try:
+        seconds = float(text.strip()) / 1000
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or not low <= seconds <= high:
+        raise ConfigError(name, text, f"milliseconds in [{low * 1000:g}, {high * 1000:g}]")
+    return seconds
 
 
 def config_from_env(
@@ -125,6 +152,7 @@ def config_from_env(
     with_graphs: bool | None = None,
     log_path: str | os.PathLike[str] | None = None,
     sync: str | None = None,
+    sync_interval_s: float | None = None,
 ) -> FacadeConfig:
     """The facade configuration: arguments (not None) over ``environ`` over the defaults.
 
@@ -142,4 +170,7 @@ def config_from_env(
         out = msgspec.structs.replace(out, log_path=os.fspath(log_path))
     if sync is not None:
         out = msgspec.structs.replace(out, sync=_check_sync("sync", sync))
+    if sync_interval_s is not None:
+        check_sync_interval(sync_interval_s)
+        out = msgspec.structs.replace(out, sync_interval_s=float(sync_interval_s))
     return out

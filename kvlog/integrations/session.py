@@ -272,7 +272,11 @@ class KvCacheSession:
                 **self.executor_options,
             )
             self._engine = Engine(
-                config, log_path=_log_path(self.config), executor=executor, sync=self.config.sync
+                config,
+                log_path=_log_path(self.config),
+                executor=executor,
+                sync=self.config.sync,
+                sync_interval_s=self.config.sync_interval_s,
             )
         return self._engine
 

@@ -15,18 +15,28 @@ from kvlog.log.format import (
     Recovery,
 )
 from kvlog.log.reader import LogReader, read_header, read_log
-from kvlog.log.writer import SYNC_MODES, LogWriter, SyncMode
+from kvlog.log.writer import (
+    DEFAULT_SYNC_INTERVAL_S,
+    SYNC_INTERVAL_BOUNDS,
+    SYNC_MODES,
+    LogWriter,
+    SyncMode,
+    check_sync_interval,
+)
 
 __all__ = [
+    "DEFAULT_SYNC_INTERVAL_S",
     "FORMAT_VERSION",
     "MAGIC",
     "MAX_RECORD_BYTES",
+    "SYNC_INTERVAL_BOUNDS",
     "SYNC_MODES",
     "LogHeader",
     "LogReader",
     "LogWriter",
     "Recovery",
     "SyncMode",
+    "check_sync_interval",
     "read_header",
     "read_log",
 ]

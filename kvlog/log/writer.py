@@ -103,12 +103,21 @@ try:
 except ImportError:  # pragma: no cover - not POSIX
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["SYNC_MODES", "LogWriter", "SyncMode"]
+__all__ = [
+    "DEFAULT_SYNC_INTERVAL_S",
+    "SYNC_INTERVAL_BOUNDS",
+    "SYNC_MODES",
+    "LogWriter",
+    "SyncMode",
+    "check_sync_interval",
+]
 
 SyncMode = Literal["none", "step", "always", "background"]
 SYNC_MODES: tuple[str, ...] = ("none", "step", "always", "background")
 SYNC_INTERVAL_BOUNDS = (1e-4, 60.0)
 """``sync_interval_s`` must lie in this closed range (seconds)."""
+DEFAULT_SYNC_INTERVAL_S = 0.005
+"""The background flusher's default group-commit interval (the durability lag's bound)."""
 _RECORD_TYPES = frozenset(typing.get_args(Record))
 _STEP_TYPES = STEP_EVENTS
 """Records that end a scheduler step: ``sync="step"`` and ``"background"`` write the group
@@ -134,7 +143,7 @@ class LogWriter:
         buffer_bytes: int = 1 << 20,
         file_id: int | None = None,
         new: bool = False,
-        sync_interval_s: float = 0.005,
+        sync_interval_s: float = DEFAULT_SYNC_INTERVAL_S,
     ) -> None:
         if sync not in SYNC_MODES:
             raise ConfigError("sync", sync, f"one of {SYNC_MODES}")
@@ -460,6 +469,12 @@ def _encode_frame(record: LogRecord, buffer: bytearray, start: int, seq: int, se
         with memoryview(buffer)[start + 4 :] as checked:
             crc = _crc32c.crc32c(checked, seed)
     _CRC.pack_into(buffer, start, crc)
+
+
+def check_sync_interval(value: object) -> None:
+    """``ConfigError`` unless ``value`` is a finite number of seconds within
+    ``SYNC_INTERVAL_BOUNDS``."""
+    _check_interval(value)
 
 
 def _check_interval(value: object) -> None:

@@ -22,6 +22,7 @@ from collections.abc import Iterator, Sequence
 from types import FrameType
 from typing import Any, TextIO
 
+from kvlog import __version__
 from kvlog.cli_sweep import (
     add_parallel_flags,
     add_policy_flags,
@@ -37,8 +38,8 @@ from kvlog.cli_sweep import (
     trace_geometry,
 )
 from kvlog.errors import ConfigError, KvlogError, LogExists, MissingExtra
-from kvlog.events import DEFAULT_PAD_SIZES, Checkpoint, Event, to_dict
-from kvlog.log import LogReader
+from kvlog.events import DEFAULT_PAD_SIZES, SCHEMA_VERSION, Checkpoint, Event, to_dict
+from kvlog.log import FORMAT_VERSION, LogReader
 from kvlog.replay import ReplayResult, replay
 from kvlog.report import Series, report_path, write_report
 from kvlog.sweep import format_bytes
@@ -170,6 +171,11 @@ def _add_demo(sub: Any) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvlog", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"kvlog {__version__} (log schema {SCHEMA_VERSION}, format {FORMAT_VERSION})",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     _add_synth(sub)
     _add_replay(sub)

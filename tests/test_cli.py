@@ -195,3 +195,10 @@ def test_console_script(log_path: str) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert [json.loads(line)["seq"] for line in done.stdout.splitlines()] == [0, 1, 2]
+
+
+def test_version_names_the_package_and_the_log_format(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == "kvlog 0.1.0 (log schema 1, format 1)"

@@ -6,7 +6,6 @@ the engine holds the logged state or refuses every call with ``EngineBroken``.""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import random
 import signal
@@ -14,9 +13,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from test_hardening_campaign import campaign  # fuzz/campaign.py, loaded once
 
 from kvlog import Engine, replay
 from kvlog.errors import EngineBroken
@@ -27,18 +26,6 @@ from kvlog.reducers import State
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 CONFIG = CacheConfigured(num_gpu_blocks=64, block_size=16, page_size_bytes=4096)
-
-
-def _load_campaign() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("kvlog_campaign", ROOT / "fuzz" / "campaign.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-campaign = _load_campaign()
 
 
 @pytest.fixture(scope="module")

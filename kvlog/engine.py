@@ -109,7 +109,7 @@ from kvlog.replay import checkpoint_digest, replay_state
 if TYPE_CHECKING:
     from kvlog.executors import Executor, TransferCompletion
 
-__all__ = ["Engine", "available_memory", "check_state_memory", "state_bytes"]
+__all__ = ["Engine", "available_memory", "block_table_row", "check_state_memory", "state_bytes"]
 
 _EVENT_TYPES = frozenset(typing.get_args(Event))
 _STEP_TYPES = STEP_EVENTS
@@ -340,7 +340,7 @@ class Engine:
             return self._resolve_rows(block_tables)
 
     def _resolve_rows(self, block_tables: Any) -> list[list[int]]:
-        rows = [_table_row(row) for row in block_tables]
+        rows = [block_table_row(row) for row in block_tables]
         if not rows:
             return []
         if any(row.ndim != 1 for row in rows):
@@ -639,7 +639,7 @@ def _configured(config: CacheConfigured) -> tuple[CacheConfigured, reducers.Stat
     return config, state
 
 
-def _table_row(row: Any) -> np.ndarray:
+def block_table_row(row: Any) -> np.ndarray:
     """One row of a list of block tables as int64 ids, checked: integers only (no floats,
     bools or strings cast on the way), each within int64."""
     try:

@@ -23,7 +23,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from kvlog.engine import Engine
+from kvlog.engine import Engine, block_table_row
 from kvlog.errors import BlockInUse, BlockOutOfRange, ConfigError, InvalidEvent
 from kvlog.events import DEFAULT_PAD_SIZES, StepScheduled, SwapPlan
 from kvlog.executors import Executor
@@ -60,28 +60,22 @@ def _ids(blocks: Iterable[Any]) -> list[int]:
 
 
 def _table_ids(table: Any) -> np.ndarray:
-    """One block table as an int64 array, checked as ``Engine.resolve_all`` checks rows:
-    integers only (no float, bool or string cast on the way)."""
+    """One block table as an int64 array, checked by ``Engine.resolve_all``'s row rule
+    (``block_table_row``: integers only, no float, bool or string cast on the way), and
+    one-dimensional."""
     if isinstance(table, torch.Tensor):
         table = table.cpu().numpy()
-    try:
-        array = np.asarray(table)
-    except (TypeError, ValueError) as exc:
-        raise BlockOutOfRange(f"block tables must hold int64 block ids: {exc}") from exc
-    if array.size == 0:
-        return array.astype(np.int64).reshape(0)
-    if array.ndim != 1 or array.dtype.kind not in "iu":
-        raise BlockOutOfRange(
-            f"a block table must be a 1-D list of int ids, not {array.dtype} of shape {array.shape}"
-        )
-    if array.dtype == np.uint64 and int(array.max()) > np.iinfo(np.int64).max:
-        raise BlockOutOfRange(f"block id {int(array.max())} is outside int64")
-    return array.astype(np.int64)
+    ids = block_table_row(table)
+    if ids.size == 0:
+        return ids.reshape(0)
+    if ids.ndim != 1:
+        raise BlockOutOfRange(f"a block table must be a 1-D list of int ids, not {ids.shape}")
+    return ids
 
 
 def _allocations(new_blocks: Mapping[str, Sequence[int]]) -> dict[str, list[int]]:
-    """The runner's ``new_blocks`` as request id -> plain block ids (lists of ints pass as
-    they are: no copy, no cast)."""
+    """The runner's ``new_blocks`` as request id -> plain block ids (``_ids``: new lists,
+    never cast)."""
     return {r if type(r) is str else str(r): _ids(b) for r, b in new_blocks.items()}
 
 

@@ -78,9 +78,8 @@ __all__ = [
     "pad_bucket",
     "pair_up",
     "release",
-    "release_request",
-    "release_requests",
     "quarantine_freed",
+    "release_request",
 ]
 
 
@@ -227,27 +226,7 @@ def release_request(state: State, req_id: str) -> None:
         return
     freed = state.drop_logical(table)
     if len(freed):
-        _quarantine(state, freed if isinstance(freed, list) else freed.tolist())
-
-
-def release_requests(state: State, req_ids: list[str]) -> None:
-    """``release_request`` of several requests (distinct, each holding a table), their
-    blocks dropped in one pass."""
-    if len(req_ids) == 1:
-        release_request(state, req_ids[0])
-        return
-    pop = state.pop_table
-    freed = state.drop_tables([pop(req_id) or [] for req_id in req_ids])
-    assert state.config is not None, "reduce() dispatches only configured states here"
-    if len(freed) and state.config.quarantine_released:
-        state.quarantine(freed.tolist())
-
-
-def quarantine_freed(state: State, freed: IdArray) -> None:
-    """With ``quarantine_released``, ``freed`` blocks are no destination until StepEnded."""
-    assert state.config is not None, "reduce() dispatches only configured states here"
-    if state.config.quarantine_released:
-        state.quarantine(freed.tolist())
+        quarantine_freed(state, freed)
 
 
 def check_release_blocks(state: State, event: BlocksReleased) -> list[int]:
@@ -276,15 +255,15 @@ def apply_release_blocks(state: State, event: BlocksReleased, physical: list[int
         else:
             kept.append(b)
     state.replace_table(event.req_id, kept)
-    _quarantine(state, state.drop_refs(physical))
+    quarantine_freed(state, state.drop_refs(physical))
     return []
 
 
-def _quarantine(state: State, freed: list[int]) -> None:
+def quarantine_freed(state: State, freed: IdArray | list[int]) -> None:
     """With ``quarantine_released``, blocks freed now are no destination until StepEnded."""
     assert state.config is not None, "reduce() dispatches only configured states here"
-    if state.config.quarantine_released and freed:
-        state.quarantine(freed)
+    if state.config.quarantine_released and len(freed):
+        state.quarantine(freed if isinstance(freed, list) else freed.tolist())
 
 
 def end_step(state: State, event: StepEnded) -> list[Plan]:

@@ -44,7 +44,6 @@ __all__ = [
     "step_allocation",
     "step_commit",
     "table_terms",
-    "tables_terms",
 ]
 
 GOLDEN = 0x9E3779B97F4A7C15
@@ -381,7 +380,6 @@ _mix = _inline(_mix)
 _fwd_term = _inline(_fwd_term)
 table_terms = _jit(_table_terms)
 _table_terms = _inline(_table_terms)
-tables_terms = _jit(_tables_terms)
 _tables_terms_inline = _inline(_tables_terms)
 _add_member = _inline(_add_member)
 _remove_member = _inline(_remove_member)
@@ -421,7 +419,6 @@ def load() -> None:
     allocation(blocks, blocks, blocks, blocks, none, False, ids)
     step_allocation(blocks, blocks, blocks, blocks, none, ids)
     table_terms(np.uint64(GOLDEN), 0, none)
-    tables_terms(words[:0], none, none, none, words[:0])
     step_commit(
         words, words, words, blocks, blocks, none, none, words[:0], none, none, none, ids, words[:0]
     )

@@ -177,36 +177,12 @@ class RunningDigest:
         entry[1] = (entry[1] + delta) & MASK
         self.tables = (self.tables + delta) & MASK
 
-    def tables_extended(
-        self, entries: list[list[int]], starts: list[int], counts: list[int], block_ids: Any
-    ) -> None:
-        """Several tables extended at once (``State.extend_tables``): table ``i``'s entry
-        (``per_request``'s ``[key, sum]``) got the next ``counts[i]`` of ``block_ids`` at
-        position ``starts[i]``; hashed in one compiled call."""
-        n = len(entries)
-        keys = np.fromiter((entry[0] for entry in entries), np.uint64, n)
-        sums = np.empty(n, dtype=np.uint64)
-        total = kernels.tables_terms(
-            keys, np.array(starts, dtype=np.int64), np.array(counts, dtype=np.int64),
-            block_ids, sums,
-        )  # fmt: skip
-        for entry, term in zip(entries, sums.tolist(), strict=True):
-            entry[1] = (entry[1] + term) & MASK
-        self.tables = (self.tables + int(total)) & MASK
-
     def tables_changed(self, entries: list[list[int]], sums: Any, delta: int) -> None:
         """``State.commit_step`` hashed ``sums[i]`` into ``entries[i]`` (``per_request``'s
         ``[key, sum]``) and changed the tables' sum by ``delta`` in all."""
         for entry, term in zip(entries, sums.tolist(), strict=True):
             entry[1] = (entry[1] + term) & MASK
         self.tables = (self.tables + delta) & MASK
-
-    def entry(self, req_id: str) -> list[int]:
-        """``per_request[req_id]``, created (hash of the id, empty sum) if missing."""
-        entry = self.per_request.get(req_id)
-        if entry is None:
-            entry = self.per_request[req_id] = [request_key(req_id), 0]
-        return entry
 
     def table_removed(self, req_id: str) -> None:
         entry = self.per_request.pop(req_id, None)

@@ -187,24 +187,6 @@ class State:
             self.running.table_extended(req_id, len(table), block_ids)
             table.extend(block_ids)
 
-    def extend_tables(self, extensions: list[tuple[str, list[int]]], block_ids: IdArray) -> None:
-        """``extend_table`` of several requests at once (each request once, each list
-        non-empty); ``block_ids``: all of their ids, concatenated in order, as int64. The
-        running digest hashes them in one compiled call."""
-        tables, running_digest = self.tables, self.running
-        entries, starts, counts = [], [], []
-        for req_id, ids in extensions:
-            table = tables.get(req_id)
-            if table is None:
-                tables[req_id] = list(ids)
-                starts.append(0)
-            else:
-                starts.append(len(table))
-                table.extend(ids)
-            entries.append(running_digest.entry(req_id))
-            counts.append(len(ids))
-        running_digest.tables_extended(entries, starts, counts, block_ids)
-
     def commit_step(
         self,
         releases: list[str],
@@ -355,21 +337,6 @@ class State:
         used, count = self.used, len(block_ids)
         freed = np.empty(count, dtype=np.int64)
         logical = np.fromiter(block_ids, np.int64, count)
-        count = kernels.drop_refs(
-            used.words, used.nonempty, used.notfull, self.refs, self.fwd, logical, freed
-        )
-        used.count -= count
-        if count:
-            self._refresh_max_used()
-        return freed[:count]
-
-    def drop_tables(self, tables: list[list[int]]) -> IdArray:
-        """``drop_logical`` of several tables at once, in one compiled pass (the blocks
-        this freed)."""
-        count = sum(map(len, tables))
-        logical = np.fromiter(itertools.chain.from_iterable(tables), np.int64, count)
-        freed = np.empty(count, dtype=np.int64)
-        used = self.used
         count = kernels.drop_refs(
             used.words, used.nonempty, used.notfull, self.refs, self.fwd, logical, freed
         )

@@ -52,13 +52,15 @@ configuration that cannot be loaded back.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import typing
 from collections.abc import Callable, Iterable
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, overload
+from typing import TYPE_CHECKING, Any, Literal, overload
 
+import msgspec
 import numpy as np
 
 from kvlog import reducers
@@ -90,11 +92,18 @@ from kvlog.log import (
     MAX_RECORD_BYTES,
     SYNC_MODES,
     LogReader,
+    LogStatus,
     LogWriter,
     Recovery,
+    SegmentedWriter,
     SyncMode,
     check_sync_interval,
+    detach_writer,
+    is_log_directory,
+    list_segments,
 )
+from kvlog.log.detach import error_errno
+from kvlog.log.segments import DEFAULT_SEGMENT_BYTES, MIN_SEGMENT_BYTES
 from kvlog.machine import Machine
 from kvlog.memory import (
     available_memory,
@@ -109,7 +118,34 @@ from kvlog.replay import checkpoint_digest, replay_state
 if TYPE_CHECKING:
     from kvlog.executors import Executor, TransferCompletion
 
-__all__ = ["Engine", "available_memory", "block_table_row", "check_state_memory", "state_bytes"]
+__all__ = [
+    "Engine",
+    "LogOptions",
+    "OnLogError",
+    "available_memory",
+    "block_table_row",
+    "check_state_memory",
+    "state_bytes",
+]
+
+OnLogError = Literal["raise", "detach"]
+_logger = logging.getLogger("kvlog")
+Writer: typing.TypeAlias = "LogWriter | SegmentedWriter"
+
+
+class LogOptions(typing.NamedTuple):
+    """How the Engine's log is kept beyond ``sync``: segments for a log directory
+    (``segment_bytes``, ``retain_bytes``, ``retain_seconds``, ``compress``; see
+    ``kvlog.log.segments``) and what an I/O error does (``on_log_error``: ``"raise"``,
+    ``LogPoisoned`` out of the call; ``"detach"``, the recorder detaches and the engine goes
+    on in memory, see ``Engine.log_status``)."""
+
+    segment_bytes: int | None = None
+    retain_bytes: int | None = None
+    retain_seconds: float | None = None
+    compress: bool = False
+    on_log_error: OnLogError = "raise"
+
 
 _EVENT_TYPES = frozenset(typing.get_args(Event))
 _STEP_TYPES = STEP_EVENTS
@@ -138,11 +174,20 @@ class Engine:
         *,
         meta: dict[str, str] | None = None,
         sync_interval_s: float = DEFAULT_SYNC_INTERVAL_S,
+        segment_bytes: int | None = None,
+        retain_bytes: int | None = None,
+        retain_seconds: float | None = None,
+        compress: bool = False,
+        on_log_error: OnLogError = "raise",
         _state: reducers.State | None = None,
         _last_event_seq: int = -1,
-        _writer: LogWriter | None = None,
+        _writer: Writer | None = None,
     ) -> None:
-        self._log: LogWriter | None = _writer
+        self._log: Writer | None = _writer
+        self._options = LogOptions(
+            segment_bytes, retain_bytes, retain_seconds, compress, on_log_error
+        )
+        self._status = LogStatus(None if _writer is None else _writer.path, _writer is not None)
         self._closed = False
         self._busy: str | None = None
         """The call between its first log append and the end of its change, else None:
@@ -151,13 +196,15 @@ class Engine:
         try:
             _check_arguments(sync, checkpoint_every, snapshot_every)
             check_sync_interval(sync_interval_s)
+            _check_log_options(self._options, log_path)
             if _state is None:
                 config, _state = _configured(config)
             self._init(_state, executor, checkpoint_every, snapshot_every, _last_event_seq)
             if _writer is None and log_path is not None:
-                self._log = LogWriter(
-                    log_path, sync=sync, meta=meta, new=True, sync_interval_s=sync_interval_s
+                self._log = _open_writer(
+                    log_path, sync, sync_interval_s, self._options, meta=meta, new=True
                 )
+                self._status = LogStatus(self._log.path, True)
             self._record: Callable[[Event], object] = (
                 _check_record_size if self._log is None else self._log.append
             )
@@ -256,9 +303,13 @@ class Engine:
         self._busy = "apply"  # from here a raise leaves the engine broken
         try:
             self._record(checked.event)
-        except (RecordRejected, LogPoisoned):  # nothing logged, or a poisoned log: the
-            self._busy = outer  # state is that of every event appended before (docstring)
+        except RecordRejected:  # nothing logged
+            self._busy = outer
             raise
+        except LogPoisoned as exc:  # a poisoned log: the state is that of every event
+            self._busy = outer  # appended before (docstring), unless the recorder detaches
+            self._log_failed(exc)
+            self._busy = "apply"
         plans = machine.commit(checked)
         if self._log is not None:
             self._last_seq = self._log.next_seq - 1  # the event just appended
@@ -267,7 +318,49 @@ class Engine:
             self._num_steps += 1
             if self.checkpoint_every and self._num_steps % self.checkpoint_every == 0:
                 self._checkpoint()
+            if isinstance(self._log, SegmentedWriter) and self._log.rotation_due:
+                self._rotate()
         return plans
+
+    def _rotate(self) -> None:
+        """Seal the full segment; the next one starts with a checkpoint and a snapshot."""
+        assert isinstance(self._log, SegmentedWriter), "only a log directory rotates"
+        try:
+            self._log.seal()
+        except LogPoisoned as exc:
+            self._log_failed(exc)
+            return
+        self._checkpoint(force_snapshot=True)
+
+    def _log_failed(self, exc: LogPoisoned) -> None:
+        """An I/O error on the log: raise it (``on_log_error="raise"``), or detach the
+        recorder and go on in memory (``"detach"``): said once on the ``kvlog`` logger,
+        counted in ``log_status()``, the log ended with a gap record where the disk allows."""
+        log = self._log
+        if self._options.on_log_error != "detach" or log is None:
+            raise exc
+        self._log = None
+        self._record = _check_record_size
+        marked = detach_writer(log, exc)
+        self._status = LogStatus(
+            log.path, False, str(exc), error_errno(exc), 1, marked, self._last_seq
+        )
+        _logger.error(
+            "kvlog: the log %s failed (%s): the recorder detached after seq %d, serving and "
+            "the books go on in memory%s",
+            log.path,
+            exc,
+            self._last_seq,
+            "; the log ends with a gap record" if marked else "; no gap record could be written",
+        )
+
+    def log_status(self) -> LogStatus:
+        """Where the recorder stands: attached, or detached after which I/O error."""
+        with self._lock:
+            status = self._status
+            if self._log is not None:
+                status = msgspec.structs.replace(status, last_seq=self._last_seq)
+            return status
 
     def check(self, event: Event) -> None:
         """Raise what ``apply(event)`` would raise against the state as it is now (a
@@ -406,6 +499,7 @@ class Engine:
         snapshot_every: int | None = None,
         *,
         sync_interval_s: float = DEFAULT_SYNC_INTERVAL_S,
+        log_options: LogOptions | None = None,
     ) -> Engine:
         """An engine continuing from ``snapshot()`` bytes.
 
@@ -425,7 +519,12 @@ class Engine:
         check_state_memory(state.config, resident=True)
         writer = None
         try:  # opened inside: an interrupt anywhere leaves no descriptor or lock behind
-            writer = None if log_path is None else _open_existing(log_path, sync, sync_interval_s)
+            options = log_options or LogOptions()
+            writer = (
+                None
+                if log_path is None
+                else _open_existing(log_path, sync, sync_interval_s, options)
+            )
             last = -1 if writer is None else _last_event_seq(writer.path)
             if writer is not None and last < 0:
                 raise LogNotFound(
@@ -436,7 +535,7 @@ class Engine:
             if writer is not None:
                 _check_snapshot_of(writer.path, state, last)
             return cls._continued(
-                state, last, writer, executor, sync, checkpoint_every, snapshot_every
+                state, last, writer, executor, sync, checkpoint_every, snapshot_every, options
             )
         except BaseException:
             if writer is not None:
@@ -453,6 +552,7 @@ class Engine:
         snapshot_every: int | None = None,
         *,
         sync_interval_s: float = DEFAULT_SYNC_INTERVAL_S,
+        log_options: LogOptions | None = None,
     ) -> Engine:
         """Reopen an existing log (a torn tail is cut, and reported on ``.recovery``) and
         continue it where it ends.
@@ -460,17 +560,20 @@ class Engine:
         The log is locked first, then the state is rebuilt by a verified replay from the
         log's latest snapshot. Transfers that were in flight when the log ended are still in
         flight: the caller decides (``apply(TransferFinished(job_id, success=False))`` when
-        their data is gone).
+        their data is gone). A log directory's latest snapshot is found from its manifest,
+        in O(segments): only the segment it lies in is read. ``log_options``: segments,
+        retention and ``on_log_error`` (``LogOptions``) for the continued log.
         """
         _check_arguments(sync, checkpoint_every, snapshot_every)
         writer = None
         try:  # opened inside: an interrupt anywhere leaves no descriptor or lock behind
-            writer = _open_existing(log_path, sync, sync_interval_s)
+            options = log_options or LogOptions()
+            writer = _open_existing(log_path, sync, sync_interval_s, options)
             state, last = replay_state(writer.path)
             if state.config is None:
                 raise LogNotFound(2, f"{writer.path} holds no events to resume")
             return cls._continued(
-                state, last, writer, executor, sync, checkpoint_every, snapshot_every
+                state, last, writer, executor, sync, checkpoint_every, snapshot_every, options
             )
         except BaseException:
             if writer is not None:
@@ -482,11 +585,12 @@ class Engine:
         cls,
         state: reducers.State,
         last: int,
-        writer: LogWriter | None,
+        writer: Writer | None,
         executor: Executor | None,
         sync: SyncMode,
         checkpoint_every: int,
         snapshot_every: int | None,
+        options: LogOptions,
     ) -> Engine:
         """An engine over a rebuilt state, continuing ``writer``'s log (if any)."""
         assert state.config is not None, "only a configured state continues"
@@ -497,6 +601,11 @@ class Engine:
             sync,
             checkpoint_every,
             snapshot_every,
+            segment_bytes=options.segment_bytes,
+            retain_bytes=options.retain_bytes,
+            retain_seconds=options.retain_seconds,
+            compress=options.compress,
+            on_log_error=options.on_log_error,
             _state=state,
             _last_event_seq=last,
             _writer=writer,
@@ -525,9 +634,9 @@ class Engine:
         outer, self._busy = self._busy, "checkpoint"
         try:
             self._log.append(record)
-        except LogPoisoned:  # the state is still that of every event logged before
+        except LogPoisoned as exc:  # the state is still that of every event logged before
             self._busy = outer
-            raise
+            self._log_failed(exc)
         except BaseException:
             self._broken = True  # cut short: appending after it is the writer's guess
             raise
@@ -561,14 +670,35 @@ class Engine:
                     self._log.close()  # idempotent: finishes a close that was cut short
                 return
             try:
+                detaching = self._options.on_log_error == "detach"
+                if detaching and self._log is not None and self._log.poisoned:
+                    self._poisoned()
                 if self._busy is None and (self._log is None or not self._log.poisoned):
                     if self.executor is not None:
                         self.wait()
                     self._checkpoint(force_snapshot=True)
             finally:
                 self._closed = True
-                if self._log is not None:
-                    self._log.close()
+                self._close_log()
+
+    def _close_log(self) -> None:
+        if self._log is None:
+            return
+        try:
+            self._log.close()
+        except LogPoisoned as exc:  # a detaching engine ends the log with its gap
+            self._log_failed(exc)
+
+    def _poisoned(self) -> None:
+        """The log was poisoned outside a call (the background flusher's fsync failed):
+        ``LogPoisoned``, or the recorder detaches."""
+        assert self._log is not None, "only a log is poisoned"
+        try:
+            self._log.flush()
+        except LogPoisoned as exc:
+            self._log_failed(exc)
+            return
+        raise AssertionError("a poisoned writer flushed: writer bug")
 
     @property
     def closed(self) -> bool:
@@ -583,7 +713,10 @@ class Engine:
         if self._closed:
             raise LogClosed("the engine is closed")
         if self._log is not None and self._log.poisoned:
-            raise LogPoisoned(f"{self._log.path}: an earlier append failed; the engine stopped")
+            if self._options.on_log_error == "detach":
+                self._poisoned()
+            else:
+                raise LogPoisoned(f"{self._log.path}: an earlier append failed; the engine stopped")
         if self._busy is not None:  # a call cut short (this is no call's own re-entry)
             self._broken = True
         self._check_sound()
@@ -694,13 +827,70 @@ def _size_bound(event: Event) -> int:
 
 
 def _open_existing(
-    path: str | os.PathLike[str], sync: SyncMode, sync_interval_s: float = DEFAULT_SYNC_INTERVAL_S
-) -> LogWriter:
+    path: str | os.PathLike[str],
+    sync: SyncMode,
+    sync_interval_s: float = DEFAULT_SYNC_INTERVAL_S,
+    options: LogOptions | None = None,
+) -> Writer:
     """The writer of a log that must exist already (``LogNotFound`` otherwise; nothing is
     created). Opening locks it and cuts a torn tail."""
     if not os.path.lexists(path) or (os.path.isfile(path) and os.path.getsize(path) == 0):
         raise LogNotFound(2, f"{os.fspath(path)}: no log to continue")
-    return LogWriter(path, sync=sync, sync_interval_s=sync_interval_s)
+    options = options or LogOptions()
+    _check_log_options(options, path)
+    if os.path.isdir(path) and not list_segments(os.fspath(path)):
+        raise LogNotFound(2, f"{os.fspath(path)}: a directory with no log segments to continue")
+    return _open_writer(path, sync, sync_interval_s, options, meta=None, new=False)
+
+
+def _open_writer(
+    path: str | os.PathLike[str],
+    sync: SyncMode,
+    sync_interval_s: float,
+    options: LogOptions,
+    *,
+    meta: dict[str, str] | None,
+    new: bool,
+) -> Writer:
+    """A ``SegmentedWriter`` for a log directory (or a path ending in ``/``), else a
+    ``LogWriter``."""
+    if not is_log_directory(path):
+        return LogWriter(path, sync=sync, meta=meta, new=new, sync_interval_s=sync_interval_s)
+    return SegmentedWriter(
+        path,
+        sync,
+        meta=meta,
+        new=new,
+        sync_interval_s=sync_interval_s,
+        segment_bytes=options.segment_bytes or DEFAULT_SEGMENT_BYTES,
+        retain_bytes=options.retain_bytes,
+        retain_seconds=options.retain_seconds,
+        compress=options.compress,
+    )
+
+
+def _check_log_options(options: LogOptions, path: str | os.PathLike[str] | None) -> None:
+    """``ConfigError`` for a bad option, or a segment option for a log that is one file."""
+    if options.on_log_error not in ("raise", "detach"):
+        raise ConfigError("on_log_error", options.on_log_error, "'raise' or 'detach'")
+    if type(options.compress) is not bool:
+        raise ConfigError("compress", options.compress, "a bool")
+    bounds = [("segment_bytes", options.segment_bytes, MIN_SEGMENT_BYTES)]
+    bounds += [("retain_bytes", options.retain_bytes, 0)]
+    for name, value, low in bounds:
+        if value is not None and (type(value) is not int or value < low):
+            raise ConfigError(name, value, f"an int >= {low} (bytes)")
+    seconds = options.retain_seconds
+    if seconds is not None and (type(seconds) not in (int, float) or not seconds >= 0):
+        raise ConfigError("retain_seconds", seconds, "a number of seconds >= 0")
+    segmented = options.segment_bytes, options.retain_bytes, seconds, options.compress or None
+    if path is not None and not is_log_directory(path) and any(v is not None for v in segmented):
+        raise ConfigError(
+            "log_path",
+            os.fspath(path),
+            "a log directory (an existing directory or a path ending in '/') for segment, "
+            "retention and compression options",
+        )
 
 
 def _check_snapshot_of(path: str, state: reducers.State, last: int) -> None:

@@ -46,7 +46,7 @@ from kvlog.events import (
     TransferFinished,
     to_dict,
 )
-from kvlog.log import LogReader
+from kvlog.log import LogReader, first_snapshot, latest_snapshot
 from kvlog.machine import Machine, Observer
 from kvlog.memory import check_state_memory
 from kvlog.reducers import running
@@ -172,6 +172,10 @@ class ReplayResult:
     canary: CanaryReport | None = None
     tail: str = ""
     elapsed_s: float = 0.0
+    gaps: list[str] = field(default_factory=list)
+    """Where the recorder detached after an I/O error (``LogDetached`` records)."""
+    salvaged: str = ""
+    """With ``salvage``: where and why the intact prefix ended ('' when the log is whole)."""
 
     @property
     def ok(self) -> bool:
@@ -285,12 +289,8 @@ def _latest_snapshot(
     path: str, skip: frozenset[int] = frozenset()
 ) -> tuple[int, Checkpoint | None]:
     """Sequence number and record of the last checkpoint that carries a snapshot (but
-    those at a sequence number in ``skip``)."""
-    found: tuple[int, Checkpoint | None] = (-1, None)
-    for seq, record in LogReader(path).records():
-        if type(record) is Checkpoint and record.snapshot and seq not in skip:
-            found = (seq, record)
-    return found
+    those at a sequence number in ``skip``): ``kvlog.log.latest_snapshot``."""
+    return latest_snapshot(path, skip)
 
 
 def replay_state(path: str | os.PathLike[str]) -> tuple[reducers.State, int]:
@@ -327,6 +327,7 @@ def replay(
     from_snapshot: bool = False,
     series: bool = True,
     progress: Progress | None = None,
+    salvage: bool = False,
     **policy_overrides: Any,
 ) -> ReplayResult:
     """Re-run the log at ``path``; see the module docstring.
@@ -335,7 +336,9 @@ def replay(
     re-run of that log. ``execute``: apply the plans to canary-filled CPU tensors
     (``backend`` "cpu" or "fake") and check every live block at the end. ``from_snapshot``:
     start from the latest checkpoint snapshot (only for plain verification).
-    ``policy_overrides``: ``CacheConfigured`` fields for a what-if run.
+    ``salvage``: replay the intact prefix of a damaged log (``result.salvaged`` says where
+    and why it stops). ``policy_overrides``: ``CacheConfigured`` fields for a what-if run.
+    A log directory whose oldest segments are gone starts at its first snapshot.
     """
     _check_overrides(policy_overrides)
     if from_snapshot and (policy_overrides or against is not None or execute):
@@ -352,6 +355,7 @@ def replay(
         series=series,
         progress=progress,
         overrides=policy_overrides,
+        salvage=salvage,
     )
     return result
 
@@ -368,8 +372,10 @@ def _replay(
     progress: Progress | None = None,
     overrides: dict[str, Any] | None = None,
     skip_snapshots: frozenset[int] = frozenset(),
+    salvage: bool = False,
 ) -> tuple[ReplayResult, reducers.State]:
     replayer = _Replayer(path, verify, overrides or {}, against, execute, backend, series, progress)
+    replayer.reader.salvage = salvage
     replayer.skip_snapshots = skip_snapshots
     started = time.perf_counter()
     replayer.run(from_snapshot)
@@ -434,10 +440,15 @@ class _Replayer:
             effective.machine.executor = self.executor
             effective.machine.observers += [_FinishedInLog(self.executor), self.tracker]
 
-    def _start_from_snapshot(self) -> int:
-        seq, checkpoint = _latest_snapshot(self.reader.path, self.skip_snapshots)
+    def _start_from_snapshot(self, first: bool = False) -> int:
+        """Start from the latest snapshot (or the first record, a snapshot, of a log
+        whose start retention removed: ``first``); the sequence number to go on from."""
+        if first:
+            seq, checkpoint = first_snapshot(self.reader.path)
+        else:
+            seq, checkpoint = _latest_snapshot(self.reader.path, self.skip_snapshots)
         if checkpoint is None:
-            return 0
+            return self.reader.first_seq
         self.start_snapshot = seq
         try:
             state = reducers.restore(checkpoint.snapshot)
@@ -462,7 +473,10 @@ class _Replayer:
 
     # -- the loop ------------------------------------------------------------------------
     def run(self, from_snapshot: bool) -> None:
-        start = self._start_from_snapshot() if from_snapshot else 0
+        retained = self.reader.first_seq > 0  # a log directory without its oldest segments
+        start = (
+            self._start_from_snapshot(first=not from_snapshot) if from_snapshot or retained else 0
+        )
         self.result.start_seq = start
         done_bytes = 0
         counts: collections.Counter[type] = collections.Counter()
@@ -488,6 +502,12 @@ class _Replayer:
         self.result.last_event_seq = self.last_event_seq
         if self.reader.tail is not None:
             self.result.tail = str(self.reader.tail)
+        self.result.gaps = [
+            f"the recorder detached after seq {seq - 1}: {gap.error}"
+            for seq, gap in self.reader.gaps
+        ]
+        if self.reader.stopped is not None:
+            self.result.salvaged = str(self.reader.stopped)
         if self.other is not None and not self.stopped:
             self.other.at_end(self)
 

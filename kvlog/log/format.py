@@ -29,6 +29,12 @@ except for the new record kind):
   ``SNAPSHOT_PART_BYTES`` is written as ``count`` parts (``index`` 0..count-1, in order)
   followed at once by the ``Checkpoint`` with an empty snapshot; readers join them back.
   Parts without their checkpoint at the end of a log not closed cleanly are a torn tail.
+- ``LogDetached``, a log-internal record: the recorder stopped here after an I/O error
+  (``error``, ``errno``); records the writer had buffered or written after the last one
+  before it may be missing (a gap). Readers skip it and report it (``LogReader.gaps``).
+- A segment of a log directory (``kvlog.log.segments``) is a log file whose header
+  ``meta`` holds ``SEQ_BASE_KEY``: the sequence number of its first record in the whole
+  log. Its frames still number from 0; readers add the base to what they yield.
 """
 
 from __future__ import annotations
@@ -55,10 +61,13 @@ __all__ = [
     "MAX_HEADER_BODY_BYTES",
     "MAX_RECORD_BYTES",
     "SNAPSHOT_PART_BYTES",
+    "GAP",
     "HeaderRead",
     "END",
     "PART",
     "RECORD",
+    "SEQ_BASE_KEY",
+    "LogDetached",
     "LogEnd",
     "LogHeader",
     "LogRecord",
@@ -86,6 +95,8 @@ SNAPSHOT_PART_BYTES = 16 << 20
 FLAG_CLOSED = 0x0001
 """Header flag: the log was closed cleanly (see the module docstring)."""
 _KNOWN_FLAGS = FLAG_CLOSED
+SEQ_BASE_KEY = "kvlog.seq_base"
+"""Header ``meta`` key of a segment: the whole log's sequence number of its record 0."""
 FLAGS_OFFSET = 10
 """Byte offset of ``flags``; ``flags | body_len | crc`` (10 bytes) are rewritten in place."""
 
@@ -134,7 +145,16 @@ class LogEnd(msgspec.Struct, frozen=True, tag_field="type", tag=True):
     offset: int
 
 
-LogRecord = Union[Record, SnapshotPart, LogEnd]  # noqa: UP007 (Record is a runtime alias)
+class LogDetached(msgspec.Struct, frozen=True, tag_field="type", tag=True):
+    """A log-internal record: the recorder detached from this log after an I/O error
+    (``error`` as text, ``errno`` the OS's or 0); what was buffered or written after the
+    last record before this one may be missing. Written where the disk still allows."""
+
+    error: str
+    errno: int = 0
+
+
+LogRecord = Union[Record, SnapshotPart, LogEnd, LogDetached]  # noqa: UP007 (Record alias)
 """What a frame's payload decodes to."""
 _PART_ENCODED = msgspec.msgpack.encode(SnapshotPart(0, 1, b""))
 _PART_PREFIX = _PART_ENCODED[: _PART_ENCODED.index(msgspec.msgpack.encode("index"))]
@@ -148,19 +168,23 @@ _INTERNAL_TAGS = {
     _PART_PREFIX[_TAG_LENGTH_AT]: _PART_PREFIX,
     _END_PREFIX[_TAG_LENGTH_AT]: _END_PREFIX,
 }
-RECORD, PART, END = 0, 1, 2
+_GAP_ENCODED = msgspec.msgpack.encode(LogDetached(""))
+_GAP_PREFIX = _GAP_ENCODED[: _GAP_ENCODED.index(msgspec.msgpack.encode("error"))]
+_INTERNAL_TAGS[_GAP_PREFIX[_TAG_LENGTH_AT]] = _GAP_PREFIX
+assert len(_INTERNAL_TAGS) == 3, "internal record tags must differ in length"
+RECORD, PART, END, GAP = 0, 1, 2, 3
 """Frame kinds told by ``frame_kind``."""
 
 
 def frame_kind(payload: bytes | memoryview) -> int:
-    """``PART``, ``END`` or ``RECORD`` (an event or checkpoint), from the payload's tag
-    bytes, without decoding."""
+    """``PART``, ``END``, ``GAP`` or ``RECORD`` (an event or checkpoint), from the
+    payload's tag bytes, without decoding."""
     if len(payload) <= _TAG_LENGTH_AT:
         return RECORD
     prefix = _INTERNAL_TAGS.get(payload[_TAG_LENGTH_AT])
     if prefix is None or bytes(payload[: len(prefix)]) != prefix:
         return RECORD
-    return PART if prefix is _PART_PREFIX else END
+    return PART if prefix is _PART_PREFIX else END if prefix is _END_PREFIX else GAP
 
 
 def is_snapshot_part(payload: bytes | memoryview) -> bool:

@@ -6,6 +6,9 @@ exhausted. Damage followed by valid data, and any damage in a log closed cleanly
 ``CorruptLogError`` (see ``kvlog.log.scan`` for the rule). Starting at a sequence number
 still verifies the checksum of every record before it, but decodes none of them.
 
+A log is a file or a directory of segments (``kvlog.log.manifest``): a directory reads as
+its segments one after the other, with whole-log sequence numbers.
+
 Log-internal records are never yielded: ``SnapshotPart`` pieces are joined into the
 snapshot of the ``Checkpoint`` that follows them, and ``LogEnd`` (a clean close) is
 skipped, so sequence numbers of yielded records can have gaps.
@@ -21,11 +24,14 @@ from typing import BinaryIO
 
 import msgspec
 
-from kvlog.errors import CorruptLogError, LogNotFound
+from kvlog.errors import CorruptLogError, LogNotFound, SchemaVersionError
 from kvlog.events import Checkpoint, Record
 from kvlog.log.format import (
     FLAG_CLOSED,
     PART,
+    SEQ_BASE_KEY,
+    HeaderRead,
+    LogDetached,
     LogEnd,
     LogHeader,
     LogRecord,
@@ -35,6 +41,7 @@ from kvlog.log.format import (
     read_header_info,
     record_seed,
 )
+from kvlog.log.manifest import SegmentInfo, file_sha256, list_segments, open_segment
 from kvlog.log.scan import FrameScanner
 from kvlog.log.writer import check_kind, path_error
 
@@ -45,15 +52,34 @@ _decoder: msgspec.msgpack.Decoder[LogRecord] = msgspec.msgpack.Decoder(LogRecord
 
 
 class LogReader:
-    """A read-only view of one log file. The header is read (and checked) at once."""
+    """A read-only view of one log: a file, or a directory of segments (``kvlog.log.manifest``).
+    The header is read (and checked) at once: a directory's is its first segment's.
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    ``salvage=True``: damage that would raise ``CorruptLogError`` during ``records()`` ends
+    the iteration instead, after every intact record before it; ``stopped`` then holds the
+    error (where and why). ``gaps``: the ``LogDetached`` records met so far, as ``(seq,
+    record)``: the recorder stopped there after an I/O error."""
+
+    def __init__(self, path: str | os.PathLike[str], *, salvage: bool = False) -> None:
         self.path = os.fspath(path)
-        with _open(self.path) as file:
-            info = read_header_info(file, self.path)
+        self.salvage = salvage
+        self.stopped: CorruptLogError | None = None
+        self.gaps: list[tuple[int, LogDetached]] = []
+        self.segments: list[SegmentInfo] | None = None
+        """A directory's segments, oldest first (None for a single file)."""
+        if os.path.isdir(self.path):
+            self.segments = list_segments(self.path)
+            if not self.segments:
+                raise LogNotFound(errno.ENOENT, f"{self.path}: a directory with no log segments")
+            with open_segment(self.path, self.segments[0]) as first:
+                info = _header_info(first)
+            self.first_seq = self.segments[0].first_seq
+        else:
+            info = _header_info(self.path)
+            self.first_seq = _seq_base(info.header, self.path)
         self.header, self._data_offset, self.flags = info.header, info.data_offset, info.flags
         self.tail: Recovery | None = None
-        self.last_seq = -1
+        self.last_seq = self.first_seq - 1
         self.end_offset = self._data_offset
 
     @property
@@ -72,24 +98,114 @@ class LogReader:
         The file is read in 1 MiB chunks as the iteration goes; records appended while
         it runs are not seen. ``tail``, ``last_seq`` and ``end_offset`` are set when the
         iteration reaches the end. A checkpoint whose snapshot parts lie before
-        ``start_seq`` comes without its snapshot.
+        ``start_seq`` comes without its snapshot. In a directory, segments that end
+        before ``start_seq`` are not read at all.
         """
         if start_seq < 0:
             raise ValueError(f"start_seq must be >= 0, not {start_seq}")
+        try:
+            if self.segments is None:
+                yield from self._file_records(start_seq)
+            else:
+                yield from self._segment_records(start_seq)
+        except CorruptLogError as exc:
+            if not self.salvage or isinstance(exc, SchemaVersionError):
+                raise
+            self.stopped = exc
+            _logger.warning("%s: salvaged the intact prefix; stopped at: %s", self.path, exc)
+
+    def _file_records(self, start_seq: int) -> Iterator[tuple[int, Record]]:
+        base = self.first_seq
         with _open(self.path) as file:
             size = os.fstat(file.fileno()).st_size
             seed = record_seed(self.header.file_id)
             scanner = FrameScanner(
                 file, self.path, self._data_offset, size, seed, closed=self.closed_cleanly
             )
-            yield from _Assembler(self.path, scanner, start_seq).records()
-        self.tail, self.last_seq = scanner.tail, scanner.last_seq
+            assembler = _Assembler(self.path, scanner, max(start_seq - base, 0))
+            try:
+                for seq, record in assembler.records():
+                    yield seq + base, record
+            finally:
+                self.gaps += [(seq + base, gap) for seq, gap in assembler.gaps]
+                assembler.gaps.clear()
+        self.tail, self.last_seq = scanner.tail, scanner.last_seq + base
         self.end_offset = scanner.end_offset
         if scanner.tail is not None:
             _logger.warning("%s: torn tail (not modified): %s", self.path, scanner.tail)
 
+    def _segment_records(self, start_seq: int) -> Iterator[tuple[int, Record]]:
+        """Every segment's records in turn, each checked to go on where the one before it
+        ended (and a sealed one against its manifest entry)."""
+        assert self.segments is not None, "a directory reader has segments"
+        segments = self.segments
+        expected = segments[0].first_seq
+        for i, info in enumerate(segments):
+            following = segments[i + 1].first_seq if i + 1 < len(segments) else -1
+            if 0 <= following <= start_seq:
+                expected = following
+                continue
+            where = os.path.join(self.path, info.name)
+            if info.first_seq != expected:
+                raise CorruptLogError(
+                    f"segment {info.name} starts at sequence number {info.first_seq}, "
+                    f"but the log goes on at {expected}: a segment is missing",
+                    path=where,
+                    seq=expected,
+                )
+            with open_segment(self.path, info) as plain:
+                reader = self._segment_reader(info, where, plain)
+                try:
+                    yield from reader._file_records(start_seq)
+                finally:
+                    self.gaps += reader.gaps
+            self._check_sealed(info, reader, where)
+            self.tail, self.last_seq, self.flags = reader.tail, reader.last_seq, reader.flags
+            self.end_offset = reader.end_offset
+            expected = reader.last_seq + 1
+
+    def _segment_reader(self, info: SegmentInfo, where: str, plain: str) -> LogReader:
+        """A reader of one segment file (``plain``: its uncompressed bytes), the stored
+        file's digest checked first when it is sealed."""
+        if info.sealed and info.sha256 and file_sha256(where) != info.sha256:
+            raise CorruptLogError(
+                "sealed segment's SHA-256 differs from the manifest's", path=where, seq=-1
+            )
+        reader = LogReader(plain)
+        if reader.first_seq != info.first_seq:
+            raise CorruptLogError(
+                f"segment header says it starts at {reader.first_seq}, its name {info.first_seq}",
+                path=where,
+                seq=info.first_seq,
+            )
+        return reader
+
+    def _check_sealed(self, info: SegmentInfo, reader: LogReader, where: str) -> None:
+        if info.sealed and reader.last_seq != info.last_seq:
+            raise CorruptLogError(
+                f"sealed segment ends at sequence number {reader.last_seq}, the manifest "
+                f"says {info.last_seq}",
+                path=where,
+                seq=reader.last_seq + 1,
+            )
+
     def __iter__(self) -> Iterator[tuple[int, Record]]:
         return self.records()
+
+
+def _header_info(path: str) -> HeaderRead:
+    with _open(path) as file:
+        return read_header_info(file, path)
+
+
+def _seq_base(header: LogHeader, path: str) -> int:
+    """The whole log's sequence number of a file's record 0 (0 but in a segment)."""
+    text = header.meta.get(SEQ_BASE_KEY)
+    if text is None:
+        return 0
+    if not text.isdigit():
+        raise CorruptLogError(f"bad {SEQ_BASE_KEY} {text!r} in the header", path=path, offset=0)
+    return int(text)
 
 
 def _open(path: str) -> BinaryIO:
@@ -108,6 +224,7 @@ class _Assembler:
 
     def __init__(self, path: str, scanner: FrameScanner, start_seq: int) -> None:
         self.path = path
+        self.gaps: list[tuple[int, LogDetached]] = []
         self.scanner = scanner
         self.start_seq = start_seq
         self.parts: list[bytes] = []
@@ -138,6 +255,12 @@ class _Assembler:
             return None
         parts, skipped = self.parts, self.skipped_parts
         self.parts, self.skipped_parts = [], False
+        if kind is LogDetached:
+            assert isinstance(record, LogDetached)
+            if parts:
+                raise self._corrupt("a detach record inside a snapshot", offset, seq)
+            self.gaps.append((seq, record))
+            return None
         if kind is LogEnd:
             assert isinstance(record, LogEnd)
             if parts or record.offset != offset:
@@ -174,5 +297,6 @@ def read_log(path: str | os.PathLike[str], start_seq: int = 0) -> Iterator[tuple
 
 
 def read_header(path: str | os.PathLike[str]) -> LogHeader:
-    """The header of a log file (raises ``CorruptLogError`` or ``SchemaVersionError``)."""
+    """The header of a log (a directory's: its first segment's); raises
+    ``CorruptLogError`` or ``SchemaVersionError``."""
     return LogReader(path).header

@@ -84,6 +84,7 @@ from kvlog.log.format import (
     MAX_RECORD_BYTES,
     RECORD,
     SNAPSHOT_PART_BYTES,
+    LogDetached,
     LogEnd,
     LogHeader,
     LogRecord,
@@ -289,6 +290,21 @@ class LogWriter:
                 if len(self._buffer) >= self._buffer_bytes:
                     self._commit(fsync=False)
         return self._frame(msgspec.structs.replace(checkpoint, snapshot=b""))
+
+    @property
+    def end_offset(self) -> int:
+        """The byte offset where the next frame will start (buffered bytes included)."""
+        return self._offset + len(self._buffer)
+
+    def append_detached(self, record: LogDetached) -> int:
+        """Append the record that marks where the recorder detached after an I/O error
+        (see ``kvlog.log.detach``), written and fsynced at once; its sequence number."""
+        self._check_usable()
+        if type(record) is not LogDetached:
+            raise RecordRejected(f"not a detach record: {type(record).__name__}")
+        seq = self._frame(record)
+        self._commit(fsync=True)
+        return seq
 
     def flush(self) -> None:
         """Hand the buffered records to the OS (no fsync)."""

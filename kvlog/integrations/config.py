@@ -5,7 +5,10 @@ The plugin reads ``VLLM_DEFRAG`` (its ``defrag`` feature), ``VLLM_DEFRAG_THRESHO
 empty: no log) and ``KVLOG_SYNC`` (``background``, the default: one write per step and
 an fdatasync on a background thread within about 5 ms; ``step``: an fsync per step on the
 serving thread; ``always``; ``none``) and ``KVLOG_SYNC_INTERVAL_MS`` (the background
-flusher's interval, 5 by default, 0.1 to 60000). Constructor arguments win over the
+flusher's interval, 5 by default, 0.1 to 60000). ``KVLOG_PATH`` naming a directory (or
+ending in ``/``) records a segmented log: ``KVLOG_SEGMENT_BYTES`` (256 MiB by default),
+``KVLOG_RETAIN_BYTES``, ``KVLOG_RETAIN_SECONDS`` and ``KVLOG_COMPRESS`` (zstd) set its
+segments and retention. Constructor arguments win over the
 environment, the environment over the defaults. A value that cannot be parsed
 raises :class:`~kvlog.errors.ConfigError` naming the variable, at construction, not later
 in the serving loop.
@@ -27,11 +30,17 @@ from kvlog.log import (
     SYNC_MODES,
     SyncMode,
     check_sync_interval,
+    is_log_directory,
 )
+from kvlog.log.segments import MIN_SEGMENT_BYTES
 
 __all__ = [
     "ENV_DEFRAG",
+    "ENV_COMPRESS",
     "ENV_LOG_PATH",
+    "ENV_RETAIN_BYTES",
+    "ENV_RETAIN_SECONDS",
+    "ENV_SEGMENT_BYTES",
     "ENV_SYNC",
     "ENV_SYNC_INTERVAL",
     "ENV_THRESHOLD",
@@ -48,6 +57,10 @@ ENV_WITH_GRAPHS = "VLLM_DEFRAG_WITH_GRAPHS"
 ENV_LOG_PATH = "KVLOG_PATH"
 ENV_SYNC = "KVLOG_SYNC"
 ENV_SYNC_INTERVAL = "KVLOG_SYNC_INTERVAL_MS"
+ENV_SEGMENT_BYTES = "KVLOG_SEGMENT_BYTES"
+ENV_RETAIN_BYTES = "KVLOG_RETAIN_BYTES"
+ENV_RETAIN_SECONDS = "KVLOG_RETAIN_SECONDS"
+ENV_COMPRESS = "KVLOG_COMPRESS"
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
@@ -62,7 +75,9 @@ class FacadeConfig(msgspec.Struct, frozen=True):
     ``with_graphs``: wrap swaps in HPU graphs / ``torch.compile`` (HPU only);
     ``log_path``: the log file, or None for no log; ``sync``: the log's group commit
     (``background``: the fsync off the serving thread); ``sync_interval_s``: the background
-    flusher's interval, the bound of its durability lag (``KVLOG_SYNC_INTERVAL_MS``).
+    flusher's interval, the bound of its durability lag (``KVLOG_SYNC_INTERVAL_MS``);
+    ``segment_bytes``, ``retain_bytes``, ``retain_seconds``, ``compress``: a log directory's
+    segments and retention (``kvlog.log.segments``).
     ``defrag`` and ``threshold`` default to ``CacheConfigured``'s (``CONFIG_DEFAULTS``).
     """
 
@@ -72,6 +87,10 @@ class FacadeConfig(msgspec.Struct, frozen=True):
     log_path: str | None = None
     sync: SyncMode = "background"
     sync_interval_s: float = DEFAULT_SYNC_INTERVAL_S
+    segment_bytes: int | None = None
+    retain_bytes: int | None = None
+    retain_seconds: float | None = None
+    compress: bool = False
 
 
 def parse_bool(name: str, text: str) -> bool:
@@ -129,7 +148,51 @@ def _from_environ(env: Mapping[str, str], base: FacadeConfig) -> FacadeConfig:
     if env.get(ENV_SYNC_INTERVAL, "").strip():
         interval = _parse_interval_ms(ENV_SYNC_INTERVAL, env[ENV_SYNC_INTERVAL])
         out = msgspec.structs.replace(out, sync_interval_s=interval)
+    return _segments_from_environ(env, out)
+
+
+def _segments_from_environ(env: Mapping[str, str], out: FacadeConfig) -> FacadeConfig:
+    """The log directory's variables; refused (``ConfigError``) for a log that is a file."""
+    if env.get(ENV_SEGMENT_BYTES, "").strip():
+        size = _parse_int(ENV_SEGMENT_BYTES, env[ENV_SEGMENT_BYTES], MIN_SEGMENT_BYTES)
+        out = msgspec.structs.replace(out, segment_bytes=size)
+    if env.get(ENV_RETAIN_BYTES, "").strip():
+        retain = _parse_int(ENV_RETAIN_BYTES, env[ENV_RETAIN_BYTES], 0)
+        out = msgspec.structs.replace(out, retain_bytes=retain)
+    if env.get(ENV_RETAIN_SECONDS, "").strip():
+        text = env[ENV_RETAIN_SECONDS]
+        try:
+            seconds = float(text.strip())
+        except ValueError:
+            seconds = math.nan
+        if not (math.isfinite(seconds) and seconds >= 0):
+            raise ConfigError(ENV_RETAIN_SECONDS, text, "a number of seconds >= 0")
+        out = msgspec.structs.replace(out, retain_seconds=seconds)
+    if env.get(ENV_COMPRESS, "").strip():
+        text = env[ENV_COMPRESS].strip().lower()
+        compress = True if text == "zstd" else parse_bool(ENV_COMPRESS, text)
+        out = msgspec.structs.replace(out, compress=compress)
+    segmented = (out.segment_bytes, out.retain_bytes, out.retain_seconds, out.compress or None)
+    if any(v is not None for v in segmented) and not (
+        out.log_path and is_log_directory(out.log_path)
+    ):
+        raise ConfigError(
+            ENV_LOG_PATH,
+            out.log_path,
+            "a log directory (a directory, or a path ending in '/') for KVLOG_SEGMENT_BYTES, "
+            "KVLOG_RETAIN_BYTES, KVLOG_RETAIN_SECONDS and KVLOG_COMPRESS",
+        )
     return out
+
+
+def _parse_int(name: str, text: str, low: int) -> int:
+    try:
+        value = int(text.strip())
+    except ValueError:
+        raise ConfigError(name, text, f"an integer >= {low}") from None
+    if value < low:
+        raise ConfigError(name, text, f"an integer >= {low}")
+    return value
 
 
 def _parse_interval_ms(name: str, text: str) -> float:

@@ -37,6 +37,7 @@ from kvlog.integrations.session import (
     derive_num_gpu_blocks,
     shared_session,
 )
+from kvlog.log import LogStatus
 from kvlog.reducers import step as step_reducer
 
 __all__ = ["CacheSwapHandle", "OnlineDefragmenter", "detect_prefix_caching"]
@@ -228,6 +229,11 @@ class OnlineDefragmenter:
         (see ``update_state``)."""
         self.session.settle()
         return self.session.engine
+
+    def log_status(self) -> LogStatus:
+        """Where the recorder stands: attached, or detached after an I/O error (the
+        defragmenter goes on either way)."""
+        return self.session.log_status()
 
     @property
     def kv_caches(self) -> KVCaches | None:

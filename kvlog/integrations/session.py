@@ -13,6 +13,7 @@ knows during start-up (the CPU pool, prefix caching, the runner's own tensors): 
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import weakref
@@ -22,7 +23,7 @@ from typing import Any, Literal
 import torch
 
 from kvlog.engine import Engine
-from kvlog.errors import ConfigError, LayoutError
+from kvlog.errors import ConfigError, LayoutError, LogExists, LogWriterError, MissingExtra
 from kvlog.events import (
     CONFIG_DEFAULTS,
     DEFAULT_PAD_SIZES,
@@ -35,10 +36,12 @@ from kvlog.events import (
     StepScheduled,
     SwapPlan,
 )
-from kvlog.executors import TransferCompletion, make_executor
+from kvlog.executors import Executor, TransferCompletion, make_executor
 from kvlog.executors.layouts import KVCaches, register_layout
 from kvlog.integrations.books import Claim, RequestBooks
 from kvlog.integrations.config import FacadeConfig
+from kvlog.log import LogStatus, is_log_directory, list_segments
+from kvlog.log.detach import error_errno
 from kvlog.reducers import step as step_reducer
 
 __all__ = [
@@ -63,6 +66,7 @@ start with this, then a random 64-bit nonce per session (``KvCacheSession.hold_p
 vLLM accepts client-chosen request ids, and a runner request named like a placeholder must
 never be taken for one (its blocks would be released with the placeholder's)."""
 
+_logger = logging.getLogger("kvlog")
 Backend = Literal["auto", "cpu", "cuda", "hpu", "fake"]
 JobKind = Literal["store", "load"]
 
@@ -101,10 +105,18 @@ def _auto_backend(kv_caches: KVCaches) -> str:
 
 def _log_path(config: FacadeConfig) -> str | None:
     """``KVLOG_PATH`` with ``{pid}`` replaced (one log per worker process); a path that
-    already holds a log (a restarted server) becomes ``name.1.ext``, ``name.2.ext``, ..."""
+    already holds a log (a restarted server) becomes ``name.1.ext``, ``name.2.ext``, ...
+    (a log directory: ``name.1/``, ...)."""
     if config.log_path is None:
         return None
     path = config.log_path.replace("{pid}", str(os.getpid()))
+    if is_log_directory(path):
+        path = path.rstrip("/")
+        candidate, n = path, 0
+        while os.path.isdir(candidate) and list_segments(candidate):
+            n += 1
+            candidate = f"{path}.{n}"
+        return candidate + "/"
     stem, ext = os.path.splitext(path)
     candidate, n = path, 0
     while os.path.exists(candidate) and os.path.getsize(candidate) > 0:
@@ -147,6 +159,7 @@ class KvCacheSession:
         self.block_size_factor = 1
         self.quarantine = False
         self._engine: Engine | None = None
+        self._log_error: LogStatus | None = None
         self._kinds: dict[int, JobKind] = {}
         self._finished: dict[JobKind, list[TransferCompletion]] = {"store": [], "load": []}
         self._holds: dict[int, str] = {}
@@ -271,14 +284,51 @@ class KvCacheSession:
                 layout=caches.layout,
                 **self.executor_options,
             )
-            self._engine = Engine(
-                config,
-                log_path=_log_path(self.config),
-                executor=executor,
-                sync=self.config.sync,
-                sync_interval_s=self.config.sync_interval_s,
-            )
+            self._engine = self._start_engine(config, executor)
         return self._engine
+
+    def _start_engine(self, config: CacheConfigured, executor: Executor) -> Engine:
+        """The Engine, recording to the configured log; a log that cannot be opened (a
+        full disk, a bad path) is said once and the Engine goes on without it: the
+        recorder never takes serving down (``log_status`` says so)."""
+        facade = self.config
+        path = _log_path(facade)
+        directory = path is not None and is_log_directory(path)
+        options: dict[str, Any] = {}
+        if directory:
+            options = {
+                "segment_bytes": facade.segment_bytes,
+                "retain_bytes": facade.retain_bytes,
+                "retain_seconds": facade.retain_seconds,
+                "compress": facade.compress,
+            }
+        try:
+            return Engine(
+                config,
+                log_path=path,
+                executor=executor,
+                sync=facade.sync,
+                sync_interval_s=facade.sync_interval_s,
+                on_log_error="detach",
+                **options,
+            )
+        except (LogWriterError, MissingExtra) as exc:  # no log; never ConfigError
+            if isinstance(exc, LogExists):
+                raise
+            _logger.error(
+                "kvlog: cannot open the log %s (%s): serving goes on unrecorded", path, exc
+            )
+            self._log_error = LogStatus(path, False, str(exc), error_errno(exc), 1)
+            return Engine(config, executor=executor)
+
+    def log_status(self) -> LogStatus:
+        """Where the recorder stands (``Engine.log_status``; a log that never opened is
+        reported detached with its error)."""
+        if self._log_error is not None:
+            return self._log_error
+        if self._engine is None:
+            return LogStatus(_log_path(self.config), self.config.log_path is not None)
+        return self._engine.log_status()
 
     # -- running -------------------------------------------------------------------------
     def apply(self, event: Event) -> list[Plan]:

@@ -49,6 +49,7 @@ from kvlog.engine import Engine
 from kvlog.integrations.config import config_from_env
 from kvlog.integrations.offload import OffloadingWorker
 from kvlog.integrations.session import JobKind, KvCacheSession, shared_session
+from kvlog.log import LogStatus
 
 __all__ = ["KvlogConnectorWorker", "KvlogOffloadingConnector"]
 
@@ -154,3 +155,10 @@ class KvlogOffloadingConnector(OffloadingConnector):  # type: ignore[misc]
         worker = self.connector_worker
         assert isinstance(worker, KvlogConnectorWorker), "the worker side has the Engine"
         return worker.engine
+
+    def log_status(self) -> LogStatus:
+        """Where the worker's recorder stands (the connector serves on either way)."""
+        worker = self.connector_worker
+        assert isinstance(worker, KvlogConnectorWorker), "the worker side has the log"
+        assert worker.session is not None, "register_kv_caches() first"
+        return worker.session.log_status()

@@ -22,7 +22,8 @@ from collections.abc import Iterator, Sequence
 from types import FrameType
 from typing import Any, TextIO
 
-from kvlog import __version__
+from kvlog import __version__, reducers
+from kvlog.cli_log import add_ranks, cmd_ranks
 from kvlog.cli_sweep import (
     add_parallel_flags,
     add_policy_flags,
@@ -40,6 +41,7 @@ from kvlog.cli_sweep import (
 from kvlog.errors import ConfigError, KvlogError, LogExists, MissingExtra
 from kvlog.events import DEFAULT_PAD_SIZES, SCHEMA_VERSION, Checkpoint, Event, to_dict
 from kvlog.log import FORMAT_VERSION, LogReader
+from kvlog.log.manifest import log_num_bytes
 from kvlog.replay import ReplayResult, replay
 from kvlog.report import Series, report_path, write_report
 from kvlog.sweep import format_bytes
@@ -137,6 +139,9 @@ def _add_synth(sub: Any) -> None:
     add_trace_flags(p)
 
 
+_SALVAGE_HELP = "read the intact prefix of a damaged log; say where and why it stops (exit 1)"
+
+
 def _add_replay(sub: Any) -> None:
     p = sub.add_parser("replay", help="verify a log, diff it, or run a what-if policy")
     p.add_argument("log")
@@ -148,6 +153,7 @@ def _add_replay(sub: Any) -> None:
     p.add_argument("--backend", choices=("cpu", "fake"), default="cpu")
     p.add_argument("--from-snapshot", action="store_true", help="start at the latest snapshot")
     p.add_argument("--report", help="plot to FILE (.png or .svg, kvlog[plot]; .csv numbers)")
+    p.add_argument("--salvage", action="store_true", help=_SALVAGE_HELP)
     _add_policy(p, defaults=False)
     add_parallel_flags(p)
 
@@ -160,6 +166,7 @@ def _add_inspect(sub: Any) -> None:
     p.add_argument("--to", dest="end", type=int, default=-1, help="last sequence number")
     p.add_argument("--no-checkpoints", action="store_true", help="leave Checkpoint records out")
     p.add_argument("--header", action="store_true", help="print the header first")
+    p.add_argument("--salvage", action="store_true", help=_SALVAGE_HELP)
 
 
 def _add_demo(sub: Any) -> None:
@@ -182,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_inspect(sub)
     _add_demo(sub)
     add_sweep(sub)
+    add_ranks(sub)
     return parser
 
 
@@ -198,6 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "inspect": cmd_inspect,
         "demo": cmd_demo,
         "sweep": cmd_sweep,
+        "ranks": cmd_ranks,
     }
     with _interruptible():
         try:
@@ -345,6 +354,7 @@ _PARALLEL_REFUSES = (
     ("execute", "--execute"),
     ("report", "--report"),
     ("from_snapshot", "--from-snapshot"),
+    ("salvage", "--salvage"),
 )
 
 
@@ -383,8 +393,11 @@ def _flag_of(name: str) -> str:
 
 
 def _recorded_policy(path: str) -> str:
-    """The defrag policy the log at ``path`` was recorded with (its first record)."""
+    """The defrag policy the log at ``path`` was recorded with (its first record, or the
+    configuration in the opening snapshot of a log directory whose start is gone)."""
     for _, record in LogReader(path).records(0):
+        if type(record) is Checkpoint and record.snapshot:
+            return str(getattr(reducers.restore(record.snapshot).config, "policy", "seed"))
         return str(getattr(record, "policy", "seed"))
     return "seed"
 
@@ -401,7 +414,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     check_replay_flags(args)
     if args.parallel:
         return cmd_replay_parallel(args, sys.stdout)
-    total = max(os.path.getsize(args.log), 1)
+    total = max(log_num_bytes(args.log), 1)
     with progress_bar("replay") as update:
         result = replay(
             args.log,
@@ -412,9 +425,13 @@ def cmd_replay(args: argparse.Namespace) -> int:
             from_snapshot=args.from_snapshot,
             series=bool(args.report),
             progress=lambda _records, done: update(min(done, total), total),
+            salvage=args.salvage,
             **_overrides(args),
         )
     print_replay(result, sys.stdout)
+    if result.salvaged:
+        print(f"kvlog replay: salvaged the intact prefix: {result.salvaged}", file=sys.stderr)
+        return 1
     if args.report:
         title = f"kvlog replay {os.path.basename(args.log)}"
         config = result.recorded_config
@@ -483,6 +500,9 @@ def print_replay(result: ReplayResult, out: TextIO) -> None:
         rows.append(("started at", f"seq {result.start_seq} (snapshot)"))
     if result.tail:
         rows.append(("torn tail", result.tail))
+    rows += [("gap", gap) for gap in result.gaps]
+    if result.salvaged:
+        rows.append(("salvaged", f"stopped at: {result.salvaged}"))
     out.write("replay\n" + format_table(rows) + "\n\n" + format_table(_stats_rows(result)) + "\n")
     if result.whatif is not None:
         diffs = result.whatif.differences
@@ -531,7 +551,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         raise ConfigError("--from", args.start, "a sequence number >= 0")
     if args.end < -1:
         raise ConfigError("--to", args.end, "a sequence number >= 0 (or -1: the end)")
-    reader = LogReader(args.log)
+    reader = LogReader(args.log, salvage=args.salvage)
     write = sys.stdout.write
     if args.header:
         write(msgspec.json.encode(reader.header).decode() + "\n")
@@ -547,6 +567,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         write(encoder.encode({"seq": seq, **to_dict(record)}).decode() + "\n")
     if reader.tail is not None:
         print(f"kvlog inspect: torn tail (not modified): {reader.tail}", file=sys.stderr)
+    for seq, gap in reader.gaps:
+        print(f"kvlog inspect: the recorder detached at seq {seq}: {gap.error}", file=sys.stderr)
+    if reader.stopped is not None:
+        print(f"kvlog inspect: salvaged the intact prefix: {reader.stopped}", file=sys.stderr)
+        return 1
     return 0
 
 

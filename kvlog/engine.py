@@ -852,9 +852,9 @@ def _open_writer(
     meta: dict[str, str] | None,
     new: bool,
 ) -> Writer:
-    """A ``SegmentedWriter`` for a log directory (or a path ending in ``/``), else a
+    """A ``SegmentedWriter`` for a log directory (see ``_is_directory``), else a
     ``LogWriter``."""
-    if not is_log_directory(path):
+    if not _is_directory(path, options):
         return LogWriter(path, sync=sync, meta=meta, new=new, sync_interval_s=sync_interval_s)
     return SegmentedWriter(
         path,
@@ -883,14 +883,25 @@ def _check_log_options(options: LogOptions, path: str | os.PathLike[str] | None)
     seconds = options.retain_seconds
     if seconds is not None and (type(seconds) not in (int, float) or not seconds >= 0):
         raise ConfigError("retain_seconds", seconds, "a number of seconds >= 0")
-    segmented = options.segment_bytes, options.retain_bytes, seconds, options.compress or None
-    if path is not None and not is_log_directory(path) and any(v is not None for v in segmented):
+    if path is not None and _segmented(options) and not _is_directory(path, options):
         raise ConfigError(
             "log_path",
             os.fspath(path),
-            "a log directory (an existing directory or a path ending in '/') for segment, "
-            "retention and compression options",
+            "a log directory (a directory, a path ending in '/', or a path not there yet) for "
+            "segment, retention and compression options, not a file",
         )
+
+
+def _segmented(options: LogOptions) -> bool:
+    """Whether any option of a log directory is set."""
+    segment = options.segment_bytes, options.retain_bytes, options.retain_seconds
+    return options.compress or any(v is not None for v in segment)
+
+
+def _is_directory(path: str | os.PathLike[str], options: LogOptions) -> bool:
+    """A log directory: an existing directory, a path ending in ``/``, or a path not there
+    yet given with a segment option (``Engine(config, "logs", segment_bytes=...)``)."""
+    return is_log_directory(path) or (_segmented(options) and not os.path.lexists(path))
 
 
 def _check_snapshot_of(path: str, state: reducers.State, last: int) -> None:

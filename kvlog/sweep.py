@@ -28,7 +28,7 @@ import csv
 import json
 import os
 import tempfile
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -43,10 +43,11 @@ from kvlog.events import (
     Checkpoint,
     Event,
     Plan,
+    Record,
     SwapPlan,
     validate_event,
 )
-from kvlog.log import LogReader
+from kvlog.log import LogReader, list_segments
 from kvlog.machine import Machine, Observer
 from kvlog.replay import checkpoint_digest
 from kvlog.tally import PlanTally
@@ -511,6 +512,7 @@ class _Segment:
     start_event_seq: int = -1  # the last event the starting snapshot covers
     start_digest: str = ""
     snapshot: bytes = b""
+    opens_with_snapshot: bool = False  # its first record is the snapshot it starts from
 
 
 @dataclass
@@ -557,7 +559,10 @@ class SegmentedReplay:
 
 
 def _plan_segments(path: str, max_segments: int) -> list[_Segment]:
-    """Cut at snapshot checkpoints, at most ``max_segments`` pieces of similar length."""
+    """Cut at snapshot checkpoints, at most ``max_segments`` pieces of similar length; a
+    log directory: one piece per segment file, planned from the manifest without reading."""
+    if os.path.isdir(path):
+        return _directory_segments(path)
     snaps: list[tuple[int, Checkpoint]] = []
     last = -1
     for seq, record in LogReader(path).records():
@@ -578,6 +583,35 @@ def _plan_segments(path: str, max_segments: int) -> list[_Segment]:
     return cuts
 
 
+def _directory_segments(path: str) -> list[_Segment]:
+    """One piece per segment of a log directory: each starts from its own opening snapshot
+    (read by its task) and verifies the next one's opening checkpoint too."""
+    infos = list_segments(path)
+    cuts = []
+    for i, info in enumerate(infos):
+        stop = infos[i + 1].first_seq if i + 1 < len(infos) else -1
+        cuts.append(_Segment(i, info.first_seq, stop, opens_with_snapshot=info.first_seq > 0))
+    return cuts
+
+
+def _opening_snapshot(
+    records: Iterator[tuple[int, Record]], out: SegmentResult
+) -> reducers.State | None:
+    """The state of a segment's opening snapshot checkpoint, checked against its digest
+    (None, with ``out.divergence`` set, when it does not check out)."""
+    first = next(records, None)
+    if first is None or type(first[1]) is not Checkpoint or not first[1].snapshot:
+        out.divergence = f"the segment at seq {out.start_seq} does not open with a snapshot"
+        return None
+    checkpoint = first[1]
+    state = reducers.restore(checkpoint.snapshot)
+    if checkpoint_digest(state, checkpoint.digest) != checkpoint.digest:
+        out.divergence = f"the snapshot at seq {first[0]} does not match its digest"
+        return None
+    out.last_event_seq, out.num_checkpoints, out.num_verified = checkpoint.seq, 1, 1
+    return state
+
+
 def _replay_segment(source: str | bytes, seg: _Segment) -> SegmentResult:
     """A Ray task: replay one segment of the log (a path here, or its bytes), verifying
     every checkpoint in it, the one that starts the next segment included."""
@@ -588,12 +622,17 @@ def _replay_segment(source: str | bytes, seg: _Segment) -> SegmentResult:
                 f.write(source)
             return _replay_segment(path, seg)
     out = SegmentResult(seg.index, seg.start_seq, seg.stop_seq, last_event_seq=seg.start_event_seq)
+    records = LogReader(source).records(seg.start_seq)
+    opened = _opening_snapshot(records, out) if seg.opens_with_snapshot else None
+    if seg.opens_with_snapshot and opened is None:
+        return out
     state = reducers.restore(seg.snapshot) if seg.snapshot else reducers.initial_state()
+    state = opened if opened is not None else state
     machine = Machine(state)
     if seg.snapshot and checkpoint_digest(state, seg.start_digest) != seg.start_digest:
         out.divergence = f"the snapshot before seq {seg.start_seq} does not match its digest"
         return out
-    for seq, record in LogReader(source).records(seg.start_seq):
+    for seq, record in records:
         if 0 <= seg.stop_seq < seq:
             break
         if isinstance(record, Checkpoint):
@@ -628,7 +667,8 @@ def replay_segments(
     p = os.fspath(path)
     pieces = max_segments or max(2, 2 * (num_cpus or os.cpu_count() or 2))
     segments = _plan_segments(p, pieces)
-    source: str | bytes = _read_bytes(p) if use_ray and address is not None else p
+    remote = use_ray and address is not None and not os.path.isdir(p)  # a directory: shared
+    source: str | bytes = _read_bytes(p) if remote else p
     calls = [(source, seg) for seg in segments]
     results = _run_all(_replay_segment, calls, use_ray, address, num_cpus, progress)
     return SegmentedReplay(p, list(results))

@@ -81,7 +81,11 @@ def _allocations(new_blocks: Mapping[str, Sequence[int]]) -> dict[str, list[int]
 
 
 def _req_ids(req_ids: Iterable[Any]) -> list[str]:
-    return [r if type(r) is str else str(r) for r in req_ids]
+    """Request ids as plain strings; a set's (vLLM's ``finished_req_ids``) sorted, so the
+    log does not depend on the process's string hash seed: every tensor-parallel rank logs
+    the same events (``kvlog ranks``)."""
+    ids = [r if type(r) is str else str(r) for r in req_ids]
+    return sorted(ids) if isinstance(req_ids, (set, frozenset)) else ids
 
 
 def _fast_step(

@@ -42,6 +42,7 @@ __all__ = [
     "fsync_directory",
     "is_log_directory",
     "list_segments",
+    "log_num_bytes",
     "open_segment",
     "read_manifest",
     "remove_file",
@@ -166,6 +167,14 @@ def list_segments(directory: str) -> list[SegmentInfo]:
             info = msgspec.structs.replace(info, name=name, compressed=compressed, sha256="")
         out.append(info)
     return out
+
+
+def log_num_bytes(path: str | os.PathLike[str]) -> int:
+    """The bytes a log takes: its file's size, or the sum of its segments' (stored) files."""
+    text = os.fspath(path)
+    if not os.path.isdir(text):
+        return os.path.getsize(text)
+    return sum(os.path.getsize(os.path.join(text, s.name)) for s in list_segments(text))
 
 
 def file_sha256(path: str) -> str:

@@ -53,7 +53,7 @@ _decoder: msgspec.msgpack.Decoder[LogRecord] = msgspec.msgpack.Decoder(LogRecord
 
 class LogReader:
     """A read-only view of one log: a file, or a directory of segments (``kvlog.log.manifest``).
-    The header is read (and checked) at once: a directory's is its first segment's.
+    The header is read (and checked) at once: a directory's is its last segment's.
 
     ``salvage=True``: damage that would raise ``CorruptLogError`` during ``records()`` ends
     the iteration instead, after every intact record before it; ``stopped`` then holds the
@@ -71,8 +71,8 @@ class LogReader:
             self.segments = list_segments(self.path)
             if not self.segments:
                 raise LogNotFound(errno.ENOENT, f"{self.path}: a directory with no log segments")
-            with open_segment(self.path, self.segments[0]) as first:
-                info = _header_info(first)
+            with open_segment(self.path, self.segments[-1]) as last:  # the others may be gone
+                info = _header_info(last)
             self.first_seq = self.segments[0].first_seq
         else:
             info = _header_info(self.path)

@@ -115,6 +115,8 @@ class SegmentedWriter:
             return
         self._current = self._writer(last.name, last.first_seq, new=False)
         self._base = last.first_seq
+        meta = {k: v for k, v in self._current.header.meta.items() if k != SEQ_BASE_KEY}
+        self._options = ({**meta, **self._options[0]}, self._options[1])  # the log's own meta
         self.recovery = self._current.recovery
 
     def _next_seq_after(self, info: SegmentInfo) -> int:

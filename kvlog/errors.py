@@ -149,6 +149,7 @@ class CorruptLogError(KvlogError, ValueError):
         self.path = path
         self.offset = offset
         self.seq = seq
+        self.message = message
         where = f"{path}: " if path else ""
         super().__init__(f"{where}{message} (byte offset {offset}, sequence number {seq})")
 

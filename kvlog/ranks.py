@@ -7,21 +7,21 @@ lockstep and checks, record by record, that
 - their events are the same modulo rank-local fields: ``CacheConfigured.page_size_bytes``
   (each rank holds its own shard of the heads) and the random per-process nonce in the
   request ids of load placeholders (``kvlog.integrations.session.HOLD_PREFIX``);
-- their checkpoints come at the same place and cover the same sequence number and step; every
-  rank's recorded state digest is the digest of its own events re-run (its live state was
-  what its events say), and while the ranks' records are byte-identical the recorded digests
-  are the same on every rank. (Once a rank-local field differs the digests differ too, as they
-  hash request ids; equal normalized events re-run to equal states, so the two checks
-  together say the ranks' states agree modulo those names.)
+- every rank's checkpoints verify against its own events re-run (its live state was what its
+  events say), wherever its log put them (a log directory adds one at each segment's start,
+  and ranks rotate at their own byte counts);
+- while the ranks' events are byte-identical, checkpoints taken after the same number of
+  events carry the same digest on every rank. (Once a rank-local field differs the digests
+  differ too, as they hash request ids; equal normalized events re-run to equal states, so
+  the checks together say the ranks' states agree modulo those names.)
 
-The first record where one rank differs from rank 0 is named: its sequence number, the
-scheduler step it falls in, and both records. A rank whose log ends early differs there too.
-Every log may be a file or a directory of segments.
+The first event where one rank differs from rank 0 is named: its sequence number (rank 0's;
+the other rank's when they differ), the scheduler step it falls in, and both events. A rank
+whose log ends early differs there too. Every log may be a file or a directory of segments.
 """
 
 from __future__ import annotations
 
-import itertools
 import os
 import re
 from collections.abc import Iterator, Sequence
@@ -82,8 +82,9 @@ def normalize(record: Record) -> dict[str, Any]:
     out = _plain(to_dict(record))
     for name in _RANK_LOCAL.get(type(record).__name__, ()):
         out[name] = 0
-    if type(record) is Checkpoint:
-        out.pop("snapshot", None)  # its bytes name the placeholders: compared by digest
+    if type(record) is Checkpoint:  # its digest and snapshot hash request ids: the digest
+        out.pop("snapshot", None)  # is compared on its own (``_digests_differ``)
+        out.pop("digest", None)
     return out  # type: ignore[no-any-return]
 
 
@@ -98,122 +99,137 @@ def _plain(value: Any) -> Any:
 
 
 class _Rank:
-    """One rank's log, read in lockstep, with the re-run of its events."""
+    """One rank's log, read event by event; its checkpoints checked against its re-run."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.records: Iterator[tuple[int, Record]] = LogReader(path).records()
         self.machine: Machine | None = None
+        self.num_events = 0
+        self.num_checkpoints = 0
+        self.digests: dict[int, str] = {}
+        """Recorded digest of the checkpoint after each number of events (the latest)."""
+
+    def next_event(self, step: int) -> tuple[int, Event] | RankDifference | None:
+        """The next event (its checkpoints on the way verified), None at the end, or the
+        difference a checkpoint that does not verify is (``rank`` filled in by the caller)."""
+        for seq, record in self.records:
+            if type(record) is not Checkpoint:
+                return seq, record  # type: ignore[return-value]
+            self.num_checkpoints += 1
+            actual = "" if self.machine is None else running.checkpoint_digest(self.machine.state)
+            if actual and actual != record.digest:
+                what = "its recorded state digest is not its events' (its live state diverged)"
+                return RankDifference(
+                    -1, seq, step, what, {"digest": actual}, {"digest": record.digest}
+                )
+            self.digests[self.num_events] = record.digest
+        return None
 
     def apply(self, event: Event) -> None:
         if type(event) is CacheConfigured:
             self.machine = Machine(reducers.initial_state())
         if self.machine is not None:
             self.machine.apply(event)
-
-    def digest(self) -> str:
-        if self.machine is None:
-            return ""
-        return running.checkpoint_digest(self.machine.state)
+        self.num_events += 1
 
 
 def compare_ranks(paths: Sequence[str | os.PathLike[str]]) -> RanksResult:
     """Compare the logs of the ranks of one server (see the module docstring)."""
     ranks = [_Rank(os.fspath(p)) for p in paths]
     result = RanksResult([r.path for r in ranks])
-    identical = True  # every rank's records byte-identical so far
+    identical = True  # every rank's events byte-identical so far
     step = 0
-    for row in itertools.zip_longest(*(r.records for r in ranks)):
-        first = row[0]
-        seq = first[0] if first is not None else next(r[0] for r in row if r is not None)
-        difference = _first_difference(row, seq, step)
-        if difference is not None:
-            result.difference = difference
-            return result
-        assert first is not None, "a missing record is a difference"
-        record = first[1]
-        identical = identical and all(r is not None and r[1] == record for r in row)
+    while result.difference is None:
+        row: Row = []
+        for index, rank in enumerate(ranks):
+            item = rank.next_event(step)
+            if isinstance(item, RankDifference):
+                result.difference = _ranked(index, item)
+                break
+            row.append(item)
+        result.difference = result.difference or _first_difference(row, step)
+        events = [item for item in row if item is not None]
+        if result.difference is not None or len(events) < len(ranks):
+            break
+        event = events[0][1]
+        identical = identical and all(e == event for _, e in events)
         if not identical and not result.normalized:
-            result.normalized = _local_fields(row)
-        result.num_records += 1
-        if isinstance(record, Checkpoint):
-            result.num_checkpoints += 1
-            difference = _digests_differ(ranks, row, seq, step, identical)
-        else:
-            result.num_events += 1
-            difference = _apply_all(ranks, row, seq, step)
-            step += type(record) in STEP_EVENTS
-        if difference is not None:
-            result.difference = difference
-            return result
+            result.normalized = _local_fields(events)
+        result.difference = _apply_all(ranks, events, step)
+        result.difference = result.difference or _digests_differ(ranks, identical, events, step)
+        result.num_events += 1
+        step += type(event) in STEP_EVENTS
+    result.num_checkpoints = ranks[0].num_checkpoints
+    result.num_records = result.num_events + result.num_checkpoints
     result.num_steps = step
     return result
 
 
-def _first_difference(
-    row: tuple[tuple[int, Record] | None, ...], seq: int, step: int
-) -> RankDifference | None:
+def _ranked(rank: int, difference: RankDifference) -> RankDifference:
+    difference.rank = rank
+    return difference
+
+
+Row = list[tuple[int, Event] | None]
+
+
+def _first_difference(row: Row, step: int) -> RankDifference | None:
     first = row[0]
     expected = None if first is None else normalize(first[1])
     for rank, item in enumerate(row[1:], 1):
+        if item is None and first is None:
+            continue
         actual = None if item is None else normalize(item[1])
         if item is None or first is None:
             what = "the log ends here" if item is None else "rank 0's log ends here"
+            seq = first[0] if first is not None else item[0] if item is not None else -1
             return RankDifference(rank, seq, step, what, expected, actual)
-        if item[0] != first[0] or actual != expected:
+        if actual != expected:
             what = f"a different {type(item[1]).__name__}"
             if type(item[1]) is not type(first[1]):
                 what = f"a {type(item[1]).__name__} where rank 0 has a {type(first[1]).__name__}"
-            return RankDifference(rank, item[0], step, what, expected, actual)
+            if item[0] != first[0]:
+                what += f" (its seq {item[0]})"
+            return RankDifference(rank, first[0], step, what, expected, actual)
     return None
 
 
-def _local_fields(row: tuple[tuple[int, Record] | None, ...]) -> list[str]:
+def _local_fields(row: list[tuple[int, Event]]) -> list[str]:
     """Which rank-local fields differ in this row (for the report)."""
     names = []
-    records = [r[1] for r in row if r is not None]
-    for name in _RANK_LOCAL.get(type(records[0]).__name__, ()):
-        if len({getattr(r, name) for r in records}) > 1:
-            names.append(f"{type(records[0]).__name__}.{name}")
+    events = [r[1] for r in row]
+    for name in _RANK_LOCAL.get(type(events[0]).__name__, ()):
+        if len({getattr(e, name) for e in events}) > 1:
+            names.append(f"{type(events[0]).__name__}.{name}")
     return names or ["load placeholder ids"]
 
 
 def _apply_all(
-    ranks: list[_Rank], row: tuple[tuple[int, Record] | None, ...], seq: int, step: int
+    ranks: list[_Rank], row: list[tuple[int, Event]], step: int
 ) -> RankDifference | None:
-    for rank, (state, item) in enumerate(zip(ranks, row, strict=True)):
-        assert item is not None, "checked by _first_difference"
+    for rank, (state, (seq, event)) in enumerate(zip(ranks, row, strict=True)):
         try:
-            state.apply(item[1])  # type: ignore[arg-type]
+            state.apply(event)
         except InvalidEvent as exc:
             return RankDifference(rank, seq, step, f"its events do not replay: {exc}", None, None)
     return None
 
 
 def _digests_differ(
-    ranks: list[_Rank],
-    row: tuple[tuple[int, Record] | None, ...],
-    seq: int,
-    step: int,
-    identical: bool,
+    ranks: list[_Rank], identical: bool, row: list[tuple[int, Event]], step: int
 ) -> RankDifference | None:
-    """Each rank's recorded digest against its own re-run; across ranks while identical."""
-    recorded = [item[1].digest for item in row if item is not None]  # type: ignore[union-attr]
-    for rank, (state, digest) in enumerate(zip(ranks, recorded, strict=True)):
-        actual = state.digest()
-        if actual and actual != digest:
+    """While the events are identical: the checkpoints every rank took after the same
+    number of events (before this one) carry the same digest."""
+    count = ranks[0].num_events - 1
+    if not identical or count not in ranks[0].digests:
+        return None
+    expected = ranks[0].digests.pop(count)
+    for rank, state in enumerate(ranks[1:], 1):
+        digest = state.digests.pop(count, None)
+        if digest is not None and digest != expected:
+            what = "the recorded state digest differs at the checkpoint before this event"
             return RankDifference(
-                rank,
-                seq,
-                step,
-                "its recorded state digest is not its events' (its live state diverged)",
-                {"digest": actual},
-                {"digest": digest},
-            )
-    for rank, digest in enumerate(recorded[1:], 1):
-        if identical and digest != recorded[0]:
-            what = "the recorded state digest differs at this checkpoint"
-            return RankDifference(
-                rank, seq, step, what, {"digest": recorded[0]}, {"digest": digest}
+                rank, row[0][0], step, what, {"digest": expected}, {"digest": digest}
             )
     return None

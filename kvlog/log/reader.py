@@ -103,11 +103,18 @@ class LogReader:
         """
         if start_seq < 0:
             raise ValueError(f"start_seq must be >= 0, not {start_seq}")
+        source = (
+            self._file_records(start_seq)
+            if self.segments is None
+            else self._segment_records(start_seq)
+        )
         try:
-            if self.segments is None:
-                yield from self._file_records(start_seq)
-            else:
-                yield from self._segment_records(start_seq)
+            if not self.salvage:
+                yield from source
+                return
+            for item in source:
+                self.last_seq = item[0]  # where a salvaged read ends
+                yield item
         except CorruptLogError as exc:
             if not self.salvage or isinstance(exc, SchemaVersionError):
                 raise
@@ -126,6 +133,10 @@ class LogReader:
             try:
                 for seq, record in assembler.records():
                     yield seq + base, record
+            except CorruptLogError as exc:
+                if not base or isinstance(exc, SchemaVersionError):
+                    raise
+                raise _in_segment(exc, base) from exc
             finally:
                 self.gaps += [(seq + base, gap) for seq, gap in assembler.gaps]
                 assembler.gaps.clear()
@@ -159,6 +170,8 @@ class LogReader:
                     yield from reader._file_records(start_seq)
                 finally:
                     self.gaps += reader.gaps
+            if self.salvage:
+                _check_digest(info, where)
             self._check_sealed(info, reader, where)
             self.tail, self.last_seq, self.flags = reader.tail, reader.last_seq, reader.flags
             self.end_offset = reader.end_offset
@@ -167,10 +180,8 @@ class LogReader:
     def _segment_reader(self, info: SegmentInfo, where: str, plain: str) -> LogReader:
         """A reader of one segment file (``plain``: its uncompressed bytes), the stored
         file's digest checked first when it is sealed."""
-        if info.sealed and info.sha256 and file_sha256(where) != info.sha256:
-            raise CorruptLogError(
-                "sealed segment's SHA-256 differs from the manifest's", path=where, seq=-1
-            )
+        if not self.salvage:  # salvage reads the frames first, each checked by its CRC
+            _check_digest(info, where)
         reader = LogReader(plain)
         if reader.first_seq != info.first_seq:
             raise CorruptLogError(
@@ -191,6 +202,22 @@ class LogReader:
 
     def __iter__(self) -> Iterator[tuple[int, Record]]:
         return self.records()
+
+
+def _in_segment(exc: CorruptLogError, base: int) -> CorruptLogError:
+    """A segment's error with whole-log sequence numbers (the message's own count from the
+    segment's first record)."""
+    message = f"{exc.message} [sequence numbers in this message count from {base}]"
+    seq = exc.seq + base if exc.seq >= 0 else exc.seq
+    return CorruptLogError(message, path=exc.path, offset=exc.offset, seq=seq)
+
+
+def _check_digest(info: SegmentInfo, where: str) -> None:
+    """``CorruptLogError`` when a sealed segment's file is not the one the manifest digested."""
+    if info.sealed and info.sha256 and file_sha256(where) != info.sha256:
+        raise CorruptLogError(
+            "sealed segment's SHA-256 differs from the manifest's", path=where, seq=info.first_seq
+        )
 
 
 def _header_info(path: str) -> HeaderRead:

@@ -1,0 +1,129 @@
+"""``kvlog ranks``: the logs of one server's ranks agree, modulo rank-local fields; the first
+record where one differs is named by its sequence number and step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from kvlog import Engine
+from kvlog.cli import main
+from kvlog.events import (
+    BlocksAllocated,
+    CacheConfigured,
+    Checkpoint,
+    Event,
+    RequestFinished,
+    RequestPreempted,
+    StepEnded,
+)
+from kvlog.integrations.session import HOLD_PREFIX
+from kvlog.log import LogReader, LogWriter
+from kvlog.ranks import HOLD_PREFIX as RANKS_HOLD_PREFIX
+from kvlog.ranks import compare_ranks
+from kvlog.synth import SynthConfig, SynthRun
+
+CONFIG = SynthConfig(steps=300, seed=4, num_cpu_blocks=32)
+
+
+def record_synth(path: Path) -> None:
+    with Engine(CONFIG.cache_config(), path, checkpoint_every=16) as engine:
+        SynthRun(CONFIG, engine, None).run()
+
+
+def events_of(path: Path) -> list[Event]:
+    return [r for _, r in LogReader(path).records() if not isinstance(r, Checkpoint)]
+
+
+def rerecord(events: list[Event], path: Path | str, **options: object) -> None:
+    """Feed ``events`` (the first is the configuration) to a new Engine logging to ``path``."""
+    config = events[0]
+    assert type(config) is CacheConfigured
+    with Engine(config, path, checkpoint_every=16, **options) as engine:  # type: ignore[arg-type]
+        for event in events[1:]:
+            engine.apply(event)
+
+
+def test_the_placeholder_prefix_is_the_sessions() -> None:
+    assert RANKS_HOLD_PREFIX == HOLD_PREFIX
+
+
+def test_ranks_of_one_run_agree_and_files_and_directories_mix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    record_synth(tmp_path / "rank0.kvlog")
+    rerecord(events_of(tmp_path / "rank0.kvlog"), tmp_path / "rank1", segment_bytes=16 << 10)
+    result = compare_ranks([tmp_path / "rank0.kvlog", tmp_path / "rank0.kvlog"])
+    assert result.ok and result.num_steps == CONFIG.steps and not result.normalized
+    assert main(["ranks", str(tmp_path / "rank0.kvlog"), str(tmp_path / "rank0.kvlog")]) == 0
+    assert "2 ranks agree" in capsys.readouterr().out
+    # a directory of segments holds extra checkpoints (one opens each segment), at its own
+    # byte counts: the events and the checkpoints' digests still agree
+    result = compare_ranks([tmp_path / "rank0.kvlog", tmp_path / "rank1"])
+    assert result.ok, result.difference
+    assert result.num_steps == CONFIG.steps
+
+
+def test_rank_local_fields_are_normalized(tmp_path: Path) -> None:
+    """Each rank's page size (its shard of the heads) and its placeholder nonce differ."""
+    config = CacheConfigured(num_gpu_blocks=64, block_size=16, page_size_bytes=4096)
+    hold = f"{HOLD_PREFIX}{'ab' * 8}-7"
+    events: list[Event] = [config, BlocksAllocated(req_id=hold, block_ids=[3, 4])]
+    events += [StepEnded(step=0), RequestFinished(req_id=hold), StepEnded(step=1)]
+    rerecord(events, tmp_path / "rank0.kvlog")
+    renamed = f"{HOLD_PREFIX}{'cd' * 8}-7"
+    other = [msgspec.structs.replace(config, page_size_bytes=2048)]
+    other += [msgspec.structs.replace(e, req_id=renamed) for e in events[1:2]]
+    other += [events[2], RequestFinished(req_id=renamed), events[4]]
+    rerecord(other, tmp_path / "rank1.kvlog")
+    result = compare_ranks([tmp_path / "rank0.kvlog", tmp_path / "rank1.kvlog"])
+    assert result.ok, result.difference
+    assert result.normalized == ["CacheConfigured.page_size_bytes"]
+
+
+def test_one_different_event_is_named_by_its_step_and_sequence_number(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    record_synth(tmp_path / "rank0.kvlog")
+    events = events_of(tmp_path / "rank0.kvlog")
+    index = next(
+        i for i, e in enumerate(events) if type(e) is RequestFinished and i > len(events) // 2
+    )
+    finished = events[index]
+    assert type(finished) is RequestFinished
+    fed = [*events[:index], RequestPreempted(req_id=finished.req_id), *events[index + 1 :]]
+    rerecord(fed, tmp_path / "rank1.kvlog")
+    seq = next(
+        s
+        for s, r in LogReader(tmp_path / "rank0.kvlog").records()
+        if r is finished or r == finished
+    )
+    step = sum(type(e) is StepEnded for e in events[:index])
+    paths = [str(tmp_path / "rank0.kvlog"), str(tmp_path / "rank1.kvlog")]
+    result = compare_ranks(paths)
+    assert result.difference is not None
+    assert (result.difference.rank, result.difference.seq) == (1, seq)
+    assert result.difference.step == step
+    assert result.difference.actual == {"type": "RequestPreempted", "req_id": finished.req_id}
+    assert main(["ranks", *paths]) == 1
+    out = capsys.readouterr().out
+    assert f"seq {seq} (step {step})" in out and "a RequestPreempted where rank 0 has" in out
+
+
+def test_a_rank_whose_state_is_not_its_events_and_a_short_log_differ(tmp_path: Path) -> None:
+    record_synth(tmp_path / "rank0.kvlog")
+    records = list(LogReader(tmp_path / "rank0.kvlog").records())
+    with LogWriter(tmp_path / "rank1.kvlog") as writer:  # a live state gone wrong
+        for _, r in records:
+            bad = type(r) is Checkpoint and r.seq > 100
+            writer.append(msgspec.structs.replace(r, digest="v2:" + "0" * 64) if bad else r)  # type: ignore[arg-type]
+    result = compare_ranks([tmp_path / "rank0.kvlog", tmp_path / "rank1.kvlog"])
+    assert result.difference is not None and "live state diverged" in result.difference.what
+    assert result.difference.rank == 1
+    with LogWriter(tmp_path / "short.kvlog") as writer:
+        for _, r in records[: len(records) // 2]:
+            writer.append(r)
+    result = compare_ranks([tmp_path / "rank0.kvlog", tmp_path / "short.kvlog"])
+    assert result.difference is not None and result.difference.what == "the log ends here"

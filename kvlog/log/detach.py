@@ -71,10 +71,11 @@ def detach_writer(writer: LogWriter | SegmentedWriter, error: BaseException) -> 
     if path is None:
         return False
     record = LogDetached(_error_text(error), error_errno(error))
+    marked = False
     try:
         with LogWriter(path, sync="always") as marker:
-            marker.append_detached(record)
-    except Exception as exc:
-        _logger.debug("%s: cannot mark the gap: %s", path, exc)
-        return False
-    return True
+            marker.append_detached(record)  # written and fsynced, or raises
+            marked = True
+    except Exception as exc:  # the close record after it may not fit: the log ends torn
+        _logger.debug("%s: cannot mark the gap or close after it: %s", path, exc)
+    return marked

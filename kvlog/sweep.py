@@ -256,7 +256,7 @@ def whatif(
 
 
 def _log_name(path: str) -> str:
-    return os.path.splitext(os.path.basename(path))[0]
+    return os.path.splitext(os.path.basename(path.rstrip("/")))[0]
 
 
 def _whatif_task(source: str | bytes, log: str, spec: PolicySpec, cost: CostModel) -> SweepRow:
@@ -355,8 +355,8 @@ def run_sweep(
         LogReader(path)  # a missing or foreign file fails here, not in a worker
     names = _unique_names(paths)
     sources: list[str | bytes] = list(paths)
-    if use_ray and address is not None:
-        sources = [_read_bytes(p) for p in paths]
+    if use_ray and address is not None:  # a log directory is read where it lies (shared)
+        sources = [p if os.path.isdir(p) else _read_bytes(p) for p in paths]
     calls = [
         (src, name, spec, cost) for src, name in zip(sources, names, strict=True) for spec in specs
     ]

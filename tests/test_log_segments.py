@@ -222,3 +222,53 @@ def test_a_crash_leaves_a_torn_tail_that_resume_cuts(tmp_path: Path) -> None:
     assert resumed.recovery is not None
     resumed.close()
     assert replay(log).ok
+
+
+def test_the_facade_records_a_directory_from_the_environment(tmp_path: Path) -> None:
+    from seed_reference import make_hpu_caches
+
+    from kvlog.integrations import OnlineDefragmenter
+
+    env = {
+        "KVLOG_PATH": str(tmp_path / "worker-{pid}") + "/",
+        "KVLOG_SEGMENT_BYTES": str(8 << 10),
+        "KVLOG_RETAIN_BYTES": str(32 << 10),
+        "KVLOG_SYNC": "step",
+    }
+    defrag = OnlineDefragmenter(environ=env, backend="fake")
+    defrag.initialize(make_hpu_caches(64, 4), 4)
+    free, live = list(range(1, 64)), {}  # type: ignore[var-annotated]
+    for step in range(600):
+        finished = [next(iter(live))] if len(live) > 6 else []
+        for req_id in finished:
+            free += live.pop(req_id)
+        live[f"r{step}"] = [free.pop(0), free.pop(0)]
+        defrag.update_state({f"r{step}": live[f"r{step}"]}, finished)
+        defrag.defragment()
+    status = defrag.log_status()
+    defrag.close()
+    log = tmp_path / f"worker-{os.getpid()}"
+    assert status.attached and status.path == str(log)
+    infos = list_segments(str(log))
+    assert len(infos) >= 2 and infos[0].first_seq > 0  # rotated and retained
+    assert replay(log).ok
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [("KVLOG_SEGMENT_BYTES", "100"), ("KVLOG_RETAIN_BYTES", "-1"), ("KVLOG_RETAIN_SECONDS", "x")],
+)
+def test_bad_segment_variables_are_refused_by_name(variable: str, value: str) -> None:
+    from kvlog.integrations.config import config_from_env
+
+    with pytest.raises(ConfigError, match=variable):
+        config_from_env({"KVLOG_PATH": "/tmp/logs/", variable: value})
+
+
+def test_segment_variables_need_a_log_directory() -> None:
+    from kvlog.integrations.config import config_from_env
+
+    with pytest.raises(ConfigError, match="KVLOG_PATH"):
+        config_from_env({"KVLOG_PATH": "/tmp/a.kvlog", "KVLOG_SEGMENT_BYTES": "65536"})
+    config = config_from_env({"KVLOG_PATH": "/tmp/logs/", "KVLOG_COMPRESS": "zstd"})
+    assert config.compress and config.segment_bytes is None

@@ -19,6 +19,10 @@ full disk. Each part prints its figures with the baseline measured in the same r
         tables of a run without a log, the status reports the detach, the log replays to the gap
     python bench/bench_log_lifecycle.py traces
         bytes per step and per event of the public traces (kvlog synth --trace) into a directory
+    python bench/bench_log_lifecycle.py ranks LOG0 LOG1
+        kvlog ranks on two ranks' logs (e.g. two PYTHONHASHSEED=0 runs of one vllm_harness.py
+        config), then on LOG0 against a copy of LOG1 fed one different event (a request
+        finished in the middle of the run reported preempted instead)
 """
 
 from __future__ import annotations
@@ -326,6 +330,35 @@ def cmd_traces(args: argparse.Namespace) -> None:
     shutil.rmtree(tmp)
 
 
+# -- ranks ---------------------------------------------------------------------------------
+def cmd_ranks(args: argparse.Namespace) -> None:
+    from kvlog.events import Checkpoint, RequestFinished, RequestPreempted
+    from kvlog.ranks import compare_ranks
+
+    started = time.perf_counter()
+    result = compare_ranks([args.logs[0], args.logs[1]])
+    wall = time.perf_counter() - started
+    print(f"kvlog ranks: ok={result.ok}, {result.num_events:,} events, {result.num_steps:,} "
+          f"steps, normalized {result.normalized} ({wall:.1f} s)")  # fmt: skip
+    events = [r for _, r in LogReader(args.logs[1]).records() if not isinstance(r, Checkpoint)]
+    index = next(
+        i for i, e in enumerate(events) if type(e) is RequestFinished and i > len(events) // 2
+    )
+    finished = events[index]
+    assert type(finished) is RequestFinished
+    events[index] = RequestPreempted(req_id=finished.req_id)
+    fed = tempfile.mkdtemp(prefix="kvlog-ranks-") + "/rank1-fed.kvlog"
+    config = events[0]
+    assert type(config) is CacheConfigured
+    with Engine(config, fed) as engine:
+        for event in events[1:]:
+            engine.apply(event)
+    step = sum(type(e).__name__ in ("StepEnded", "StepScheduled") for e in events[:index])
+    print(f"rank 1 fed RequestPreempted({finished.req_id!r}) instead of its RequestFinished, "
+          f"event {index} (step {step}):")  # fmt: skip
+    print(f"kvlog ranks: {compare_ranks([args.logs[0], fed]).difference}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="part", required=True)
@@ -344,12 +377,14 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20_000)
     p.add_argument("--blocks", type=int, default=4096)
     p.add_argument("--fs-kib", type=int, default=512)
+    p = sub.add_parser("ranks")
+    p.add_argument("logs", nargs=2)
     p = sub.add_parser("traces")
     p.add_argument("--traces", default="/work/shared/traces")
     p.add_argument("--requests", type=int, default=2000)
     args = parser.parse_args()
     commands = {"rotate": cmd_rotate, "resume": cmd_resume, "parallel": cmd_parallel}
-    commands |= {"disk-full": cmd_disk_full, "traces": cmd_traces}
+    commands |= {"disk-full": cmd_disk_full, "traces": cmd_traces, "ranks": cmd_ranks}
     commands[args.part](args)
 
 

@@ -13,7 +13,10 @@ log between its check and its change. Its order, and what it guarantees:
    or fsync fails, the writer is poisoned and so is the engine (every later call raises
    ``LogPoisoned``), and the state has not changed: it is the state of every event
    appended before. Events buffered since the last group commit may or may not be on
-   disk; ``Engine.resume(log_path)`` rebuilds exactly what is durable;
+   disk; ``Engine.resume(log_path)`` rebuilds exactly what is durable. With
+   ``on_log_error="detach"`` (the facades' choice) the recorder detaches instead: said once
+   on the ``kvlog`` logger, ``log_status()`` reports it, the log ends with a gap record
+   where the disk allows, and the engine goes on in memory (``kvlog.log.detach``);
 3. **commit**: the machine changes the state once, with what the check found (this cannot
    refuse: the event was checked against this very state), hands the plans to the
    executor, if any, and notifies its observers; ``apply`` returns the plans.
@@ -25,7 +28,9 @@ stopped; resume the log), and an exception that cut it short (below). Every
 the last applied record and the state digest), with a state snapshot every
 ``snapshot_every`` checkpoints (by default 16, and no sooner than ``num_gpu_blocks // 4``
 records after the last, so large pools snapshot less often: see ``Engine._snapshot_due``),
-so a replay verifies as it goes and can start from the latest snapshot; a snapshot of any
+so a replay verifies as it goes and can start from the latest snapshot (a log directory
+also seals its segment at a step's end once it holds ``segment_bytes``, and opens the next
+with a snapshot, ``kvlog.log.segments``); a snapshot of any
 allowed pool fits the log (it is split across records when large). ``close()`` drains the
 executor's transfers, writes a final checkpoint (with a snapshot) and closes the log
 cleanly.

@@ -280,7 +280,7 @@ def test_an_os_error_is_one_line_and_exit_2(
 ) -> None:
     from kvlog import cli as cli_module
 
-    def denied(path: str) -> None:
+    def denied(path: str, **_: object) -> None:
         raise PermissionError(13, "Permission denied", path)
 
     monkeypatch.setattr(cli_module, "LogReader", denied)

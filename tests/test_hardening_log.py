@@ -70,6 +70,7 @@ def test_a_fifo_and_a_directory_are_refused_and_left_as_they_are(tmp_path: Path)
     os.mkfifo(fifo)
     directory = tmp_path / "dir.kvlog"
     directory.mkdir()
+    (directory / "notes.txt").write_text("not a log")  # an empty directory would be a log's
     for path in (fifo, directory):
         with pytest.raises(LogPathError) as info:
             LogWriter(path)

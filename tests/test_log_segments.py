@@ -272,3 +272,18 @@ def test_segment_variables_need_a_log_directory() -> None:
         config_from_env({"KVLOG_PATH": "/tmp/a.kvlog", "KVLOG_SEGMENT_BYTES": "65536"})
     config = config_from_env({"KVLOG_PATH": "/tmp/logs/", "KVLOG_COMPRESS": "zstd"})
     assert config.compress and config.segment_bytes is None
+
+
+def test_an_empty_directory_becomes_a_log_and_a_foreign_one_is_refused(tmp_path: Path) -> None:
+    from kvlog.errors import LogPathError
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    Engine(CONFIG.cache_config(), empty).close()
+    assert replay(empty).ok and len(list_segments(str(empty))) == 1
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(LogPathError, match="other files"):
+        Engine(CONFIG.cache_config(), foreign)
+    assert os.listdir(foreign) == ["notes.txt"]

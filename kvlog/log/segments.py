@@ -24,6 +24,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 import threading
 import time
 
@@ -33,6 +34,7 @@ from kvlog.errors import LogExists, LogLocked, LogPathError, LogPoisoned
 from kvlog.events import Checkpoint, Record
 from kvlog.log.format import SEQ_BASE_KEY, Recovery
 from kvlog.log.manifest import (
+    MANIFEST_NAME,
     Manifest,
     SegmentInfo,
     compress_file,
@@ -56,6 +58,7 @@ DEFAULT_SEGMENT_BYTES = 256 << 20
 MIN_SEGMENT_BYTES = 4096
 """Smaller segments would hold little more than their opening snapshot."""
 LOCK_NAME = "LOCK"
+_SEGMENT_FILE = re.compile(r"^\d{16}\.kvlog(\.zst)?$")
 _logger = logging.getLogger("kvlog.log")
 
 
@@ -350,10 +353,29 @@ class SegmentedWriter:
             self._lock_fd = os.close(self._lock_fd) or -1  # type: ignore[func-returns-value]
 
 
+def _check_ours(path: str) -> None:
+    """``LogPathError`` for an existing directory that holds files but no log segments or
+    manifest: kvlog never writes into a directory that is not a log's."""
+    try:
+        names = os.listdir(path)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise LogPathError(exc.errno or errno.EIO, f"{path}: cannot list it: {exc}") from exc
+    ours = {LOCK_NAME, MANIFEST_NAME}
+    if names and not any(n in ours or _SEGMENT_FILE.match(n) for n in names):
+        raise LogPathError(
+            errno.ENOTEMPTY,
+            f"{path} is a directory holding other files and no log: refused, left as it is",
+        )
+
+
 def _lock_directory(path: str) -> int:
-    """Create the directory if needed and lock its ``LOCK`` file; the fd."""
+    """Create the directory if needed and lock its ``LOCK`` file; the fd. A path that is
+    not a directory, or a directory holding other files and no log, is refused untouched."""
     if os.path.lexists(path) and not os.path.isdir(path):
         raise LogPathError(errno.ENOTDIR, f"{path} is not a directory: refused, left as it is")
+    _check_ours(path)
     try:
         os.makedirs(path, exist_ok=True)
         fd = os.open(os.path.join(path, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)

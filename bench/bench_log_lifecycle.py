@@ -17,6 +17,10 @@ full disk. Each part prints its figures with the baseline measured in the same r
         the facade and its offloading worker on a tiny tmpfs (root: mount -t tmpfs), else with
         ENOSPC injected into the writer: the serving loop runs to the end with the plans and
         tables of a run without a log, the status reports the detach, the log replays to the gap
+    python bench/bench_log_lifecycle.py vllm-disk [--config pc-bpc2-async]   (the vLLM venv)
+        tests/vllm_harness.py (vLLM's scheduler, KvlogOffloadingConnector, the defragmenter,
+        canaries) with the log's disk failing: ENOSPC after 192 KiB, then EIO on the 51st
+        fdatasync; the harness's checks (bytes, tables, tokens, completions) must all pass
     python bench/bench_log_lifecycle.py traces
         bytes per step and per event of the public traces (kvlog synth --trace) into a directory
     python bench/bench_log_lifecycle.py ranks LOG0 LOG1
@@ -322,6 +326,40 @@ def report(label: str, same: bool, status: object, log: str, started: float) -> 
           f"gaps: {result.gaps}")  # fmt: skip
 
 
+# -- the real vLLM harness on a failing disk -------------------------------------------------
+def cmd_vllm_disk(args: argparse.Namespace) -> None:
+    import vllm_harness as harness
+
+    from kvlog.log import writer
+
+    real_write, real_sync = writer._write_all, writer._datasync
+    budget, syncs = [192 << 10], [0]
+
+    def write_all(fd: int, data: bytes | bytearray) -> None:
+        if len(data) > budget[0]:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        budget[0] -= len(data)
+        real_write(fd, data)
+
+    def datasync(fd: int) -> None:
+        syncs[0] += 1
+        if syncs[0] > 50:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        real_sync(fd)
+
+    for name, patch in (("ENOSPC", ("_write_all", write_all)), ("EIO", ("_datasync", datasync))):
+        setattr(writer, *patch)
+        res = harness.run_config(harness.CONFIGS[args.config])
+        writer._write_all, writer._datasync = real_write, real_sync  # type: ignore[assignment]
+        replayed = all(d.startswith("divergence None") for d in res.details.get("replay", []))
+        print(f"{name} {args.config}: {res.steps} steps, {res.finished}/{res.requests} requests "
+              f"finished, {res.stores_done}/{res.stores} stores, {res.loads_done} loads, "
+              f"{res.swaps} swaps; wrong bytes {res.wrong}, table mismatches "
+              f"{res.table_mismatches}, token mismatches {res.token_mismatches}, harness "
+              f"errors {res.harness_errors}, errors {res.errors}; the stopped log replays "
+              f"with no divergence: {replayed}")  # fmt: skip
+
+
 # -- traces --------------------------------------------------------------------------------
 def cmd_traces(args: argparse.Namespace) -> None:
     traces = Path(args.traces)
@@ -389,6 +427,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20_000)
     p.add_argument("--blocks", type=int, default=4096)
     p.add_argument("--fs-kib", type=int, default=512)
+    p = sub.add_parser("vllm-disk")
+    p.add_argument("--config", default="pc-bpc2-async")
     p = sub.add_parser("ranks")
     p.add_argument("logs", nargs=2)
     p = sub.add_parser("traces")
@@ -397,6 +437,7 @@ def main() -> None:
     args = parser.parse_args()
     commands = {"rotate": cmd_rotate, "resume": cmd_resume, "parallel": cmd_parallel}
     commands |= {"disk-full": cmd_disk_full, "traces": cmd_traces, "ranks": cmd_ranks}
+    commands["vllm-disk"] = cmd_vllm_disk
     commands[args.part](args)
 
 

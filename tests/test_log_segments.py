@@ -192,6 +192,16 @@ def test_compressed_segments_replay_resume_and_run_in_parallel(tmp_path: Path) -
     assert replay_segments(log, use_ray=False).ok
     Engine.resume(log).close()
     assert replay(log).ok
+    # no manifest and no open segment: the files alone say where the log goes on
+    os.unlink(log / MANIFEST_NAME)
+    os.unlink(log / list_segments(str(log))[-1].name)
+    last = list_segments(str(log))[-1]
+    assert last.compressed and not last.sealed
+    resumed = Engine.resume(log)
+    resumed.close()
+    infos = list_segments(str(log))
+    assert infos[-1].first_seq > last.first_seq and not infos[-1].compressed
+    assert replay(log).ok
 
 
 def test_one_writer_per_directory_and_options_need_a_directory(tmp_path: Path) -> None:

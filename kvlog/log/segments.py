@@ -30,7 +30,7 @@ import time
 
 import msgspec
 
-from kvlog.errors import LogExists, LogLocked, LogPathError, LogPoisoned
+from kvlog.errors import LogClosed, LogExists, LogLocked, LogPathError, LogPoisoned
 from kvlog.events import Checkpoint, Record
 from kvlog.log.format import SEQ_BASE_KEY, Recovery
 from kvlog.log.manifest import (
@@ -40,6 +40,7 @@ from kvlog.log.manifest import (
     compress_file,
     file_sha256,
     list_segments,
+    open_segment,
     remove_file,
     segment_name,
     write_manifest,
@@ -123,12 +124,14 @@ class SegmentedWriter:
         self.recovery = self._current.recovery
 
     def _next_seq_after(self, info: SegmentInfo) -> int:
-        from kvlog.log.reader import LogReader  # the reader imports this package's writer
+        """The seq after a compressed segment the manifest does not know as sealed (its
+        manifest entry was lost): read it."""
+        from kvlog.log.reader import LogReader  # the reader imports the writer's module
 
-        reader = LogReader(self.path)
-        reader.segments = [info]
-        for _ in reader.records(info.first_seq):
-            pass
+        with open_segment(self.path, info) as plain:
+            reader = LogReader(plain)
+            for _ in reader.records():
+                pass
         return reader.last_seq + 1
 
     def _writer(self, name: str, first_seq: int, *, new: bool) -> LogWriter:
@@ -300,8 +303,6 @@ class SegmentedWriter:
                 f"{self.path}: an earlier segment operation failed ({self._poison!r})"
             ) from self._poison
         if self._closed:
-            from kvlog.errors import LogClosed
-
             raise LogClosed(f"{self.path}: log writer is closed")
 
     @property

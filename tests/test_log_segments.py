@@ -8,10 +8,13 @@ import itertools
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import msgspec
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvlog import Engine, replay
 from kvlog.cli import main
@@ -297,3 +300,44 @@ def test_an_empty_directory_becomes_a_log_and_a_foreign_one_is_refused(tmp_path:
     with pytest.raises(LogPathError, match="other files"):
         Engine(CONFIG.cache_config(), foreign)
     assert os.listdir(foreign) == ["notes.txt"]
+
+
+@settings(
+    max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    segment_kib=st.integers(4, 40),
+    retain_kib=st.one_of(st.none(), st.integers(0, 80)),
+    steps=st.integers(20, 250),
+    seed=st.integers(0, 3),
+)
+def test_any_segment_size_and_retention_keep_a_log_that_replays(
+    tmp_path: Path, segment_kib: int, retain_kib: int | None, steps: int, seed: int
+) -> None:
+    """The segments follow each other with no gap in sequence numbers, hold the events of
+    the same run recorded to one file (a suffix of them, after retention), and replay to
+    the engine's digest."""
+    config = SynthConfig(steps=steps, seed=seed, num_cpu_blocks=16)
+    where = tempfile.mkdtemp(dir=tmp_path)
+    log = Path(where) / "dir"
+    retain = None if retain_kib is None else retain_kib << 10
+    engine = Engine(
+        config.cache_config(),
+        log,
+        checkpoint_every=8,
+        segment_bytes=segment_kib << 10,
+        retain_bytes=retain,
+    )
+    with engine:
+        SynthRun(config, engine, None).run()
+    result = replay(log)
+    assert result.ok, result.divergence
+    assert result.recorded is not None and result.recorded.final_digest == engine.digest()
+    infos = list_segments(str(log))
+    assert [i.first_seq for i in infos[1:]] == [i.last_seq + 1 for i in infos[:-1]]
+    file_log = Path(where) / "one.kvlog"
+    with Engine(config.cache_config(), file_log, checkpoint_every=8) as plain:
+        SynthRun(config, plain, None).run()
+    events = events_of(file_log)
+    kept = events_of(log)
+    assert kept == events[len(events) - len(kept) :]

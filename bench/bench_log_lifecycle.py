@@ -349,8 +349,12 @@ def cmd_vllm_disk(args: argparse.Namespace) -> None:
 
     for name, patch in (("ENOSPC", ("_write_all", write_all)), ("EIO", ("_datasync", datasync))):
         setattr(writer, *patch)
-        res = harness.run_config(harness.CONFIGS[args.config])
+        with tempfile.TemporaryDirectory(prefix="kvlog-vllm-disk-") as tmp:
+            run = harness.Run(harness.CONFIGS[args.config], tmp)
+            res = run.execute()
+            status = run.connector.log_status()  # the connector's own view
         writer._write_all, writer._datasync = real_write, real_sync  # type: ignore[assignment]
+        print(f"connector.log_status(): {status}")
         replayed = all(d.startswith("divergence None") for d in res.details.get("replay", []))
         print(f"{name} {args.config}: {res.steps} steps, {res.finished}/{res.requests} requests "
               f"finished, {res.stores_done}/{res.stores} stores, {res.loads_done} loads, "

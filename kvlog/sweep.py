@@ -9,8 +9,8 @@ log's own policy). ``whatif(path, spec, cost)`` replays one log's events under o
 highest used block id (mean and peak), blocks and bytes moved by defrag, stores, loads and
 the :mod:`kvlog.cost` model's time. ``run_sweep`` runs every (log, variant) pair as a Ray
 task (a local Ray by default, an existing cluster with ``address``; logs are shipped as bytes
-to a remote cluster) or in this process, with a progress bar; ``write_sweep_csv``,
-``write_sweep_plot`` and ``sweep_table`` present the rows.
+to a remote cluster) or in this process, with a progress bar; ``write_sweep_csv`` writes
+the rows (the table and the picture are :mod:`kvlog.present`'s).
 
 ``replay_segments(path)`` replays a long log in parallel segments cut at its snapshot
 checkpoints: each segment restores its snapshot (checking it against the checkpoint's
@@ -48,6 +48,7 @@ from kvlog.events import (
 )
 from kvlog.log import LogReader
 from kvlog.machine import Machine, Observer
+from kvlog.present.units import p99, size_label
 from kvlog.replay import checkpoint_digest
 from kvlog.tally import PlanTally
 
@@ -57,14 +58,11 @@ __all__ = [
     "SegmentResult",
     "SegmentedReplay",
     "SweepRow",
-    "format_bytes",
     "policy_grid",
     "replay_segments",
     "run_sweep",
-    "sweep_table",
     "whatif",
     "write_sweep_csv",
-    "write_sweep_plot",
 ]
 
 POLICY_NAMES: tuple[str, ...] = ("seed", "tail", "budget", "off", "recorded")
@@ -116,7 +114,7 @@ def policy_grid(
         elif name == "budget":
             t = min(thresholds)
             for b in budgets:
-                label = f"budget {_size_label(b)} t={t}"
+                label = f"budget {size_label(b)} t={t}"
                 spec = (("defrag", True), ("threshold", t), ("max_bytes_per_step", b))
                 out.append(PolicySpec(label, spec))
         elif name == "off":
@@ -124,13 +122,6 @@ def policy_grid(
         else:
             out.append(PolicySpec("recorded"))
     return out
-
-
-def _size_label(num_bytes: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if num_bytes >= size and num_bytes % size == 0:
-            return f"{num_bytes // size}{unit}"
-    return f"{num_bytes}B"
 
 
 @dataclass
@@ -220,8 +211,7 @@ class _Tally(Observer):
         row.modeled_s = row.decode_s + row.defrag_s + row.transfer_s
         row.modeled_ms_per_step = 1e3 * row.modeled_s / row.steps if row.steps else 0.0
         if self.step_ms:
-            ranked = sorted(self.step_ms)
-            row.p99_step_ms = ranked[min(len(ranked) - 1, (99 * len(ranked)) // 100)]
+            row.p99_step_ms = p99(self.step_ms)
         row.final_digest = str(reducers.digest(state))
         return row
 
@@ -381,125 +371,6 @@ def write_sweep_csv(path: str, rows: Iterable[SweepRow]) -> None:
         w.writeheader()
         for row in rows:
             w.writerow(asdict(row))
-
-
-def sweep_table(rows: Sequence[SweepRow]) -> list[tuple[str, ...]]:
-    """Header and one line per row: the figures a person compares."""
-    out: list[tuple[str, ...]] = [
-        (
-            "log",
-            "policy",
-            "mean top id",
-            "peak top id",
-            "blocks moved",
-            "moved",
-            "peak step swap",
-            "stores",
-            "loads",
-            "model ms/step",
-            "p99 ms",
-            "note",
-        ),
-    ]
-    for r in rows:
-        out.append(
-            (
-                r.log,
-                r.policy,
-                f"{r.mean_max_used:,.1f}",
-                f"{r.peak_max_used:,}",
-                f"{r.blocks_moved:,}",
-                format_bytes(r.bytes_moved),
-                format_bytes(r.peak_step_swap_bytes),
-                f"{r.stores:,}",
-                f"{r.loads:,}",
-                f"{r.modeled_ms_per_step:,.3f}",
-                f"{r.p99_step_ms:,.2f}",
-                "refused: " + r.rejected if r.rejected else "",
-            )
-        )
-    return out
-
-
-def format_bytes(num_bytes: float) -> str:
-    """``1.2 GiB``-style, in the unit that keeps the number readable."""
-    from kvlog.report import byte_unit
-
-    unit, size = byte_unit(num_bytes)
-    return f"{num_bytes / size:,.1f} {unit}" if size > 1 else f"{num_bytes:,.0f} B"
-
-
-_FAMILY_COLORS = {
-    "seed": "tab:blue",
-    "tail": "tab:orange",
-    "budget": "tab:green",
-    "off": "0.35",
-    "recorded": "tab:purple",
-}
-_MARKERS = "osD^vP*Xh<>p"
-
-
-def write_sweep_plot(path: str, rows: Sequence[SweepRow], title: str = "kvlog sweep") -> None:
-    """Bytes moved by defrag against mean highest used id: one panel per log, one point per
-    policy, a colour per policy family (its points joined in order of the x axis), a marker
-    per variant; the legend outside on the right. Transfers are left out of the y axis:
-    every policy replays the same stores and loads (``sweep.csv`` has them)."""
-    from matplotlib.ticker import FuncFormatter, MaxNLocator
-
-    from kvlog.report import byte_unit, plt_module
-
-    plt = plt_module("the sweep picture")
-    logs = list(dict.fromkeys(r.log for r in rows))
-    width = max(1, len(logs))
-    fig, axes = plt.subplots(1, width, figsize=(5.2 * width + 2.6, 4.4), squeeze=False)
-    for ax, log in zip(axes[0], logs, strict=True):
-        _sweep_panel(ax, [r for r in rows if r.log == log and not r.rejected], byte_unit)
-        ax.set_title(log, fontsize=10)
-        ax.set_xlabel("mean highest used block id (blocks)")
-        ax.xaxis.set_major_locator(MaxNLocator(nbins=6))
-        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
-        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.4g}"))
-        ax.set_ylim(bottom=0)
-        ax.grid(True, alpha=0.3)
-    handles, labels = [], []
-    for ax in axes[0]:
-        for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
-            if lab not in labels and not lab.startswith("_"):
-                handles.append(h)
-                labels.append(lab)
-    fig.legend(
-        handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False, title="policy"
-    )
-    fig.suptitle(title + ": lower left is better")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-
-
-def _sweep_panel(ax: Any, rows: list[SweepRow], byte_unit: Callable[[float], Any]) -> None:
-    unit, size = byte_unit(max((r.swap_bytes for r in rows), default=0))
-    ax.set_ylabel(f"moved by defrag ({unit})")
-    families: dict[str, list[SweepRow]] = {}
-    for r in rows:
-        families.setdefault(r.policy.split(" ")[0], []).append(r)
-    for family, members in families.items():
-        color = _FAMILY_COLORS.get(family, "tab:red")
-        line = sorted(members, key=lambda r: r.mean_max_used)
-        if len(line) > 1:
-            xs, ys = [r.mean_max_used for r in line], [r.swap_bytes / size for r in line]
-            ax.plot(xs, ys, color=color, linewidth=0.8, alpha=0.5, zorder=1)
-        for i, r in enumerate(members):
-            ax.scatter(
-                r.mean_max_used,
-                r.swap_bytes / size,
-                s=50,
-                zorder=2,
-                color=color,
-                marker=_MARKERS[i % len(_MARKERS)],
-                label=r.policy,
-                edgecolors="black",
-                linewidths=0.4,
-            )
 
 
 # -- segment-parallel replay ---------------------------------------------------------------

@@ -79,7 +79,7 @@ def test_synth_execute_runs_canary_checks(
 def test_replay_verifies(log_path: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["replay", log_path]) == 0
     out = capsys.readouterr().out
-    assert "no divergence" in out and "verified" in out and "events/s" in out
+    assert "verified: the replay agrees" in out and "verified" in out and "events/s" in out
 
 
 def test_replay_what_if_writes_svg_and_csv_reports(
@@ -88,10 +88,10 @@ def test_replay_what_if_writes_svg_and_csv_reports(
     svg = os.path.join(tmp_path, "r.svg")
     assert main(["replay", log_path, "--no-defrag", "--report", svg]) == 0
     out = capsys.readouterr().out
-    assert "what-if {'defrag': False}:" in out and f"wrote SVG {svg}" in out
+    assert "what-if: defrag off (recorded on)" in out and f"wrote SVG {svg}" in out
     with open(svg, encoding="utf-8") as f:
         text = f.read()
-    assert "<svg" in text and "what-if defrag=False" in text  # matplotlib, legend per run
+    assert "<svg" in text and "what-if: defrag off" in text  # matplotlib, legend per run
     csv_path = os.path.join(tmp_path, "r.csv")
     assert main(["replay", log_path, "--threshold", "4", "--report", csv_path]) == 0
     with open(csv_path, encoding="utf-8") as f:

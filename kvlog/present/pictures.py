@@ -329,7 +329,7 @@ def _sweep_row(axes: Any, rows: list[SweepRow], log: str) -> None:
         for y, r, w in zip(ys, rows, widths, strict=True):
             if r.rejected:
                 if j == 0:
-                    ax.text(peak * 0.02, y, f"refused: {r.rejected[:70]}", va="center",
+                    ax.text(peak * 0.02, y, f"refused: {r.rejected[:60]}", va="center",
                             fontsize=7, color="tab:red")  # fmt: skip
                 continue
             text = f"{w:,.3f}  (p99 {r.p99_step_ms:,.2f})" if j == 0 else f"{w:,.4g}"

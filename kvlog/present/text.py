@@ -168,21 +168,28 @@ def describe_overrides(overrides: dict[str, Any], recorded: Any = None) -> str:
     """``threshold 64 (recorded 32), policy tail``: a what-if's settings in words."""
     parts = []
     for name, value in overrides.items():
-        shown = "on" if value is True else "off" if value is False else format_value(value)
-        if name == "max_bytes_per_step" and isinstance(value, int):
-            shown = format_bytes(value) if value else "no cap"
         was = getattr(recorded, name, None)
-        note = f" (recorded {format_value(was)})" if was is not None and was != value else ""
-        parts.append(f"{name.replace('_', ' ')} {shown}{note}")
+        note = f" (recorded {_setting(name, was)})" if was is not None and was != value else ""
+        parts.append(f"{name.replace('_', ' ')} {_setting(name, value)}{note}")
     return ", ".join(parts)
+
+
+def _setting(name: str, value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if name == "max_bytes_per_step" and isinstance(value, int):
+        return format_bytes(value) if value else "no cap"
+    if isinstance(value, tuple | list):
+        return ",".join(str(v) for v in value)
+    return format_value(value)
 
 
 def _whatif_text(w: WhatIf, config: Any) -> str:
     steps = w.recorded.num_steps
     out = [f"what-if: {describe_overrides(w.overrides, config)}"]
     out.append(
-        "  the recorded events replayed under these settings (the log's checkpoints belong "
-        "to the recorded run, so they are not checked)"
+        "  the recorded events under these settings (the log's checkpoints are the recorded\n"
+        "  run's, so they are checked against that run only)"
     )
     out.append(
         f"  highest used id: mean {w.recorded.mean_max_used:,.1f} -> "
@@ -277,6 +284,10 @@ def sweep_table(rows: Sequence[SweepRow]) -> list[tuple[str, ...]]:
     """Header and one line per row: the figures a person compares."""
     out: list[tuple[str, ...]] = [SWEEP_COLUMNS]
     for r in rows:
+        if r.rejected:
+            blank = ("-",) * (len(SWEEP_COLUMNS) - 3)
+            out.append((r.log, r.policy, *blank, "refused: " + r.rejected))
+            continue
         out.append(
             (
                 r.log,
@@ -291,7 +302,7 @@ def sweep_table(rows: Sequence[SweepRow]) -> list[tuple[str, ...]]:
                 f"{r.loads:,}",
                 f"{r.modeled_ms_per_step:,.3f}",
                 f"{r.p99_step_ms:,.2f}",
-                "refused: " + r.rejected if r.rejected else "",
+                "",
             )
         )
     return out

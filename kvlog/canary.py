@@ -39,6 +39,7 @@ from kvlog.events import (
 )
 from kvlog.reducers import State
 from kvlog.reducers import step as step_reducer
+from kvlog.splitmix import GOLDEN, mix64_array
 
 if TYPE_CHECKING:
     from kvlog.executors import Executor
@@ -61,16 +62,6 @@ UNKNOWN = -1
 PENDING = -2
 """Token of a GPU block that an unfinished load is writing."""
 
-_MASK64 = (1 << 64) - 1
-
-
-def _splitmix64(x: np.ndarray) -> np.ndarray:
-    """Vectorized splitmix64 finalizer (uint64 in, uint64 out, wrapping arithmetic)."""
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    out: np.ndarray = x ^ (x >> np.uint64(31))
-    return out
-
 
 def canary_rows(tokens: np.ndarray, num_bytes: int) -> np.ndarray:
     """``(len(tokens), num_bytes)`` uint8: row ``i`` depends only on ``tokens[i]`` (>= 0)."""
@@ -78,8 +69,8 @@ def canary_rows(tokens: np.ndarray, num_bytes: int) -> np.ndarray:
     assert tokens.size == 0 or int(tokens.min()) >= 0, "canary tokens must be >= 0"
     num_words = (num_bytes + 7) // 8
     with np.errstate(over="ignore"):
-        base = tokens.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-        words = _splitmix64(np.arange(num_words, dtype=np.uint64)[None, :] + base[:, None])
+        base = tokens.astype(np.uint64) * np.uint64(GOLDEN)
+        words = mix64_array(np.arange(num_words, dtype=np.uint64)[None, :] + base[:, None])
     rows: np.ndarray = words.view(np.uint8).reshape(len(tokens), num_words * 8)[:, :num_bytes]
     return rows
 

@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 import typing
@@ -63,13 +64,15 @@ Run "kvlog COMMAND --help" for a command's flags and their defaults."""
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows a flag's default after its help, unless there is none to show (None, a
-    switch that is off) or the help already says it."""
+    switch that is off), the help already says it, or it is a list (their help says it in
+    the flag's own units)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
-        if action.default in (None, False, argparse.SUPPRESS) or "default" in text:
+        default = action.default
+        if default is None or default is False or isinstance(default, list):
             return text
-        return super()._get_help_string(action)
+        return text if "default" in text else super()._get_help_string(action)
 
 
 _EVENT_TYPES = (
@@ -122,6 +125,23 @@ def _add_policy(p: argparse.ArgumentParser, defaults: bool) -> None:
     add_policy_flags(p, defaults)
 
 
+_WORKLOAD_FLAGS: tuple[tuple[str, str, type, str], ...] = (
+    ("--seed", "seed", int, "seed of the synthetic workload"),
+    ("--steps", "steps", int, "scheduler steps to run"),
+    ("--num-cpu-blocks", "num_cpu_blocks", int, "CPU offload blocks (0: no offload)"),
+    ("--block-size-factor", "block_size_factor", int, "GPU blocks per CPU block"),
+    ("--arrival-rate", "arrival_rate", float, "requests per step"),
+    ("--prompt-len-mean", "prompt_len_mean", float, "mean prompt tokens"),
+    ("--output-len-mean", "output_len_mean", float, "mean output tokens"),
+    ("--max-num-seqs", "max_num_seqs", int, "most requests running at once"),
+    ("--num-prefixes", "num_prefixes", int, "distinct shared system prompts"),
+    ("--prefix-share", "prefix_share", float, "share of requests that start with a shared prompt"),
+    ("--failure-rate", "transfer_failure_rate", float, "share of simulated transfers that fail "
+     "(without --execute)"),
+)  # fmt: skip
+"""``kvlog synth``'s workload flags: (flag, ``SynthConfig`` field for the default, type, help)."""
+
+
 def _add_synth(sub: Any) -> None:
     p = sub.add_parser(
         "synth",
@@ -132,8 +152,8 @@ def _add_synth(sub: Any) -> None:
     )
     d = SynthConfig()
     p.add_argument("--out", required=True, help="log file to create (must not hold records)")
-    p.add_argument("--seed", type=int, default=d.seed, help="seed of the synthetic workload")
-    p.add_argument("--steps", type=int, default=d.steps, help="scheduler steps to run")
+    for flag, name, kind, text in _WORKLOAD_FLAGS:
+        p.add_argument(flag, type=kind, default=getattr(d, name), help=text)
     p.add_argument(
         "--num-gpu-blocks",
         type=int,
@@ -144,47 +164,7 @@ def _add_synth(sub: Any) -> None:
         type=int,
         help=f"tokens per block (default {d.block_size}; 128 with --trace)",
     )
-    p.add_argument(
-        "--num-cpu-blocks",
-        type=int,
-        default=d.num_cpu_blocks,
-        help="CPU offload blocks (0: no offload)",
-    )
-    p.add_argument(
-        "--block-size-factor",
-        type=int,
-        default=d.block_size_factor,
-        help="GPU blocks per CPU block",
-    )
     p.add_argument("--prefix-caching", action="store_true", help="share prompt prefix blocks")
-    p.add_argument("--arrival-rate", type=float, default=d.arrival_rate, help="requests per step")
-    p.add_argument(
-        "--prompt-len-mean", type=float, default=d.prompt_len_mean, help="mean prompt tokens"
-    )
-    p.add_argument(
-        "--output-len-mean", type=float, default=d.output_len_mean, help="mean output tokens"
-    )
-    p.add_argument(
-        "--max-num-seqs", type=int, default=d.max_num_seqs, help="most requests running at once"
-    )
-    p.add_argument(
-        "--num-prefixes",
-        type=int,
-        default=d.num_prefixes,
-        help="distinct shared system prompts",
-    )
-    p.add_argument(
-        "--prefix-share",
-        type=float,
-        default=d.prefix_share,
-        help="share of requests that start with a shared prompt",
-    )
-    p.add_argument(
-        "--failure-rate",
-        type=float,
-        default=d.transfer_failure_rate,
-        help="share of simulated transfers that fail (without --execute)",
-    )
     p.add_argument("--execute", action="store_true", help="run on CPU tensors with canary checks")
     p.add_argument(
         "--backend",
@@ -267,7 +247,7 @@ def _add_demo(sub: Any) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvlog",
-        description=DESCRIPTION,
+        description=textwrap.fill(DESCRIPTION, 88),
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -281,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_replay(sub)
     _add_inspect(sub)
     _add_demo(sub)
-    add_sweep(sub)
+    add_sweep(sub, _HelpFormatter)
     return parser
 
 

@@ -229,35 +229,46 @@ def synth_geometry(args: argparse.Namespace) -> dict[str, int]:
 
 
 # -- kvlog sweep ---------------------------------------------------------------------------
-def add_sweep(sub: Any) -> None:
-    p = sub.add_parser("sweep", help="what-if replays of logs under many policies, on Ray")
+def add_sweep(sub: Any, formatter: type[argparse.HelpFormatter] = argparse.HelpFormatter) -> None:
+    p = sub.add_parser(
+        "sweep",
+        help="what-if replays of logs under many policies, on Ray",
+        description="Replay every log under every policy variant (one Ray task each) and "
+        "compare them: a table, DIR/sweep.csv and DIR/sweep.png.",
+        formatter_class=formatter,
+    )
     p.add_argument("logs", nargs="+", metavar="LOG")
     p.add_argument("--out", required=True, help="directory for sweep.csv and sweep.png")
     p.add_argument(
         "--policy",
         type=_list_of(_policy_name, "policy names"),
         default=["seed", "tail", "budget"],
-        help="policies to try, from seed, tail, budget, off, recorded",
+        help="policies to try, from seed, tail, budget, off, recorded (default: seed,tail,budget)",
     )
     p.add_argument(
         "--threshold",
         type=_list_of(int, "integers"),
         default=[8, 16, 32],
-        help="seed (and budget: the lowest) thresholds",
+        help="seed (and budget: the lowest) thresholds (default: 8,16,32)",
     )
     p.add_argument("--max-swaps", type=_list_of(int, "integers"), help="seed: caps per step")
     p.add_argument(
         "--ratio-limit",
         type=_list_of(_ratio_pct, "ratios"),
         default=[150],
-        help="tail: ratio limits, e.g. 1.25,1.5",
+        help="tail: ratio limits, e.g. 1.25,1.5 (default: 1.5)",
     )
-    p.add_argument("--min-swaps", type=_list_of(int, "integers"), default=[4], help="tail")
+    p.add_argument(
+        "--min-swaps",
+        type=_list_of(int, "integers"),
+        default=[4],
+        help="tail: minimum pairs (default: 4)",
+    )
     p.add_argument(
         "--budget",
         type=_list_of(size_arg, "sizes"),
         default=[64 << 20],
-        help="budget: bytes per step, e.g. 64MiB,256MiB",
+        help="budget: bytes per step, e.g. 64MiB,256MiB (default: 64MiB)",
     )
     p.add_argument("--address", help="an existing Ray cluster (default: a local Ray)")
     p.add_argument("--num-cpus", type=int, help="local Ray: worker CPUs (default: all)")

@@ -25,7 +25,6 @@ __all__ = [
     "Series",
     "report_path",
     "write_csv",
-    "write_figure",
     "write_report",
 ]
 
@@ -88,19 +87,6 @@ class Series:
 
     def __len__(self) -> int:
         return len(self.step)
-
-
-def write_figure(
-    path: str,
-    series: Sequence[Series],
-    title: str,
-    config: CacheConfigured | None = None,
-    cost: CostModel | None = None,
-) -> None:
-    """The report picture (:func:`kvlog.present.pictures.write_report_figure`)."""
-    from kvlog.present.pictures import write_report_figure
-
-    write_report_figure(path, series, title, config, cost)
 
 
 def write_csv(path: str, series: Sequence[Series]) -> None:
@@ -195,5 +181,7 @@ def write_report(
     if path.lower().endswith(".csv"):
         write_csv(path, series)
         return f"wrote CSV {path}"
-    write_figure(path, series, title, config, cost)
+    from kvlog.present.pictures import write_report_figure
+
+    write_report_figure(path, series, title, config, cost)
     return f"wrote {os.path.splitext(path)[1][1:].upper()} {path}"

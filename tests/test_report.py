@@ -19,9 +19,9 @@ from kvlog.cost import (
 )
 from kvlog.errors import ConfigError, MissingExtra
 from kvlog.events import CacheConfigured
-from kvlog.present import byte_unit, format_bytes, p99, parse_size, plural
 from kvlog.present.pictures import rolling_mean
 from kvlog.present.text import progress_bar, render_table
+from kvlog.present.units import byte_unit, format_bytes, p99, parse_size, plural
 from kvlog.report import Series, write_report
 
 CONFIG = CacheConfigured(num_gpu_blocks=64, block_size=16, page_size_bytes=2 << 20)

@@ -10,22 +10,4 @@ package renders.
 
 from __future__ import annotations
 
-from kvlog.present.units import (
-    byte_unit,
-    format_bytes,
-    format_value,
-    p99,
-    parse_size,
-    plural,
-    size_label,
-)
-
-__all__ = [
-    "byte_unit",
-    "format_bytes",
-    "format_value",
-    "p99",
-    "parse_size",
-    "plural",
-    "size_label",
-]
+__all__: list[str] = []

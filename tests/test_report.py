@@ -152,3 +152,26 @@ def test_progress_bar_reports_and_sizes_parse() -> None:
     assert size_arg("64MiB") == 64 << 20 and size_arg("1G") == 1 << 30 and size_arg("512") == 512
     with pytest.raises(Exception, match="not a size"):
         size_arg("lots")
+
+
+def test_the_sweep_shows_every_variant_and_names_the_refused(tmp_path: str) -> None:
+    from kvlog.present.pictures import write_sweep_figure
+    from kvlog.present.text import SWEEP_COLUMNS, sweep_table
+    from kvlog.sweep import SweepRow
+
+    rows = [
+        SweepRow("m", "seed t=8", steps=10, mean_max_used=40.0, swap_bytes=3 << 30,
+                 store_bytes=1 << 30, modeled_ms_per_step=1.5, p99_step_ms=2.0),
+        SweepRow("m", "seed t=8 m=1024", rejected="seq 0: CacheConfigured rejected: max_swaps"),
+        SweepRow("m", "off", steps=10, mean_max_used=60.0, modeled_ms_per_step=2.5),
+    ]  # fmt: skip
+    table = sweep_table(rows)
+    assert table[0] == SWEEP_COLUMNS and "defrag bytes" in SWEEP_COLUMNS
+    assert table[1][5:7] == ("3.0 GiB", "1.0 GiB")  # defrag and transfers apart
+    assert table[2][2] == "-" and table[2][-1].startswith("refused: ")
+    svg = os.path.join(tmp_path, "sweep.svg")
+    write_sweep_figure(svg, rows)
+    with open(svg, encoding="utf-8") as f:
+        text = f.read()
+    for words in ("seed t=8 m=1024", "refused: max_swaps", "off", "ms/step", "p99", "GiB"):
+        assert words in text, words

@@ -288,6 +288,11 @@ def _ms_panel(ax: Any, runs: Sequence[_Run], xs: np.ndarray, window: int,
 
 
 # -- the sweep -----------------------------------------------------------------------------
+def _reason(rejected: str) -> str:
+    """A refusal short enough for a bar's place: what was refused, not where."""
+    return rejected.rsplit("rejected: ", 1)[-1][:60]
+
+
 def _family(policy: str) -> str:
     return policy.split(" ")[0]
 
@@ -329,7 +334,7 @@ def _sweep_row(axes: Any, rows: list[SweepRow], log: str) -> None:
         for y, r, w in zip(ys, rows, widths, strict=True):
             if r.rejected:
                 if j == 0:
-                    ax.text(peak * 0.02, y, f"refused: {r.rejected[:60]}", va="center",
+                    ax.text(peak * 0.02, y, f"refused: {_reason(r.rejected)}", va="center",
                             fontsize=7, color="tab:red")  # fmt: skip
                 continue
             text = f"{w:,.3f}  (p99 {r.p99_step_ms:,.2f})" if j == 0 else f"{w:,.4g}"

@@ -364,12 +364,14 @@ class KvCacheSession:
             return
         self._route(self._engine.poll())
 
-    def take_finished(self, kinds: Iterable[JobKind]) -> list[TransferCompletion]:
+    def take_finished(self, kinds: Iterable[JobKind]) -> list[tuple[JobKind, TransferCompletion]]:
+        """Poll once, then hand over the finished transfers of these kinds, kind by kind."""
         self.poll()
-        out: list[TransferCompletion] = []
+        out: list[tuple[JobKind, TransferCompletion]] = []
         for kind in kinds:
-            out.extend(self._finished[kind])
-            self._finished[kind].clear()
+            queue = self._finished[kind]
+            out.extend((kind, result) for result in queue)
+            queue.clear()
         return out
 
     def wait(self, job_ids: Iterable[int] | None) -> None:

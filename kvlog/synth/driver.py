@@ -32,20 +32,17 @@ from kvlog.events import (
     BlocksAllocated,
     Event,
     LoadRequested,
-    Plan,
     RequestFinished,
     RequestPreempted,
     StepEnded,
     StoreRequested,
-    SwapPlan,
     TransferFinished,
 )
-from kvlog.machine import Observer
-from kvlog.reducers import State
 from kvlog.synth.pool import BlockPool, CpuCache
 from kvlog.synth.workload import Request, SynthConfig, Workload
+from kvlog.tally import RunSummary
 
-__all__ = ["RunCounts", "SynthResult", "SynthRun", "defer_sigint", "step_boundaries"]
+__all__ = ["SynthResult", "SynthRun", "defer_sigint", "step_boundaries"]
 
 _MAX_WAITING = 1024
 
@@ -98,8 +95,8 @@ class SynthResult:
 
     config: SynthConfig
     log_path: str | None = None
-    num_steps: int = 0
-    num_events: int = 0
+    summary: RunSummary = field(default_factory=RunSummary)
+    """What the Engine's machine did: an observer of it (``watch``)."""
     num_requests: int = 0
     num_finished: int = 0
     num_preemptions: int = 0
@@ -109,14 +106,38 @@ class SynthResult:
     num_loads: int = 0
     num_loaded_blocks: int = 0
     num_failed_transfers: int = 0
-    num_swap_plans: int = 0
-    num_swapped_blocks: int = 0
-    peak_max_used: int = -1
     final_digest: str = ""
     canary_checks: list[CanaryReport] = field(default_factory=list)
     elapsed_s: float = 0.0
     num_clipped: int = 0  # trace requests cut to the longest request the pool takes
     simulated_s: float = 0.0  # trace runs: the serving time the steps stand for
+
+    def watch(self, engine: Engine) -> None:
+        """Sum up what ``engine``'s machine does from now on."""
+        self.summary = RunSummary(engine.config)
+        engine.machine.observers.append(self.summary)
+
+    @property
+    def num_events(self) -> int:
+        """Events in the log: those the summary saw and the ``CacheConfigured`` that the
+        Engine applied when it was built, before anything watched it."""
+        return self.summary.num_events + 1
+
+    @property
+    def num_steps(self) -> int:
+        return self.summary.num_steps
+
+    @property
+    def num_swap_plans(self) -> int:
+        return self.summary.plans.swap_plans
+
+    @property
+    def num_swapped_blocks(self) -> int:
+        return self.summary.plans.blocks_moved
+
+    @property
+    def peak_max_used(self) -> int:
+        return self.summary.peak_max_used
 
     @property
     def canary_ok(self) -> bool:
@@ -138,21 +159,6 @@ class _Job:
     success: bool
     cpu_blocks: list[int]
     gpu_blocks: list[int]
-
-
-class RunCounts(Observer):
-    """Counts a synthetic run's events and defrag plans into its result (an observer of
-    the engine's machine)."""
-
-    def __init__(self, result: SynthResult) -> None:
-        self.result = result
-
-    def after(self, state: State, event: Event, plans: list[Plan]) -> None:
-        self.result.num_events += 1
-        for plan in plans:
-            if type(plan) is SwapPlan:
-                self.result.num_swap_plans += 1
-                self.result.num_swapped_blocks += len(plan.pairs)
 
 
 class SynthRun:
@@ -178,10 +184,9 @@ class SynthRun:
         self.result = SynthResult(config, engine.log_path)
         cap = (config.num_gpu_blocks - 1 - config.watermark_blocks) * config.block_size // 2
         self.max_tokens = max(cap, config.block_size)
-        observers = engine.machine.observers
-        observers.append(RunCounts(self.result))
-        if tracker is not None:
-            observers.append(tracker)  # sees every event, the polled TransferFinished too
+        self.result.watch(engine)
+        if tracker is not None:  # sees every event, the polled TransferFinished too
+            engine.machine.observers.append(tracker)
 
     # -- emitting ------------------------------------------------------------------------
     def emit(self, event: Event) -> None:
@@ -215,8 +220,6 @@ class SynthRun:
         self._admit(step)
         self._advance()
         self.emit(StepEnded(step=step))
-        self.result.num_steps += 1
-        self.result.peak_max_used = max(self.result.peak_max_used, int(self.engine.state.max_used))
 
     def _clip(self, req: Request) -> None:
         """Keep every request small enough to fit the pool alone (else it could never run)."""

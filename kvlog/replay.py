@@ -11,11 +11,12 @@ against the digest of the re-run state. The first divergence is reported precise
   one): the exact sequence number of the first event that differs, both events, both
   digests after it and both plan lists.
 
-Policy overrides (any ``CacheConfigured`` field but the geometry-free ones are allowed:
-``threshold``, ``max_swaps``, ``defrag``, ``pad_sizes``...) run a what-if next to the
-recorded policy: both runs see the same events and the result compares swaps, bytes moved
-and the highest used block over time. ``execute=True`` applies the (effective) plans to
-small CPU tensors filled with canary bytes and checks every live block at the end.
+Policy overrides (the policy fields of ``CacheConfigured``, ``kvlog.policy.POLICY_FIELDS``:
+``threshold``, ``max_swaps``, ``defrag``, ``policy``...; the geometry stays the recorded
+one) run a what-if next to the recorded policy: both runs see the same events and the
+result compares swaps, bytes moved and the highest used block over time.
+``execute=True`` applies the (effective) plans to small CPU tensors filled with canary
+bytes and checks every live block at the end.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from kvlog.fold import (
 from kvlog.log import LogReader
 from kvlog.machine import Machine, Observer
 from kvlog.memory import check_state_memory
+from kvlog.policy import POLICY_FIELDS
 from kvlog.report import Series
 from kvlog.tally import RunSummary
 
@@ -66,7 +68,7 @@ __all__ = [
     "replay_state",
 ]
 
-_ALL_FIELDS = tuple(CacheConfigured.__struct_fields__)
+_POLICY_FIELDS = frozenset(row.name for row in POLICY_FIELDS)
 replay_state = state_at_end
 """The state at the end of a log and its last event's sequence number (``kvlog.fold``)."""
 
@@ -246,9 +248,11 @@ class _Run:
 
 
 def _check_overrides(overrides: dict[str, Any]) -> None:
-    unknown = sorted(set(overrides) - set(_ALL_FIELDS))
+    unknown = sorted(set(overrides) - _POLICY_FIELDS)
     if unknown:
-        raise TypeError(f"unknown CacheConfigured field(s) to override: {unknown}")
+        raise TypeError(
+            f"not policy fields of CacheConfigured (a what-if keeps the geometry): {unknown}"
+        )
     if "pad_sizes" in overrides:
         overrides["pad_sizes"] = tuple(overrides["pad_sizes"])
 

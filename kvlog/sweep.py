@@ -35,15 +35,18 @@ from typing import Any
 from kvlog import reducers
 from kvlog.cost import CostModel
 from kvlog.errors import ConfigError, MissingExtra
-from kvlog.events import (
-    Checkpoint,
-)
+from kvlog.events import CONFIG_DEFAULTS, Checkpoint
 from kvlog.fold import Fold, Lane, restore_snapshot
 from kvlog.log import LogReader
 from kvlog.machine import Machine
 from kvlog.tally import RunSummary
 
 __all__ = [
+    "DEFAULT_BUDGETS",
+    "DEFAULT_MIN_SWAPS",
+    "DEFAULT_POLICIES",
+    "DEFAULT_RATIOS_PCT",
+    "DEFAULT_THRESHOLDS",
     "POLICY_NAMES",
     "PolicySpec",
     "SegmentResult",
@@ -60,6 +63,12 @@ __all__ = [
 ]
 
 POLICY_NAMES: tuple[str, ...] = ("seed", "tail", "budget", "off", "recorded")
+DEFAULT_POLICIES: tuple[str, ...] = ("seed", "tail", "budget")
+DEFAULT_THRESHOLDS: tuple[int, ...] = (8, 16, 32)
+DEFAULT_RATIOS_PCT: tuple[int, ...] = (CONFIG_DEFAULTS["policy_ratio_pct"],)
+DEFAULT_MIN_SWAPS: tuple[int, ...] = (CONFIG_DEFAULTS["policy_min_swaps"],)
+DEFAULT_BUDGETS: tuple[int, ...] = (64 << 20,)
+"""The grid ``policy_grid()`` and ``kvlog sweep`` try when not told otherwise."""
 Progress = Callable[[int, int], None]
 """Called as ``progress(done, total)`` after each finished task."""
 
@@ -76,12 +85,12 @@ class PolicySpec:
 
 
 def policy_grid(
-    names: Sequence[str] = ("seed", "tail", "budget"),
-    thresholds: Sequence[int] = (8, 16, 32),
+    names: Sequence[str] = DEFAULT_POLICIES,
+    thresholds: Sequence[int] = DEFAULT_THRESHOLDS,
     max_swaps: Sequence[int | None] = (None,),
-    ratios_pct: Sequence[int] = (150,),
-    min_swaps: Sequence[int] = (4,),
-    budgets: Sequence[int] = (64 << 20,),
+    ratios_pct: Sequence[int] = DEFAULT_RATIOS_PCT,
+    min_swaps: Sequence[int] = DEFAULT_MIN_SWAPS,
+    budgets: Sequence[int] = DEFAULT_BUDGETS,
 ) -> list[PolicySpec]:
     """The variants of the module docstring, in the order given (``None``: the log's own
     ``max_swaps``)."""

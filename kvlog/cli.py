@@ -338,7 +338,7 @@ def _recorded_policy(path: str) -> str:
 def check_policy_flags(args: argparse.Namespace, policy: str) -> None:
     """``--ratio-limit`` and ``--min-swaps`` tune the tail policy only: refused under any
     other (they would be ignored)."""
-    check_tail_only(vars(args), policy, _flag_of, "--policy")
+    check_tail_only(vars(args), policy, _flag_of, "--policy tail with it")
 
 
 def cmd_replay(args: argparse.Namespace) -> int:

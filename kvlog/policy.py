@@ -20,8 +20,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvlog.errors import ConfigError
-from kvlog.events import CONFIG_DEFAULTS, DEFRAG_POLICIES, CacheConfigured
+from kvlog.errors import ConfigError, InvalidEvent
+from kvlog.events import CONFIG_DEFAULTS, DEFRAG_POLICIES, CacheConfigured, validate_event
 
 __all__ = [
     "GEOMETRY_FIELDS",
@@ -31,6 +31,7 @@ __all__ = [
     "TAIL_ONLY",
     "PolicyField",
     "check_byte_budget",
+    "check_policy_values",
     "check_tail_only",
     "parse_bool",
     "parse_int",
@@ -237,14 +238,30 @@ def policy_from_env(environ: Mapping[str, str]) -> dict[str, Any]:
 
 
 def check_tail_only(
-    given: Mapping[str, Any], policy: str, name_of: Callable[[str], str], policy_name: str
+    given: Mapping[str, Any], policy: str, name_of: Callable[[str], str], expected: str
 ) -> None:
-    """Refuse (``ConfigError`` named by ``name_of(field)``) a tail-only field in ``given``
-    (not None) under another ``policy``: it would be ignored."""
+    """Refuse (``ConfigError`` named by ``name_of(field)``, expecting ``expected``, e.g.
+    ``"--policy tail with it"``) a tail-only field in ``given`` (not None) under another
+    ``policy``: it would be ignored."""
     for name in sorted(TAIL_ONLY):
         value = given.get(name)
         if value is not None and policy != "tail":
-            raise ConfigError(name_of(name), value, f"{policy_name} tail with it")
+            raise ConfigError(name_of(name), value, expected)
+
+
+def check_policy_values(values: Mapping[str, Any], name_of: Callable[[str], str]) -> None:
+    """Refuse (``ConfigError`` named by ``name_of(field)``) a policy value the event
+    validator would refuse in the log's ``CacheConfigured``: before anything starts."""
+    for name, value in values.items():
+        probe = {name: value}
+        if name == "max_swaps" and "pad_sizes" in values:  # bounded by the largest pad
+            probe["pad_sizes"] = values["pad_sizes"]
+        elif name == "pad_sizes":
+            probe["max_swaps"] = 1
+        try:
+            validate_event(CacheConfigured(num_gpu_blocks=1, block_size=1, **probe))
+        except InvalidEvent as exc:
+            raise ConfigError(name_of(name), value, f"a valid {name} ({exc})") from None
 
 
 def check_byte_budget(config: CacheConfigured, name: str) -> None:

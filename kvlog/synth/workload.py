@@ -89,7 +89,7 @@ class SynthConfig:
             if not flow <= number <= fhigh:
                 raise ConfigError(_flag(name), number, f"a number in [{flow}, {fhigh}]")
         tuned = {n: getattr(self, n) for n in TAIL_ONLY if getattr(self, n) != CONFIG_DEFAULTS[n]}
-        check_tail_only(tuned, self.policy, lambda n: _flag(n), "--policy")
+        check_tail_only(tuned, self.policy, _flag, "--policy tail (only it reads them)")
         check_byte_budget(self.cache_config(), _flag("max_bytes_per_step"))
 
 

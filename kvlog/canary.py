@@ -18,8 +18,8 @@ a correct system):
   runs before the new owner's fresh bytes) into its CPU sub-blocks when it succeeds;
 - a load gives its GPU blocks the tokens its CPU sub-blocks hold when its plan runs, when
   it succeeds; a failed transfer leaves its destinations unknown;
-- a block that a load is still writing (from its ``LoadRequested``, deferred or not) is
-  not checked.
+- a block that a load is still writing (from its plan on: a deferred load has not
+  touched it before) is not checked.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ from kvlog.events import (
     BlocksReleased,
     CacheConfigured,
     Event,
-    LoadRequested,
     Plan,
     RequestFinished,
     RequestPreempted,
@@ -133,6 +132,10 @@ class CanaryReport:
     num_skipped: int = 0
     num_failed: int = 0
     failures: list[CanaryFailure] = field(default_factory=list)
+    num_cpu_checked: int = 0
+    """Of ``num_checked``: CPU sub-blocks (what successful stores wrote)."""
+    num_cpu_skipped: int = 0
+    """Of ``num_skipped``: CPU sub-blocks whose store carried unknown bytes."""
 
     @property
     def ok(self) -> bool:
@@ -245,8 +248,6 @@ class CanaryTracker:
             self._released = []
         elif isinstance(event, BlocksReleased):
             self._release(event.block_ids)
-        elif isinstance(event, LoadRequested):
-            self.gpu_tokens[np.asarray(event.gpu_block_ids, dtype=np.int64)] = PENDING
         elif isinstance(event, TransferFinished):
             self.finished(event.job_id, event.success)
 
@@ -272,7 +273,7 @@ class CanaryTracker:
         targets = [dst for _, dst in plan.pairs]
         if plan.kind == "store":
             gpu = [state.unresolve(p) for p in sources]
-            tokens = [int(self.gpu_tokens[b]) for b in gpu]
+            tokens = [self._stored_token(b) for b in gpu]
             self.jobs[plan.job_id] = _Job("store", gpu, targets, tokens)
         else:
             gpu = [state.unresolve(p) for p in targets]
@@ -280,11 +281,29 @@ class CanaryTracker:
             self.gpu_tokens[np.asarray(gpu, dtype=np.int64)] = PENDING
             self.jobs[plan.job_id] = _Job("load", gpu, sources, tokens)
 
+    def _stored_token(self, block_id: int) -> int:
+        """What a store planned now reads from a GPU block: its token, or, while a load
+        writes it, the load's (the reducers fence the store behind that load)."""
+        token = int(self.gpu_tokens[block_id])
+        if token != PENDING:
+            return token
+        for job in self.jobs.values():
+            if job.kind == "load" and block_id in job.gpu_block_ids:
+                return job.tokens[job.gpu_block_ids.index(block_id)]
+        raise AssertionError(f"canary tracker: block {block_id} pending without its load")
+
     def finished(self, job_id: int, success: bool) -> None:
-        """A transfer finished: move the tokens it carried (or forget them on failure)."""
+        """A transfer finished: move the tokens it carried (or forget them on failure: a
+        store that read a failed load's blocks carries unknown bytes too)."""
         job = self.jobs.pop(job_id, None)
         if job is None:
             return
+        if job.kind == "load" and not success:
+            for other in self.jobs.values():
+                if other.kind == "store":
+                    for i, b in enumerate(other.gpu_block_ids):
+                        if b in job.gpu_block_ids and other.tokens[i] in job.tokens:
+                            other.tokens[i] = UNKNOWN
         for gpu, sub, tok in zip(job.gpu_block_ids, job.sub_block_ids, job.tokens, strict=True):
             value = tok if success else UNKNOWN
             if job.kind == "store":
@@ -357,8 +376,10 @@ class CanaryTracker:
             for k, tok in enumerate(tokens):
                 if tok < 0:
                     report.num_skipped += 1
+                    report.num_cpu_skipped += 1
                     continue
                 report.num_checked += 1
+                report.num_cpu_checked += 1
                 if _cpu_part(data, k, factor, pages) != canary_bytes(tok, size):
                     self._fail(report, CanaryFailure("cpu", "", cpu_block, cpu_block, tok, -1))
 

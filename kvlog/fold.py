@@ -78,13 +78,16 @@ def checkpoint_digest(state: reducers.State, recorded: str) -> str:
     return str(reducers.digest(state))
 
 
-def restore_snapshot(blob: bytes, digest: str) -> reducers.State | str:
+def restore_snapshot(blob: bytes, digest: str, path: str, seq: int) -> reducers.State | str:
     """The state a checkpoint's snapshot holds, checked against the checkpoint's digest;
-    else why not (a sentence)."""
+    else why not (a sentence). A snapshot of a state before ``CacheConfigured`` (no log
+    writes one) raises ``CorruptLogError`` naming the log and the checkpoint's ``seq``."""
     try:
         state = reducers.restore(blob)
     except CorruptLogError as exc:
         return f"it does not restore ({exc})"
+    if state.config is None:
+        raise CorruptLogError("a checkpoint snapshot without a configuration", path=path, seq=seq)
     if checkpoint_digest(state, digest) != digest:
         return "it restores another state than its checkpoint's digest"
     return state
@@ -206,15 +209,11 @@ class Fold:
         if checkpoint is None:
             return
         self.start_snapshot, self.start_seq = seq, seq + 1
-        state = restore_snapshot(checkpoint.snapshot, checkpoint.digest)
+        state = restore_snapshot(checkpoint.snapshot, checkpoint.digest, self.path, seq)
         if isinstance(state, str):
             self._bad_snapshot(seq, checkpoint, state)
             self.stopped = True  # nothing to start from
             return
-        if state.config is None:
-            raise CorruptLogError(
-                "a checkpoint snapshot without a configuration", path=self.path, seq=seq
-            )
         self.start_at(state, checkpoint.seq, seq + 1)
         self._checkpoint(seq, checkpoint)
 
@@ -330,7 +329,7 @@ class Fold:
         it was."""
         if seq in self.skip_snapshots:
             return
-        state = restore_snapshot(checkpoint.snapshot, checkpoint.digest)
+        state = restore_snapshot(checkpoint.snapshot, checkpoint.digest, self.path, seq)
         if isinstance(state, str):
             self._bad_snapshot(seq, checkpoint, state)
 

@@ -53,7 +53,7 @@ from kvlog.machine import Machine, Observer
 from kvlog.memory import check_state_memory
 from kvlog.policy import POLICY_FIELDS
 from kvlog.report import Series
-from kvlog.tally import RunSummary
+from kvlog.tally import RunFigures, RunSummary
 
 if TYPE_CHECKING:
     from kvlog.executors import Executor
@@ -74,9 +74,9 @@ replay_state = state_at_end
 
 
 @dataclass
-class RunStats:
-    """What one policy did over the whole log: its run's :class:`~kvlog.tally.RunSummary`,
-    read through the names a replay reports."""
+class RunStats(RunFigures):
+    """What one policy did over the whole log: its run's :class:`~kvlog.tally.RunSummary`
+    (read through ``RunFigures``' names), its final digest, its refusal and its series."""
 
     label: str
     config: CacheConfigured
@@ -84,58 +84,6 @@ class RunStats:
     final_digest: str = ""
     rejected: Divergence | None = None
     series: Series | None = None
-
-    @property
-    def num_events(self) -> int:
-        return self.summary.num_events
-
-    @property
-    def num_steps(self) -> int:
-        return self.summary.num_steps
-
-    @property
-    def num_swap_plans(self) -> int:
-        return self.summary.plans.swap_plans
-
-    @property
-    def num_swapped_blocks(self) -> int:
-        return self.summary.plans.blocks_moved
-
-    @property
-    def swap_bytes(self) -> int:
-        return self.summary.plans.swap_bytes
-
-    @property
-    def num_stores(self) -> int:
-        return self.summary.plans.stores
-
-    @property
-    def num_loads(self) -> int:
-        return self.summary.plans.loads
-
-    @property
-    def store_bytes(self) -> int:
-        return self.summary.plans.store_bytes
-
-    @property
-    def load_bytes(self) -> int:
-        return self.summary.plans.load_bytes
-
-    @property
-    def peak_max_used(self) -> int:
-        return self.summary.peak_max_used
-
-    @property
-    def sum_max_used(self) -> int:
-        return self.summary.sum_max_used
-
-    @property
-    def mean_max_used(self) -> float:
-        return self.summary.mean_max_used
-
-    @property
-    def bytes_moved(self) -> int:
-        return self.summary.plans.bytes_moved
 
 
 @dataclass

@@ -551,7 +551,7 @@ def _replay_segment(source: str | bytes, seg: _Segment) -> SegmentResult:
         source, verify=True, stop_seq=seg.stop_seq, skip_snapshots=frozenset([seg.stop_seq])
     )
     if seg.snapshot:  # the next segment checks the snapshot that ends this one
-        state = restore_snapshot(seg.snapshot, seg.start_digest)
+        state = restore_snapshot(seg.snapshot, seg.start_digest, source, seg.start_seq - 1)
         if isinstance(state, str):
             out.divergence = f"the snapshot before seq {seg.start_seq} does not match its digest"
             return out

@@ -21,7 +21,7 @@ from kvlog.events import (
 from kvlog.machine import Observer
 from kvlog.reducers import State
 
-__all__ = ["PlanTally", "RunSummary", "StepHook"]
+__all__ = ["PlanTally", "RunFigures", "RunSummary", "StepHook"]
 
 
 class PlanTally:
@@ -177,3 +177,63 @@ class RunSummary(Observer):
             return 0.0
         ranked = sorted(self.step_ms)
         return ranked[min(len(ranked) - 1, (99 * len(ranked)) // 100)]
+
+
+class RunFigures:
+    """A result's figures of one run under the names results report (``num_swap_plans``,
+    ``store_bytes``...), read from the run's :class:`RunSummary`: a base of the result
+    types (replay's ``RunStats``, ``SynthResult``), which hold it as ``summary``."""
+
+    summary: RunSummary
+
+    @property
+    def num_events(self) -> int:
+        return self.summary.num_events
+
+    @property
+    def num_steps(self) -> int:
+        return self.summary.num_steps
+
+    @property
+    def num_swap_plans(self) -> int:
+        return self.summary.plans.swap_plans
+
+    @property
+    def num_swapped_blocks(self) -> int:
+        return self.summary.plans.blocks_moved
+
+    @property
+    def swap_bytes(self) -> int:
+        return self.summary.plans.swap_bytes
+
+    @property
+    def num_stores(self) -> int:
+        return self.summary.plans.stores
+
+    @property
+    def num_loads(self) -> int:
+        return self.summary.plans.loads
+
+    @property
+    def store_bytes(self) -> int:
+        return self.summary.plans.store_bytes
+
+    @property
+    def load_bytes(self) -> int:
+        return self.summary.plans.load_bytes
+
+    @property
+    def bytes_moved(self) -> int:
+        return self.summary.plans.bytes_moved
+
+    @property
+    def peak_max_used(self) -> int:
+        return self.summary.peak_max_used
+
+    @property
+    def sum_max_used(self) -> int:
+        return self.summary.sum_max_used
+
+    @property
+    def mean_max_used(self) -> float:
+        return self.summary.mean_max_used

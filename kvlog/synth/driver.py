@@ -40,7 +40,7 @@ from kvlog.events import (
 )
 from kvlog.synth.pool import BlockPool, CpuCache
 from kvlog.synth.workload import Request, SynthConfig, Workload
-from kvlog.tally import RunSummary
+from kvlog.tally import RunFigures, RunSummary
 
 __all__ = ["SynthResult", "SynthRun", "defer_sigint", "step_boundaries"]
 
@@ -90,8 +90,8 @@ def step_boundaries() -> Iterator[Callable[[], None]]:
 
 
 @dataclass
-class SynthResult:
-    """Counters of one synthetic run."""
+class SynthResult(RunFigures):
+    """Counters of one synthetic run (what the Engine's machine did: ``RunFigures``)."""
 
     config: SynthConfig
     log_path: str | None = None
@@ -102,8 +102,6 @@ class SynthResult:
     num_preemptions: int = 0
     num_prefix_hit_blocks: int = 0
     num_prefix_query_blocks: int = 0  # full prompt blocks looked up in the prefix cache
-    num_stores: int = 0
-    num_loads: int = 0
     num_loaded_blocks: int = 0
     num_failed_transfers: int = 0
     final_digest: str = ""
@@ -113,31 +111,11 @@ class SynthResult:
     simulated_s: float = 0.0  # trace runs: the serving time the steps stand for
 
     def watch(self, engine: Engine) -> None:
-        """Sum up what ``engine``'s machine does from now on."""
+        """Sum up what ``engine``'s machine does from now on (and the ``CacheConfigured``
+        it applied when it was built, before anything watched it)."""
         self.summary = RunSummary(engine.config)
+        self.summary.num_events = 1
         engine.machine.observers.append(self.summary)
-
-    @property
-    def num_events(self) -> int:
-        """Events in the log: those the summary saw and the ``CacheConfigured`` that the
-        Engine applied when it was built, before anything watched it."""
-        return self.summary.num_events + 1
-
-    @property
-    def num_steps(self) -> int:
-        return self.summary.num_steps
-
-    @property
-    def num_swap_plans(self) -> int:
-        return self.summary.plans.swap_plans
-
-    @property
-    def num_swapped_blocks(self) -> int:
-        return self.summary.plans.blocks_moved
-
-    @property
-    def peak_max_used(self) -> int:
-        return self.summary.peak_max_used
 
     @property
     def canary_ok(self) -> bool:
@@ -253,12 +231,10 @@ class SynthRun:
             self.emit(
                 StoreRequested(job_id=job_id, gpu_block_ids=gpu_blocks, cpu_block_ids=cpu_blocks)
             )
-            self.result.num_stores += 1
         else:
             self.emit(
                 LoadRequested(job_id=job_id, cpu_block_ids=cpu_blocks, gpu_block_ids=gpu_blocks)
             )
-            self.result.num_loads += 1
             self.result.num_loaded_blocks += len(gpu_blocks)
         return job_id
 

@@ -329,7 +329,10 @@ class Fold:
         it was."""
         if seq in self.skip_snapshots:
             return
-        state = restore_snapshot(checkpoint.snapshot, checkpoint.digest, self.path, seq)
+        try:
+            state = restore_snapshot(checkpoint.snapshot, checkpoint.digest, self.path, seq)
+        except CorruptLogError as exc:  # no configuration: not the state folded here
+            state = str(exc)
         if isinstance(state, str):
             self._bad_snapshot(seq, checkpoint, state)
 

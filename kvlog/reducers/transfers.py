@@ -102,16 +102,17 @@ def seed_sub_blocks(kind: str, num_gpu: int, cpu: IdArray, factor: int) -> IdArr
 
 
 def _seed_subs(event: Transfer, cpu: IdArray, factor: int) -> IdArray:
-    num_gpu = len(event.gpu_block_ids)
-    kind = "store" if isinstance(event, StoreRequested) else "load"
-    subs = seed_sub_blocks(kind, num_gpu, cpu, factor)
+    num_gpu, num_cpu = len(event.gpu_block_ids), len(event.cpu_block_ids)
+    store = isinstance(event, StoreRequested)
+    subs = seed_sub_blocks("store" if store else "load", num_gpu, cpu, factor)
     if subs.size != num_gpu:
-        skipped = cpu.size * factor - subs.size
+        src_count, dst_count = (num_gpu, num_cpu * factor) if store else (num_cpu * factor, num_gpu)
+        skip = num_cpu * factor - subs.size
         raise _mismatch(
             event,
             factor,
-            f"{num_gpu} GPU blocks, but {cpu.size * factor} CPU sub-blocks minus {skipped} "
-            f"skipped = {subs.size}",
+            f"{dst_count} destination sub-blocks, but {src_count} source sub-blocks minus "
+            f"{skip} skipped = {src_count - skip}",
         )
     return subs
 

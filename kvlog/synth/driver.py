@@ -38,6 +38,7 @@ from kvlog.events import (
     StoreRequested,
     TransferFinished,
 )
+from kvlog.reducers.transfers import expand_sub_blocks
 from kvlog.synth.pool import BlockPool, CpuCache
 from kvlog.synth.workload import Request, SynthConfig, Workload
 from kvlog.tally import RunFigures, RunSummary
@@ -430,7 +431,8 @@ class SynthRun:
         for g in range(first, num_prefix // factor):
             keys.append(req.group_key(g, factor))
         hits = self.cpu.lookup(keys)
-        num_load = len(hits) * factor - (start - first * factor)
+        # the sub-blocks of the hits but the first group's ones the GPU hits already hold
+        num_load = expand_sub_blocks(np.asarray(hits, np.int64), factor, start % factor).size
         if num_load <= 0:
             return [], 0
         return hits, num_load

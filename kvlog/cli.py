@@ -35,8 +35,9 @@ from kvlog.cli_sweep import (
     trace_flags,
 )
 from kvlog.errors import ConfigError, KvlogError, LogExists, MissingExtra
-from kvlog.events import DEFAULT_PAD_SIZES, SCHEMA_VERSION, Checkpoint, Event, to_dict
-from kvlog.log import FORMAT_VERSION, LogReader
+from kvlog.events import SCHEMA_VERSION, Checkpoint, Event, to_dict
+from kvlog.log import FORMAT_VERSION, SYNC_MODES, LogReader
+from kvlog.policy import POLICY_FIELDS, check_tail_only, policy_field
 from kvlog.present.text import describe_overrides, progress_bar, replay_text, synth_text
 from kvlog.present.units import format_bytes
 from kvlog.replay import ReplayResult, replay
@@ -75,54 +76,12 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return text if "default" in text else super()._get_help_string(action)
 
 
+_POLICY_FIELD_NAMES = frozenset(row.name for row in POLICY_FIELDS)
+
 _EVENT_TYPES = (
     *(t.__name__ for t in typing.get_args(Event)),
     "Checkpoint",
 )
-
-
-def _pad_sizes(text: str) -> tuple[int, ...]:
-    try:
-        sizes = tuple(int(x) for x in text.replace(" ", "").split(",") if x)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"--pad-sizes wants integers like 8,16,32: {exc}") from exc
-    if not sizes:
-        raise argparse.ArgumentTypeError("--pad-sizes needs at least one size")
-    return sizes
-
-
-def _add_policy(p: argparse.ArgumentParser, defaults: bool) -> None:
-    """Policy flags; for replay (``defaults=False``) an absent flag keeps the recording's."""
-    d = SynthConfig()
-    p.add_argument(
-        "--threshold",
-        type=int,
-        default=d.threshold if defaults else None,
-        help="defrag trigger: max_used - threshold > num_used",
-    )
-    p.add_argument(
-        "--max-swaps",
-        type=int,
-        default=d.max_swaps if defaults else None,
-        help="most block pairs one defrag moves",
-    )
-    p.add_argument(
-        "--pad-sizes",
-        type=_pad_sizes,
-        default=DEFAULT_PAD_SIZES if defaults else None,
-        help="pad buckets for graph capture, e.g. 8,16,32",
-    )
-    group = p.add_mutually_exclusive_group()
-    group.add_argument(
-        "--no-defrag",
-        dest="defrag",
-        action="store_false",
-        default=d.defrag if defaults else None,
-        help="turn defragmentation off",
-    )
-    if not defaults:
-        group.add_argument("--defrag", dest="defrag", action="store_true", help="turn it on")
-    add_policy_flags(p, defaults)
 
 
 _WORKLOAD_FLAGS: tuple[tuple[str, str, type, str], ...] = (
@@ -177,14 +136,14 @@ def _add_synth(sub: Any) -> None:
     )
     p.add_argument(
         "--sync",
-        choices=("none", "step", "always", "background"),
+        choices=SYNC_MODES,
         default="step",
         help="when the log is fsynced",
     )
     p.add_argument(
         "--checkpoint-every", type=int, default=256, help="steps between digest checkpoints"
     )
-    _add_policy(p, defaults=True)
+    add_policy_flags(p, defaults=True)
     add_trace_flags(p)
 
 
@@ -206,7 +165,7 @@ def _add_replay(sub: Any) -> None:
     p.add_argument("--backend", choices=("cpu", "fake"), default="cpu")
     p.add_argument("--from-snapshot", action="store_true", help="start at the latest snapshot")
     p.add_argument("--report", help="plot to FILE (.png or .svg, kvlog[plot]; .csv numbers)")
-    _add_policy(p, defaults=False)
+    add_policy_flags(p, defaults=False)
     add_parallel_flags(p)
 
 
@@ -336,10 +295,6 @@ def synth_config(args: argparse.Namespace) -> SynthConfig:
         num_cpu_blocks=args.num_cpu_blocks,
         block_size_factor=args.block_size_factor,
         prefix_caching=args.prefix_caching,
-        defrag=args.defrag,
-        threshold=args.threshold,
-        max_swaps=args.max_swaps,
-        pad_sizes=args.pad_sizes,
         arrival_rate=args.arrival_rate,
         prompt_len_mean=args.prompt_len_mean,
         output_len_mean=args.output_len_mean,
@@ -376,16 +331,6 @@ def cmd_synth(args: argparse.Namespace) -> int:
 
 
 # -- replay ------------------------------------------------------------------------------
-def _overrides(args: argparse.Namespace) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for name in ("threshold", "max_swaps", "pad_sizes", "defrag"):
-        value = getattr(args, name)
-        if value is not None:
-            out[name] = value
-    out.update(policy_fields(args))
-    return out
-
-
 _PARALLEL_REFUSES = (
     ("against", "--against"),
     ("execute", "--execute"),
@@ -399,7 +344,7 @@ def check_replay_flags(args: argparse.Namespace) -> None:
     verifies the recorded run only, ``--from-snapshot`` too, ``--report`` must be
     writable (checked first, not after the replay); ``--address``/``--num-cpus`` need
     ``--parallel``. Raises :class:`~kvlog.errors.ConfigError` naming the flag."""
-    whatif = _overrides(args)
+    whatif = policy_fields(args)
     if args.parallel:
         for name, flag in _PARALLEL_REFUSES:
             if getattr(args, name):
@@ -424,8 +369,9 @@ def check_replay_flags(args: argparse.Namespace) -> None:
 
 
 def _flag_of(name: str) -> str:
-    names = {"policy_ratio_pct": "ratio-limit", "policy_min_swaps": "min-swaps"}
-    return "--" + names.get(name, name.replace("_", "-"))
+    if name in _POLICY_FIELD_NAMES:
+        return policy_field(name).flag
+    return "--" + name.replace("_", "-")
 
 
 def _recorded_policy(path: str) -> str:
@@ -438,9 +384,7 @@ def _recorded_policy(path: str) -> str:
 def check_policy_flags(args: argparse.Namespace, policy: str) -> None:
     """``--ratio-limit`` and ``--min-swaps`` tune the tail policy only: refused under any
     other (they would be ignored)."""
-    for name in ("policy_ratio_pct", "policy_min_swaps"):
-        if getattr(args, name, None) is not None and policy != "tail":
-            raise ConfigError(_flag_of(name), getattr(args, name), "--policy tail with it")
+    check_tail_only(vars(args), policy, _flag_of, "--policy tail with it")
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -458,7 +402,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
             from_snapshot=args.from_snapshot,
             series=bool(args.report),
             progress=lambda _records, done: update(min(done, total), total),
-            **_overrides(args),
+            **policy_fields(args),
         )
     print(replay_text(result))
     if args.report:

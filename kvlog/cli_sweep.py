@@ -17,8 +17,9 @@ from typing import Any, TextIO
 from kvlog.cost import HARDWARE, cost_model
 from kvlog.errors import ConfigError
 from kvlog.events import DEFRAG_POLICIES
+from kvlog.policy import POLICY_FIELDS, parse_ratio_pct, parse_size
 from kvlog.present.text import progress_bar, render_table, segments_text, sweep_table
-from kvlog.present.units import parse_size, plural
+from kvlog.present.units import format_bytes, plural
 from kvlog.synth import SynthConfig, SynthResult, TraceConfig, read_trace, trace_geometry
 from kvlog.synth.traces import TRACE_FORMATS
 
@@ -35,16 +36,25 @@ __all__ = [
     "trace_flags",
 ]
 
-_MAX_RATIO = 100.0
-
 
 # -- argument types ------------------------------------------------------------------------
-def size_arg(text: str) -> int:
-    """Bytes from ``4096``, ``64MiB``, ``1G``, ``512k`` (:func:`kvlog.present.parse_size`)."""
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from exc
+def arg_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An argparse ``type`` from a parser of :mod:`kvlog.policy` (its ``ValueError`` becomes
+    the usage error's message)."""
+
+    def typed(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    typed.__name__ = parse.__name__
+    return typed
+
+
+size_arg = arg_type(parse_size)
+"""Bytes from ``4096``, ``64MiB``, ``1G``, ``512k`` (binary units)."""
+_ratio_pct = arg_type(parse_ratio_pct)
 
 
 def _list_of(kind: Callable[[str], Any], what: str) -> Callable[[str], list[Any]]:
@@ -60,19 +70,6 @@ def _list_of(kind: Callable[[str], Any], what: str) -> Callable[[str], list[Any]
     return parse
 
 
-def _ratio_pct(text: str) -> int:
-    try:
-        ratio = float(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"a ratio like 1.5, not {text!r}") from exc
-    if not 1.0 <= ratio <= _MAX_RATIO:
-        raise argparse.ArgumentTypeError(
-            f"a ratio of highest used id to used blocks in [1, {_MAX_RATIO:g}] like 1.5 "
-            f"(not a percent), not {text!r}"
-        )
-    return round(ratio * 100)
-
-
 def _policy_name(text: str) -> str:
     from kvlog.sweep import POLICY_NAMES
 
@@ -83,44 +80,44 @@ def _policy_name(text: str) -> str:
 
 # -- policy flags --------------------------------------------------------------------------
 def add_policy_flags(p: argparse.ArgumentParser, defaults: bool) -> None:
-    """``--policy`` and its parameters; for replay (``defaults=False``) an absent flag keeps
-    the recording's value."""
-    d = SynthConfig()
-    p.add_argument(
-        "--policy",
-        choices=DEFRAG_POLICIES,
-        default=d.policy if defaults else None,
-        help="defrag policy: seed (the plugin's rule) or tail (vllm-gaudi PR #376)",
-    )
-    p.add_argument(
-        "--ratio-limit",
-        dest="policy_ratio_pct",
-        type=_ratio_pct,
-        default=None,
-        help=f"tail: defrag when highest used id / used blocks exceeds this "
-        f"({d.policy_ratio_pct / 100:g})",
-    )
-    p.add_argument(
-        "--min-swaps",
-        dest="policy_min_swaps",
-        type=int,
-        default=None,
-        help=f"tail: skip defrags of fewer pairs ({d.policy_min_swaps})",
-    )
-    p.add_argument(
-        "--max-bytes-per-step",
-        type=size_arg,
-        default=d.max_bytes_per_step if defaults else None,
-        help="any policy: bytes one step's defrag may move, e.g. 256MiB (0: no cap)",
-    )
-
-
-POLICY_FIELDS = ("policy", "policy_ratio_pct", "policy_min_swaps", "max_bytes_per_step")
+    """A flag per policy field (:data:`kvlog.policy.POLICY_FIELDS`); for replay
+    (``defaults=False``) an absent flag keeps the recording's value. The tail's parameters
+    have no parser default (given under another policy, they are refused)."""
+    for row in POLICY_FIELDS:
+        default = row.default if defaults and not row.tail_only else None
+        shown = f" (default {row.text(row.default)})" if defaults else " (default: the log's)"
+        if row.name == "defrag":
+            group = p.add_mutually_exclusive_group()
+            group.add_argument(
+                "--no-defrag",
+                dest="defrag",
+                action="store_false",
+                default=default,
+                help="turn defragmentation off",
+            )
+            if not defaults:
+                group.add_argument(
+                    "--defrag", dest="defrag", action="store_true", help="turn it on"
+                )
+            continue
+        p.add_argument(
+            row.flag,
+            dest=row.name,
+            type=arg_type(row.parse),
+            choices=DEFRAG_POLICIES if row.name == "policy" else None,
+            metavar=None if row.name == "policy" else row.flag[2:].upper().replace("-", "_"),
+            default=default,
+            help=row.help + shown,
+        )
 
 
 def policy_fields(args: argparse.Namespace) -> dict[str, Any]:
-    """The policy flags that were given (all of them for synth, which has defaults)."""
-    return {n: getattr(args, n) for n in POLICY_FIELDS if getattr(args, n, None) is not None}
+    """The policy flags that were given (for synth, also those with a default)."""
+    return {
+        r.name: getattr(args, r.name)
+        for r in POLICY_FIELDS
+        if getattr(args, r.name, None) is not None
+    }
 
 
 # -- synth --trace -------------------------------------------------------------------------
@@ -230,6 +227,8 @@ def synth_geometry(args: argparse.Namespace) -> dict[str, int]:
 
 # -- kvlog sweep ---------------------------------------------------------------------------
 def add_sweep(sub: Any, formatter: type[argparse.HelpFormatter] = argparse.HelpFormatter) -> None:
+    from kvlog import sweep as sweep_defaults
+
     p = sub.add_parser(
         "sweep",
         help="what-if replays of logs under many policies, on Ray",
@@ -242,33 +241,38 @@ def add_sweep(sub: Any, formatter: type[argparse.HelpFormatter] = argparse.HelpF
     p.add_argument(
         "--policy",
         type=_list_of(_policy_name, "policy names"),
-        default=["seed", "tail", "budget"],
-        help="policies to try, from seed, tail, budget, off, recorded (default: seed,tail,budget)",
+        default=list(sweep_defaults.DEFAULT_POLICIES),
+        help=f"policies to try, from {', '.join(sweep_defaults.POLICY_NAMES)} (default: "
+        f"{','.join(sweep_defaults.DEFAULT_POLICIES)})",
     )
     p.add_argument(
         "--threshold",
         type=_list_of(int, "integers"),
-        default=[8, 16, 32],
-        help="seed (and budget: the lowest) thresholds (default: 8,16,32)",
+        default=list(sweep_defaults.DEFAULT_THRESHOLDS),
+        help="seed (and budget: the lowest) thresholds (default: "
+        f"{','.join(map(str, sweep_defaults.DEFAULT_THRESHOLDS))})",
     )
     p.add_argument("--max-swaps", type=_list_of(int, "integers"), help="seed: caps per step")
     p.add_argument(
         "--ratio-limit",
         type=_list_of(_ratio_pct, "ratios"),
-        default=[150],
-        help="tail: ratio limits, e.g. 1.25,1.5 (default: 1.5)",
+        default=list(sweep_defaults.DEFAULT_RATIOS_PCT),
+        help="tail: ratio limits, e.g. 1.25,1.5 (default: "
+        f"{','.join(f'{r / 100:g}' for r in sweep_defaults.DEFAULT_RATIOS_PCT)})",
     )
     p.add_argument(
         "--min-swaps",
         type=_list_of(int, "integers"),
-        default=[4],
-        help="tail: minimum pairs (default: 4)",
+        default=list(sweep_defaults.DEFAULT_MIN_SWAPS),
+        help="tail: skip plans of fewer pairs (default: "
+        f"{','.join(map(str, sweep_defaults.DEFAULT_MIN_SWAPS))})",
     )
     p.add_argument(
         "--budget",
         type=_list_of(size_arg, "sizes"),
-        default=[64 << 20],
-        help="budget: bytes per step, e.g. 64MiB,256MiB (default: 64MiB)",
+        default=list(sweep_defaults.DEFAULT_BUDGETS),
+        help="budget: bytes per step, e.g. 64MiB,256MiB (default: "
+        f"{','.join(map(format_bytes, sweep_defaults.DEFAULT_BUDGETS))})",
     )
     p.add_argument("--address", help="an existing Ray cluster (default: a local Ray)")
     p.add_argument("--num-cpus", type=int, help="local Ray: worker CPUs (default: all)")

@@ -32,27 +32,22 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-import msgspec
-
 from kvlog import reducers
 from kvlog.cost import CostModel
-from kvlog.errors import ConfigError, InvalidEvent, MissingExtra
-from kvlog.events import (
-    STEP_EVENTS,
-    CacheConfigured,
-    Checkpoint,
-    Event,
-    Plan,
-    SwapPlan,
-    validate_event,
-)
+from kvlog.errors import ConfigError, MissingExtra
+from kvlog.events import CONFIG_DEFAULTS, Checkpoint
+from kvlog.fold import Fold, Lane, restore_snapshot
 from kvlog.log import LogReader
-from kvlog.machine import Machine, Observer
-from kvlog.present.units import p99, size_label
-from kvlog.replay import checkpoint_digest
-from kvlog.tally import PlanTally
+from kvlog.machine import Machine
+from kvlog.present.units import size_label
+from kvlog.tally import RunSummary
 
 __all__ = [
+    "DEFAULT_BUDGETS",
+    "DEFAULT_MIN_SWAPS",
+    "DEFAULT_POLICIES",
+    "DEFAULT_RATIOS_PCT",
+    "DEFAULT_THRESHOLDS",
     "POLICY_NAMES",
     "PolicySpec",
     "SegmentResult",
@@ -66,6 +61,12 @@ __all__ = [
 ]
 
 POLICY_NAMES: tuple[str, ...] = ("seed", "tail", "budget", "off", "recorded")
+DEFAULT_POLICIES: tuple[str, ...] = ("seed", "tail", "budget")
+DEFAULT_THRESHOLDS: tuple[int, ...] = (8, 16, 32)
+DEFAULT_RATIOS_PCT: tuple[int, ...] = (CONFIG_DEFAULTS["policy_ratio_pct"],)
+DEFAULT_MIN_SWAPS: tuple[int, ...] = (CONFIG_DEFAULTS["policy_min_swaps"],)
+DEFAULT_BUDGETS: tuple[int, ...] = (64 << 20,)
+"""The grid ``policy_grid()`` and ``kvlog sweep`` try when not told otherwise."""
 Progress = Callable[[int, int], None]
 """Called as ``progress(done, total)`` after each finished task."""
 
@@ -82,12 +83,12 @@ class PolicySpec:
 
 
 def policy_grid(
-    names: Sequence[str] = ("seed", "tail", "budget"),
-    thresholds: Sequence[int] = (8, 16, 32),
+    names: Sequence[str] = DEFAULT_POLICIES,
+    thresholds: Sequence[int] = DEFAULT_THRESHOLDS,
     max_swaps: Sequence[int | None] = (None,),
-    ratios_pct: Sequence[int] = (150,),
-    min_swaps: Sequence[int] = (4,),
-    budgets: Sequence[int] = (64 << 20,),
+    ratios_pct: Sequence[int] = DEFAULT_RATIOS_PCT,
+    min_swaps: Sequence[int] = DEFAULT_MIN_SWAPS,
+    budgets: Sequence[int] = DEFAULT_BUDGETS,
 ) -> list[PolicySpec]:
     """The variants of the module docstring, in the order given (``None``: the log's own
     ``max_swaps``)."""
@@ -153,67 +154,39 @@ class SweepRow:
     overrides: str = ""
     rejected: str = ""
 
-
-class _Tally(Observer):
-    """Running sums of a what-if, step by step: an observer of its machine."""
-
-    def __init__(self, config: CacheConfigured, cost: CostModel, row: SweepRow) -> None:
-        self.config, self.cost, self.row = config, cost, row
-        self.plans = PlanTally(config.page_size_bytes)
-        self.sum_max_used = self.sum_used = 0
-        self.step_defrag_s = 0.0
-        self.step_ms: list[float] = []
-
-    def after(self, state: reducers.State, event: Event, plans: list[Plan]) -> None:
-        if plans:
-            self.plans.add(plans)
-            page = self.config.page_size_bytes
-            for plan in plans:
-                if type(plan) is SwapPlan:
-                    swap = plan.mode == "swap"
-                    self.step_defrag_s += self.cost.defrag_s(plan.padded_to, page, swap)
-        if type(event) in STEP_EVENTS:
-            self._step(state)
-
-    def _step(self, state: reducers.State) -> None:
-        row, top, t = self.row, int(state.max_used), self.plans
-        row.steps += 1
-        row.peak_max_used = max(row.peak_max_used, top)
-        self.sum_max_used += top
-        self.sum_used += int(state.num_used)
-        decode = self.cost.decode_s(top, self.config.page_size_bytes)
-        transfer = self.cost.transfer_s(t.step_store_bytes, t.step_load_bytes)
-        row.decode_s += decode
-        row.transfer_s += transfer
-        row.defrag_s += self.step_defrag_s
-        row.peak_step_swap_bytes = max(row.peak_step_swap_bytes, t.step_swap_bytes)
-        self.step_ms.append(1e3 * (decode + transfer + self.step_defrag_s))
-        t.end_step()
-        self.step_defrag_s = 0.0
-
-    def finish(self, state: reducers.State) -> SweepRow:
-        row, t = self.row, self.plans
-        row.swap_plans, row.blocks_moved, row.swap_bytes = (
-            t.swap_plans,
-            t.blocks_moved,
-            t.swap_bytes,
+    @classmethod
+    def of(cls, log: str, spec: PolicySpec, summary: RunSummary, state: reducers.State) -> SweepRow:
+        """The row of a what-if run: its summary's figures and final digest (none for a
+        run that never took its configuration)."""
+        overrides = json.dumps(spec.as_dict(), sort_keys=True)
+        if summary.config is None:
+            return cls(log, spec.label, overrides=overrides)
+        t = summary.plans
+        return cls(
+            log,
+            spec.label,
+            steps=summary.num_steps,
+            mean_max_used=summary.mean_max_used,
+            peak_max_used=summary.peak_max_used,
+            mean_used=summary.mean_used,
+            swap_plans=t.swap_plans,
+            blocks_moved=t.blocks_moved,
+            swap_bytes=t.swap_bytes,
+            stores=t.stores,
+            loads=t.loads,
+            store_bytes=t.store_bytes,
+            load_bytes=t.load_bytes,
+            bytes_moved=t.bytes_moved,
+            decode_s=summary.decode_s,
+            defrag_s=summary.defrag_s,
+            transfer_s=summary.transfer_s,
+            modeled_s=summary.modeled_s,
+            modeled_ms_per_step=summary.modeled_ms_per_step,
+            p99_step_ms=summary.p99_step_ms,
+            peak_step_swap_bytes=summary.peak_step_swap_bytes,
+            final_digest=str(reducers.digest(state)),
+            overrides=overrides,
         )
-        row.stores, row.store_bytes, row.loads, row.load_bytes = (
-            t.stores,
-            t.store_bytes,
-            t.loads,
-            t.load_bytes,
-        )
-        if row.steps:
-            row.mean_max_used = self.sum_max_used / row.steps
-            row.mean_used = self.sum_used / row.steps
-        row.bytes_moved = row.swap_bytes + row.store_bytes + row.load_bytes
-        row.modeled_s = row.decode_s + row.defrag_s + row.transfer_s
-        row.modeled_ms_per_step = 1e3 * row.modeled_s / row.steps if row.steps else 0.0
-        if self.step_ms:
-            row.p99_step_ms = p99(self.step_ms)
-        row.final_digest = str(reducers.digest(state))
-        return row
 
 
 def whatif(
@@ -222,26 +195,13 @@ def whatif(
     """Replay the events of the log at ``path`` under ``spec`` (checkpoints are skipped: a
     what-if state is not the recorded one) and sum up what it did."""
     name = log or _log_name(os.fspath(path))
-    row = SweepRow(name, spec.label, overrides=json.dumps(spec.as_dict(), sort_keys=True))
-    machine = Machine()
-    tally: _Tally | None = None
-    for seq, record in LogReader(path).records():
-        if isinstance(record, Checkpoint):
-            continue
-        try:
-            if type(record) is CacheConfigured:
-                record = msgspec.structs.replace(record, **spec.as_dict())
-                validate_event(record)
-                tally = _Tally(record, cost, row)
-                machine.observers.append(tally)
-            machine.apply(record)
-        except InvalidEvent as exc:
-            row.rejected = f"seq {seq}: {exc}"
-            break
-        if tally is None:
-            row.rejected = f"seq {seq}: the log does not start with CacheConfigured"
-            break
-    return tally.finish(machine.state) if tally is not None else row
+    summary = RunSummary(cost=cost)
+    lane = Lane(Machine(observers=[summary]), spec.as_dict())
+    fold = Fold(path, [lane], verify=False).run()
+    row = SweepRow.of(name, spec, summary, lane.state)
+    if fold.divergence is not None:
+        row.rejected = fold.divergence.message
+    return row
 
 
 def _log_name(path: str) -> str:
@@ -459,30 +419,24 @@ def _replay_segment(source: str | bytes, seg: _Segment) -> SegmentResult:
                 f.write(source)
             return _replay_segment(path, seg)
     out = SegmentResult(seg.index, seg.start_seq, seg.stop_seq, last_event_seq=seg.start_event_seq)
-    state = reducers.restore(seg.snapshot) if seg.snapshot else reducers.initial_state()
-    machine = Machine(state)
-    if seg.snapshot and checkpoint_digest(state, seg.start_digest) != seg.start_digest:
-        out.divergence = f"the snapshot before seq {seg.start_seq} does not match its digest"
-        return out
-    for seq, record in LogReader(source).records(seg.start_seq):
-        if 0 <= seg.stop_seq < seq:
-            break
-        if isinstance(record, Checkpoint):
-            out.num_checkpoints += 1
-            verified = checkpoint_digest(state, record.digest) == record.digest
-            if record.seq != out.last_event_seq or not verified:
-                out.divergence = f"the checkpoint at seq {seq} does not verify"
-                break
-            out.num_verified += 1
-            continue
-        try:
-            machine.apply(record)
-        except InvalidEvent as exc:
-            out.divergence = f"seq {seq}: {exc}"
-            break
-        out.num_events += 1
-        out.last_event_seq = seq
-    out.final_digest = str(reducers.digest(state))
+    fold = Fold(
+        source, verify=True, stop_seq=seg.stop_seq, skip_snapshots=frozenset([seg.stop_seq])
+    )
+    if seg.snapshot:  # the next segment checks the snapshot that ends this one
+        state = restore_snapshot(seg.snapshot, seg.start_digest, source, seg.start_seq - 1)
+        if isinstance(state, str):
+            out.divergence = f"the snapshot before seq {seg.start_seq} does not match its digest"
+            return out
+        fold.start_at(state, seg.start_event_seq, seg.start_seq)
+    fold.run()
+    out.num_events, out.last_event_seq = fold.num_events, fold.last_event_seq
+    out.num_checkpoints, out.num_verified = fold.num_checkpoints, fold.num_verified
+    d = fold.divergence
+    if d is not None:
+        out.divergence = (
+            d.message if d.kind == "rejected" else f"a checkpoint does not verify: {d.message}"
+        )
+    out.final_digest = str(reducers.digest(fold.state))
     return out
 
 

@@ -158,7 +158,6 @@ def _record(
         region = step_boundaries() if deferrable else contextlib.nullcontext()
         with region:  # a SIGINT while the Engine is built, runs or closes: at a step's end
             result = _run_engine(cache_config, make_run, out, meta, options, executor, tracker)
-        result.num_events += 1  # the CacheConfigured the engine applied itself
     finally:
         if executor is not None:
             executor.shutdown()

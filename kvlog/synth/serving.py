@@ -327,8 +327,6 @@ class TraceRun(SynthRun):
             self._admit_traced(step, budget)
         self._advance()
         self.emit(StepEnded(step=step))
-        self.result.num_steps += 1
-        self.result.peak_max_used = max(self.result.peak_max_used, int(self.engine.state.max_used))
 
     def _arrive(self, step: int) -> None:
         """Trace requests that arrived by ``step`` join the waiting queue."""

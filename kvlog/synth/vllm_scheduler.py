@@ -30,7 +30,7 @@ from kvlog.events import (
     StepEnded,
 )
 from kvlog.splitmix import splitmix64
-from kvlog.synth.driver import RunCounts, SynthResult
+from kvlog.synth.driver import SynthResult
 from kvlog.synth.serving import TraceConfig
 from kvlog.synth.traces import HASH_BLOCK_TOKENS, TraceRequest
 from kvlog.synth.vllm_stubs import VOCAB, build_scheduler, make_request
@@ -79,7 +79,7 @@ class VllmTraceRun:
         self.scheduler = _build_scheduler(config)
         self.pending: deque[tuple[int, TraceRequest]] = deque(enumerate(requests))
         self.result = SynthResult(config.synth, engine.log_path)
-        engine.machine.observers.append(RunCounts(self.result))
+        self.result.watch(engine)
 
     def run(self) -> SynthResult:
         started = time.perf_counter()
@@ -118,8 +118,6 @@ class VllmTraceRun:
             self.result.num_preemptions += 1
         self._allocations(so)
         self._emit(StepEnded(step=step))
-        self.result.num_steps += 1
-        self.result.peak_max_used = max(self.result.peak_max_used, int(self.engine.state.max_used))
         for outputs in self.scheduler.update_from_output(so, self._runner_output(so)).values():
             for out in outputs.outputs:
                 self.result.num_finished += out.finish_reason is not None
@@ -162,5 +160,5 @@ class VllmTraceRun:
         )
 
     def _emit(self, event: Any) -> None:
-        """One scheduler input to the engine (``RunCounts`` counts it)."""
+        """One scheduler input to the engine (the result's summary counts it)."""
         self.engine.apply(event)

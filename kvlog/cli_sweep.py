@@ -11,7 +11,7 @@ import argparse
 import dataclasses
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 from kvlog.cost import HARDWARE, cost_model
@@ -19,7 +19,7 @@ from kvlog.errors import ConfigError
 from kvlog.events import DEFRAG_POLICIES
 from kvlog.policy import POLICY_FIELDS, parse_ratio_pct, parse_size
 from kvlog.present.text import progress_bar, render_table, segments_text, sweep_table
-from kvlog.present.units import format_bytes, plural
+from kvlog.present.units import plural, size_label
 from kvlog.synth import SynthConfig, SynthResult, TraceConfig, read_trace, trace_geometry
 from kvlog.synth.traces import TRACE_FORMATS
 
@@ -226,8 +226,17 @@ def synth_geometry(args: argparse.Namespace) -> dict[str, int]:
 
 
 # -- kvlog sweep ---------------------------------------------------------------------------
+_ListFlag = tuple[str, Callable[[str], Any], str, Sequence[Any], str, Callable[[Any], str]]
+"""A sweep flag that takes a list: flag, item parser, what the items are, defaults, help,
+how the help shows a default."""
+
+
+def _ratio(pct: int) -> str:
+    return f"{pct / 100:g}"
+
+
 def add_sweep(sub: Any, formatter: type[argparse.HelpFormatter] = argparse.HelpFormatter) -> None:
-    from kvlog import sweep as sweep_defaults
+    from kvlog import sweep as d
 
     p = sub.add_parser(
         "sweep",
@@ -238,42 +247,23 @@ def add_sweep(sub: Any, formatter: type[argparse.HelpFormatter] = argparse.HelpF
     )
     p.add_argument("logs", nargs="+", metavar="LOG")
     p.add_argument("--out", required=True, help="directory for sweep.csv and sweep.png")
-    p.add_argument(
-        "--policy",
-        type=_list_of(_policy_name, "policy names"),
-        default=list(sweep_defaults.DEFAULT_POLICIES),
-        help=f"policies to try, from {', '.join(sweep_defaults.POLICY_NAMES)} (default: "
-        f"{','.join(sweep_defaults.DEFAULT_POLICIES)})",
-    )
-    p.add_argument(
-        "--threshold",
-        type=_list_of(int, "integers"),
-        default=list(sweep_defaults.DEFAULT_THRESHOLDS),
-        help="seed (and budget: the lowest) thresholds (default: "
-        f"{','.join(map(str, sweep_defaults.DEFAULT_THRESHOLDS))})",
-    )
+    names = ", ".join(d.POLICY_NAMES)
+    lists: tuple[_ListFlag, ...] = (
+        ("--policy", _policy_name, "policy names", d.DEFAULT_POLICIES, f"of {names}", str),
+        ("--threshold", int, "integers", d.DEFAULT_THRESHOLDS, "seed; budget: the least", str),
+        ("--ratio-limit", _ratio_pct, "ratios", d.DEFAULT_RATIOS_PCT, "tail: e.g. 1.25", _ratio),
+        ("--min-swaps", int, "integers", d.DEFAULT_MIN_SWAPS, "tail: skip fewer pairs", str),
+        ("--budget", size_arg, "sizes", d.DEFAULT_BUDGETS, "budget: bytes per step", size_label),
+    )  # fmt: skip
+    for flag, kind, what, default, text, show in lists:
+        shown = ",".join(show(v) for v in default)
+        p.add_argument(
+            flag,
+            type=_list_of(kind, what),
+            default=list(default),
+            help=f"{text} (default: {shown})",
+        )
     p.add_argument("--max-swaps", type=_list_of(int, "integers"), help="seed: caps per step")
-    p.add_argument(
-        "--ratio-limit",
-        type=_list_of(_ratio_pct, "ratios"),
-        default=list(sweep_defaults.DEFAULT_RATIOS_PCT),
-        help="tail: ratio limits, e.g. 1.25,1.5 (default: "
-        f"{','.join(f'{r / 100:g}' for r in sweep_defaults.DEFAULT_RATIOS_PCT)})",
-    )
-    p.add_argument(
-        "--min-swaps",
-        type=_list_of(int, "integers"),
-        default=list(sweep_defaults.DEFAULT_MIN_SWAPS),
-        help="tail: skip plans of fewer pairs (default: "
-        f"{','.join(map(str, sweep_defaults.DEFAULT_MIN_SWAPS))})",
-    )
-    p.add_argument(
-        "--budget",
-        type=_list_of(size_arg, "sizes"),
-        default=list(sweep_defaults.DEFAULT_BUDGETS),
-        help="budget: bytes per step, e.g. 64MiB,256MiB (default: "
-        f"{','.join(map(format_bytes, sweep_defaults.DEFAULT_BUDGETS))})",
-    )
     p.add_argument("--address", help="an existing Ray cluster (default: a local Ray)")
     p.add_argument("--num-cpus", type=int, help="local Ray: worker CPUs (default: all)")
     p.add_argument("--serial", action="store_true", help="no Ray: run here, one by one")

@@ -92,6 +92,7 @@ from kvlog.events import (
     encode,
 )
 from kvlog.events.validate import MAX_REQ_ID_LENGTH, normalize_event
+from kvlog.fold import checkpoint_digest, state_at_end
 from kvlog.log import (
     DEFAULT_SYNC_INTERVAL_S,
     MAX_RECORD_BYTES,
@@ -110,28 +111,15 @@ from kvlog.log import (
 from kvlog.log.detach import error_errno
 from kvlog.log.segments import DEFAULT_SEGMENT_BYTES, MIN_SEGMENT_BYTES
 from kvlog.machine import Machine
-from kvlog.memory import (
-    available_memory,
-    check_state_memory,
-    state_bytes,
-)
+from kvlog.memory import check_state_memory
 from kvlog.reducers import running
 from kvlog.reducers.digest import digest_and_snapshot
 from kvlog.reducers.ranges import check_id_dtype
-from kvlog.replay import checkpoint_digest, replay_state
 
 if TYPE_CHECKING:
     from kvlog.executors import Executor, TransferCompletion
 
-__all__ = [
-    "Engine",
-    "LogOptions",
-    "OnLogError",
-    "available_memory",
-    "block_table_row",
-    "check_state_memory",
-    "state_bytes",
-]
+__all__ = ["Engine", "LogOptions", "OnLogError", "block_table_row"]
 
 OnLogError = Literal["raise", "detach"]
 _logger = logging.getLogger("kvlog")
@@ -574,7 +562,7 @@ class Engine:
         try:  # opened inside: an interrupt anywhere leaves no descriptor or lock behind
             options = log_options or LogOptions()
             writer = _open_existing(log_path, sync, sync_interval_s, options)
-            state, last = replay_state(writer.path)
+            state, last = state_at_end(writer.path)
             if state.config is None:
                 raise LogNotFound(2, f"{writer.path} holds no events to resume")
             return cls._continued(
@@ -920,7 +908,7 @@ def _check_snapshot_of(path: str, state: reducers.State, last: int) -> None:
     if final is not None and final.seq == last:
         expected, actual = final.digest, checkpoint_digest(state, final.digest)
     else:  # the log ends past its last checkpoint (a crash): its end, replayed
-        expected = running.checkpoint_digest(replay_state(path)[0])
+        expected = running.checkpoint_digest(state_at_end(path)[0])
         actual = running.checkpoint_digest(state)
     if actual != expected:
         raise ConfigError(

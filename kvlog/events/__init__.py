@@ -25,6 +25,8 @@ from kvlog.events.types import (
     TransferFinished,
     TransferPlan,
     TransferSubmitted,
+    pair_bytes,
+    swap_mode,
 )
 from kvlog.events.validate import validate_event
 
@@ -55,6 +57,8 @@ __all__ = [
     "decode",
     "decode_plan",
     "encode",
+    "pair_bytes",
+    "swap_mode",
     "to_dict",
     "to_json",
     "validate_event",

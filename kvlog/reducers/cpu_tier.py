@@ -37,7 +37,14 @@ from kvlog.events import (
 )
 from kvlog.reducers.tier_policies import ArcPolicy, Chunk, LruPolicy, TierContext, TierPolicy
 
-__all__ = ["TierAnswer", "TierChange", "TierState", "initial_tier_state", "reduce_tier"]
+__all__ = [
+    "TierAnswer",
+    "TierChange",
+    "TierState",
+    "count_offer",
+    "initial_tier_state",
+    "reduce_tier",
+]
 
 
 class TierChange(msgspec.Struct, frozen=True):
@@ -135,9 +142,14 @@ def _record_access(
 
 
 def _record_offer(state: TierState, keys: Sequence[bytes]) -> None:
-    """The store-threshold tracker counts an offer without evicting its own keys."""
-    counts, limit = state.counts, state.config.max_tracker_size
-    assert counts is not None, "the tracker exists only with a store threshold"
+    """The store-threshold tracker counts an offer."""
+    assert state.counts is not None, "the tracker exists only with a store threshold"
+    count_offer(state.counts, keys, state.config.max_tracker_size)
+
+
+def count_offer(counts: OrderedDict[bytes, int], keys: Sequence[bytes], limit: int) -> None:
+    """vLLM's admission tracker: count each offered key (most recent last), ageing the
+    least recently offered keys out past ``limit`` but never one of this offer's own."""
     protected = set()
     for key in keys:
         if key in counts:

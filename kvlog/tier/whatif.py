@@ -1,0 +1,209 @@
+"""What-ifs of the CPU tier: one variant (capacity, eviction, store threshold, chunk size)
+over a list of accesses (``trace.py``), with the figures an operator sizes the tier by.
+
+``lru`` and ``arc`` run the tier reducer (vLLM 0.33's manager, ``reducers/cpu_tier.py``)
+the way the connector's scheduler side drives it for one request: ``on_new_request``, a
+lookup of every key, ``prepare_load`` / ``complete_load`` of the hits, ``prepare_store``
+of the keys in batches of ``keys_per_step`` (one step's chunked prefill) and their
+``complete_store``, ``on_request_finished``. ``opt`` is the offline optimum under the same
+admission rule (``optimum.py``). A hit is a chunk the tier holds, ready, when the request
+asks (vLLM stops at its first miss; with prefix-chained keys the two rarely differ).
+
+Per variant: hit rate (blocks and tokens served from the tier instead of recomputed), bytes
+stored and loaded, evictions, stores never read before they left the tier (or the end), and
+the prefill time the hits save (``prefill_s_per_token``) next to the host-link time the
+loads and stores take (``kvlog/cost.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvlog.cost import CostModel
+from kvlog.errors import ConfigError
+from kvlog.events import (
+    TierConfigured,
+    TierLoadCompleted,
+    TierLoadPrepared,
+    TierLookedUp,
+    TierRequestFinished,
+    TierRequestStarted,
+    TierStoreCompleted,
+    TierStorePrepared,
+)
+from kvlog.reducers.cpu_tier import TierState, reduce_tier
+from kvlog.tier.trace import TierAccess
+
+__all__ = ["EVICTIONS", "TierResult", "TierTally", "TierVariant", "run_variant"]
+
+EVICTIONS: tuple[str, ...] = ("lru", "arc", "opt")
+DEFAULT_PREFILL_S_PER_TOKEN = 1e-4
+"""Prefill time one token costs (100 us: an 8B model near 10k tokens/s); settable."""
+
+
+@dataclass(frozen=True)
+class TierVariant:
+    """One configuration of the tier to try."""
+
+    eviction: str = "lru"
+    num_chunks: int = 1024
+    store_threshold: int = 0
+    tokens_per_chunk: int = 512
+    chunk_bytes: int = 512 * 131072
+    keys_per_step: int = 16
+    max_tracker_size: int = 64_000
+
+    def __post_init__(self) -> None:
+        if self.eviction not in EVICTIONS:
+            raise ConfigError("eviction", self.eviction, f"one of {list(EVICTIONS)}")
+        for name in ("num_chunks", "tokens_per_chunk", "keys_per_step", "max_tracker_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, getattr(self, name), "an integer >= 1")
+
+
+@dataclass
+class TierTally:
+    """Counts of one run (blocks are chunks)."""
+
+    accesses: int = 0
+    blocks_asked: int = 0
+    blocks_hit: int = 0
+    blocks_stored: int = 0
+    evictions: int = 0
+    never_read: int = 0
+    refused_stores: int = 0
+
+
+@dataclass(frozen=True)
+class TierResult:
+    """A variant's figures (see module docstring)."""
+
+    variant: TierVariant
+    tally: TierTally
+    prefill_s_per_token: float
+    cost: CostModel
+
+    @property
+    def hit_rate(self) -> float:
+        return self.tally.blocks_hit / max(1, self.tally.blocks_asked)
+
+    @property
+    def tokens_hit(self) -> int:
+        return self.tally.blocks_hit * self.variant.tokens_per_chunk
+
+    @property
+    def bytes_loaded(self) -> int:
+        return self.tally.blocks_hit * self.variant.chunk_bytes
+
+    @property
+    def bytes_stored(self) -> int:
+        return self.tally.blocks_stored * self.variant.chunk_bytes
+
+    @property
+    def prefill_saved_s(self) -> float:
+        return self.tokens_hit * self.prefill_s_per_token
+
+    @property
+    def load_s(self) -> float:
+        return self.cost.transfer_s(0, self.bytes_loaded)
+
+    @property
+    def store_s(self) -> float:
+        return self.cost.transfer_s(self.bytes_stored, 0)
+
+    def row(self) -> dict[str, object]:
+        """One CSV row."""
+        v, t = self.variant, self.tally
+        return {
+            "eviction": v.eviction,
+            "cpu_bytes": v.num_chunks * v.chunk_bytes,
+            "num_chunks": v.num_chunks,
+            "store_threshold": v.store_threshold,
+            "tokens_per_chunk": v.tokens_per_chunk,
+            "hit_rate": round(self.hit_rate, 6),
+            "blocks_asked": t.blocks_asked,
+            "blocks_hit": t.blocks_hit,
+            "tokens_hit": self.tokens_hit,
+            "bytes_stored": self.bytes_stored,
+            "bytes_loaded": self.bytes_loaded,
+            "evictions": t.evictions,
+            "never_read": t.never_read,
+            "refused_stores": t.refused_stores,
+            "prefill_saved_s": round(self.prefill_saved_s, 6),
+            "load_s": round(self.load_s, 6),
+            "store_s": round(self.store_s, 6),
+        }
+
+
+def run_variant(
+    accesses: Sequence[TierAccess],
+    variant: TierVariant,
+    prefill_s_per_token: float = DEFAULT_PREFILL_S_PER_TOKEN,
+    cost: CostModel | None = None,
+) -> TierResult:
+    """Run one variant over the accesses (``opt`` through ``optimum.belady``)."""
+    if variant.eviction == "opt":
+        from kvlog.tier.optimum import belady
+
+        tally = belady(accesses, variant)
+    else:
+        tally = _replay_policy(accesses, variant)
+    return TierResult(variant, tally, prefill_s_per_token, cost or CostModel())
+
+
+def _replay_policy(accesses: Sequence[TierAccess], variant: TierVariant) -> TierTally:
+    config = TierConfigured(
+        num_chunks=variant.num_chunks,
+        eviction=variant.eviction,
+        store_threshold=variant.store_threshold,
+        max_tracker_size=variant.max_tracker_size,
+        tokens_per_chunk=variant.tokens_per_chunk,
+        chunk_bytes=variant.chunk_bytes,
+    )
+    state, _ = reduce_tier(None, config)
+    tally, unread = TierTally(), set[bytes]()
+    for number, access in enumerate(accesses):
+        _one_access(state, number, access, variant, tally, unread)
+    tally.never_read += len(unread)
+    return tally
+
+
+def _one_access(
+    state: TierState,
+    number: int,
+    access: TierAccess,
+    variant: TierVariant,
+    tally: TierTally,
+    unread: set[bytes],
+) -> None:
+    """One request's calls, as the connector's scheduler side makes them."""
+    keys, req_id, step = list(access.keys), access.req_id, variant.keys_per_step
+    positions = [(i + 1) * variant.tokens_per_chunk for i in range(len(keys))]
+    reduce_tier(state, TierRequestStarted(req_id, number, keys, positions))
+    hits = [
+        key
+        for key in keys
+        if reduce_tier(state, TierLookedUp(req_id, number, key, ""))[1].result == "hit"
+    ]
+    tally.accesses += 1
+    tally.blocks_asked += len(keys)
+    tally.blocks_hit += len(hits)
+    unread.difference_update(hits)
+    if hits:
+        reduce_tier(state, TierLoadPrepared(req_id, number, hits, []))
+        reduce_tier(state, TierLoadCompleted(req_id, number, hits))
+    for start in range(0, len(keys), step):
+        batch = keys[start : start + step]
+        answer = reduce_tier(state, TierStorePrepared(req_id, number, batch, True, [], [], []))[1]
+        if not answer.accepted:
+            tally.refused_stores += 1
+            continue
+        tally.blocks_stored += len(answer.keys_to_store)
+        tally.evictions += len(answer.evicted_keys)
+        tally.never_read += sum(key in unread for key in answer.evicted_keys)
+        unread.difference_update(answer.evicted_keys)
+        unread.update(answer.keys_to_store)
+        if answer.keys_to_store:
+            reduce_tier(state, TierStoreCompleted(req_id, number, answer.keys_to_store))
+    reduce_tier(state, TierRequestFinished(req_id, number))

@@ -28,6 +28,9 @@ __all__ = ["belady", "lru_curve", "next_asks"]
 
 NEVER = 1 << 62
 """The next ask of a key asked no more."""
+LATER = NEVER + 1
+"""The request asking now offers the key again in a later store batch: evicting it until
+then costs no hit (that batch stores it again), so it is the first victim."""
 
 
 def next_asks(accesses: Sequence[TierAccess]) -> list[list[int]]:
@@ -91,11 +94,16 @@ def belady(accesses: Sequence[TierAccess], variant: TierVariant) -> TierTally:
         tally.blocks_asked += len(access.keys)
         tally.blocks_hit += len(hits)
         unread.difference_update(hits)
-        for key in hits:
-            cache.put(key, upcoming[key])
+        step = variant.keys_per_step
+        for position, key in enumerate(access.keys):
+            if key in cache.next_ask:  # LATER: a later batch of this request stores it again
+                cache.put(key, upcoming[key] if position < step else LATER)
         keys = list(access.keys)
-        for start in range(0, len(keys), variant.keys_per_step):
-            batch = keys[start : start + variant.keys_per_step]
+        for start in range(0, len(keys), step):
+            batch = keys[start : start + step]
+            for key in batch:
+                if key in cache.next_ask:
+                    cache.put(key, upcoming[key])
             if counts is not None:
                 count_offer(counts, batch, variant.max_tracker_size)
             to_store = [key for key in batch if key not in cache.next_ask]

@@ -1,0 +1,101 @@
+"""The CPU tier's reducer, what-ifs, optimum and hit-rate curves (issue 23), no vLLM.
+
+The reducer is compared with vLLM's real manager in ``test_cpu_tier_vllm.py`` (vLLM
+stage); here: narrative scenarios with exact keys, and properties on random workloads: the
+one-pass LRU curve equals per-capacity replays, the optimum is never below LRU or ARC, and
+every policy's hits never decrease with capacity.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from strategies import tier_traces
+
+from kvlog.errors import InvalidEvent, NotConfigured
+from kvlog.events import (
+    TierConfigured,
+    TierLoadPrepared,
+    TierLookedUp,
+    TierRequestFinished,
+    TierRequestStarted,
+    TierStoreCompleted,
+    TierStorePrepared,
+)
+from kvlog.reducers.cpu_tier import reduce_tier
+from kvlog.tier.optimum import lru_curve
+from kvlog.tier.trace import TierAccess, chunk_key
+from kvlog.tier.whatif import TierVariant, run_variant
+
+K = [chunk_key(i) for i in range(8)]
+
+
+def _accesses(requests: list[list[int]]) -> list[TierAccess]:
+    return [
+        TierAccess(f"r{i}", tuple(chunk_key(k) for k in keys)) for i, keys in enumerate(requests)
+    ]
+
+
+def test_lru_scenario_evicts_the_tail_of_the_oldest_request() -> None:
+    """Two chunks: r0 stores K0, K1 and finishes (K0, its head, most recent); r1's K2 needs
+    one chunk: the victim is K1, r0's tail, and K2 takes K1's chunk."""
+    state, _ = reduce_tier(None, TierConfigured(num_chunks=2, eviction="lru"))
+    reduce_tier(state, TierRequestStarted("r0", 0, [K[0], K[1]], [16, 32]))
+    stored = reduce_tier(state, TierStorePrepared("r0", 0, [K[0], K[1]], True, [], [], []))[1]
+    assert (stored.keys_to_store, stored.chunk_ids, stored.evicted_keys) == (
+        [K[0], K[1]],
+        [0, 1],
+        [],
+    )
+    reduce_tier(state, TierStoreCompleted("r0", 0, [K[0], K[1]]))
+    reduce_tier(state, TierRequestFinished("r0", 0))
+    reduce_tier(state, TierRequestStarted("r1", 1, [K[2]], [16]))
+    assert reduce_tier(state, TierLookedUp("r1", 1, K[1], ""))[1].result == "hit"
+    answer = reduce_tier(state, TierStorePrepared("r1", 1, [K[2]], True, [], [], []))[1]
+    assert (answer.keys_to_store, answer.chunk_ids, answer.evicted_keys) == ([K[2]], [1], [K[1]])
+    assert reduce_tier(state, TierLookedUp("r1", 1, K[2], ""))[1].result == "hit_pending"
+    assert reduce_tier(state, TierLookedUp("r1", 1, K[1], ""))[1].result == "miss"
+
+
+def test_refused_calls_change_nothing() -> None:
+    with pytest.raises(NotConfigured):
+        reduce_tier(None, TierLookedUp("r0", 0, K[0], ""))
+    state, _ = reduce_tier(None, TierConfigured(num_chunks=1, eviction="arc"))
+    with pytest.raises(InvalidEvent, match="does not hold"):
+        reduce_tier(state, TierLoadPrepared("r0", 0, [K[0]], []))
+    assert state.num_allocated == 0 and not state.contexts
+    full = reduce_tier(state, TierStorePrepared("r0", 0, [K[0], K[1]], True, [], [], []))[1]
+    assert not full.accepted  # two keys, one chunk: vLLM returns None
+
+
+@settings(max_examples=60, deadline=None)
+@given(requests=tier_traces(), extra=st.integers(0, 40))
+def test_lru_curve_equals_per_capacity_replays(requests: list[list[int]], extra: int) -> None:
+    accesses = _accesses(requests)
+    largest = max(len(a.keys) for a in accesses)
+    curve = lru_curve(accesses, largest + extra)
+    for num_chunks in range(largest, largest + extra + 1, 3):
+        replayed = run_variant(accesses, TierVariant("lru", num_chunks, keys_per_step=4))
+        assert curve[num_chunks] == replayed.tally.blocks_hit, num_chunks
+
+
+@settings(max_examples=60, deadline=None)
+@given(requests=tier_traces(), threshold=st.sampled_from([0, 1, 2]))
+def test_optimum_never_below_lru_or_arc_and_hits_grow_with_capacity(
+    requests: list[list[int]], threshold: int
+) -> None:
+    accesses = _accesses(requests)
+    largest = max(len(a.keys) for a in accesses)
+    previous = {"lru": -1, "arc": -1, "opt": -1}
+    for num_chunks in range(largest, largest + 24, 2):
+        hits = {
+            eviction: run_variant(
+                accesses, TierVariant(eviction, num_chunks, threshold, keys_per_step=4)
+            ).tally.blocks_hit
+            for eviction in ("lru", "arc", "opt")
+        }
+        assert hits["opt"] >= max(hits["lru"], hits["arc"]), (num_chunks, hits)
+        for eviction in ("lru", "opt"):
+            assert hits[eviction] >= previous[eviction], (eviction, num_chunks, hits)
+        previous = hits

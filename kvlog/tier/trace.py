@@ -58,6 +58,10 @@ def accesses_from_log(
     names: dict[int, str] = {}
     positions: dict[int, dict[bytes, int]] = {}
     for event in tier_events(source):
+        if type(event) is TierRequestStarted:  # a request that asks for nothing counts too
+            keys.setdefault(event.context, {})
+            names.setdefault(event.context, event.req_id)
+            positions.setdefault(event.context, {})
         if type(event) not in (TierLookedUp, TierLoadPrepared, TierStorePrepared, TierTouched):
             continue
         number = event.context  # type: ignore[union-attr]

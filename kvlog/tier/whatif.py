@@ -17,13 +17,16 @@ loads and stores take (``kvlog/cost.py``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import msgspec
 
 from kvlog.cost import CostModel
 from kvlog.errors import ConfigError
 from kvlog.events import (
     TierConfigured,
+    TierEvent,
     TierLoadCompleted,
     TierLoadPrepared,
     TierLookedUp,
@@ -32,10 +35,18 @@ from kvlog.events import (
     TierStoreCompleted,
     TierStorePrepared,
 )
-from kvlog.reducers.cpu_tier import TierState, reduce_tier
+from kvlog.reducers.cpu_tier import TierAnswer, TierState, reduce_tier
 from kvlog.tier.trace import TierAccess
 
-__all__ = ["EVICTIONS", "TierResult", "TierTally", "TierVariant", "run_variant"]
+__all__ = [
+    "EVICTIONS",
+    "Recorder",
+    "TierResult",
+    "TierTally",
+    "TierVariant",
+    "run_variant",
+    "tier_config",
+]
 
 EVICTIONS: tuple[str, ...] = ("lru", "arc", "opt")
 DEFAULT_PREFILL_S_PER_TOKEN = 1e-4
@@ -152,8 +163,13 @@ def run_variant(
     return TierResult(variant, tally, prefill_s_per_token, cost or CostModel())
 
 
-def _replay_policy(accesses: Sequence[TierAccess], variant: TierVariant) -> TierTally:
-    config = TierConfigured(
+Recorder = Callable[[TierEvent], object]
+"""Takes each call of a run as a log would hold it (the answer filled in)."""
+
+
+def tier_config(variant: TierVariant) -> TierConfigured:
+    """The ``TierConfigured`` of a variant (``lru`` or ``arc``)."""
+    return TierConfigured(
         num_chunks=variant.num_chunks,
         eviction=variant.eviction,
         store_threshold=variant.store_threshold,
@@ -161,12 +177,40 @@ def _replay_policy(accesses: Sequence[TierAccess], variant: TierVariant) -> Tier
         tokens_per_chunk=variant.tokens_per_chunk,
         chunk_bytes=variant.chunk_bytes,
     )
+
+
+def _replay_policy(
+    accesses: Sequence[TierAccess], variant: TierVariant, record: Recorder | None = None
+) -> TierTally:
+    config = tier_config(variant)
     state, _ = reduce_tier(None, config)
+    if record is not None:
+        record(config)
     tally, unread = TierTally(), set[bytes]()
     for number, access in enumerate(accesses):
-        _one_access(state, number, access, variant, tally, unread)
+        _one_access(state, number, access, variant, tally, unread, record)
     tally.never_read += len(unread)
     return tally
+
+
+def _call(state: TierState, event: TierEvent, record: Recorder | None) -> TierAnswer:
+    """One manager call; recorded with the answer as the recorder would write it."""
+    answer = reduce_tier(state, event)[1]
+    if record is not None:
+        if type(event) is TierLookedUp:
+            event = msgspec.structs.replace(event, result=answer.result)
+        elif type(event) is TierLoadPrepared:
+            event = msgspec.structs.replace(event, chunk_ids=answer.chunk_ids)
+        elif type(event) is TierStorePrepared:
+            event = msgspec.structs.replace(
+                event,
+                accepted=answer.accepted,
+                keys_to_store=answer.keys_to_store,
+                chunk_ids=answer.chunk_ids,
+                evicted_keys=answer.evicted_keys,
+            )
+        record(event)
+    return answer
 
 
 def _one_access(
@@ -176,26 +220,28 @@ def _one_access(
     variant: TierVariant,
     tally: TierTally,
     unread: set[bytes],
+    record: Recorder | None,
 ) -> None:
     """One request's calls, as the connector's scheduler side makes them."""
     keys, req_id, step = list(access.keys), access.req_id, variant.keys_per_step
     positions = [(i + 1) * variant.tokens_per_chunk for i in range(len(keys))]
-    reduce_tier(state, TierRequestStarted(req_id, number, keys, positions))
+    _call(state, TierRequestStarted(req_id, number, keys, positions), record)
     hits = [
         key
         for key in keys
-        if reduce_tier(state, TierLookedUp(req_id, number, key, ""))[1].result == "hit"
+        if _call(state, TierLookedUp(req_id, number, key, "miss"), record).result == "hit"
     ]
     tally.accesses += 1
     tally.blocks_asked += len(keys)
     tally.blocks_hit += len(hits)
     unread.difference_update(hits)
     if hits:
-        reduce_tier(state, TierLoadPrepared(req_id, number, hits, []))
-        reduce_tier(state, TierLoadCompleted(req_id, number, hits))
+        _call(state, TierLoadPrepared(req_id, number, hits, []), record)
+        _call(state, TierLoadCompleted(req_id, number, hits), record)
     for start in range(0, len(keys), step):
         batch = keys[start : start + step]
-        answer = reduce_tier(state, TierStorePrepared(req_id, number, batch, True, [], [], []))[1]
+        offer = TierStorePrepared(req_id, number, batch, True, [], [], [])
+        answer = _call(state, offer, record)
         if not answer.accepted:
             tally.refused_stores += 1
             continue
@@ -205,5 +251,5 @@ def _one_access(
         unread.difference_update(answer.evicted_keys)
         unread.update(answer.keys_to_store)
         if answer.keys_to_store:
-            reduce_tier(state, TierStoreCompleted(req_id, number, answer.keys_to_store))
-    reduce_tier(state, TierRequestFinished(req_id, number))
+            _call(state, TierStoreCompleted(req_id, number, answer.keys_to_store), record)
+    _call(state, TierRequestFinished(req_id, number), record)

@@ -23,6 +23,7 @@ from kvlog.events import (
     Record,
     TierLoadPrepared,
     TierLookedUp,
+    TierRequestStarted,
     TierStorePrepared,
     TierTouched,
 )

@@ -8,11 +8,16 @@ every policy's hits never decrease with capacity.
 
 from __future__ import annotations
 
+import csv
+import os
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import tier_traces
 
+from kvlog import replay
+from kvlog.cli import main
 from kvlog.errors import InvalidEvent, NotConfigured
 from kvlog.events import (
     TierConfigured,
@@ -22,10 +27,13 @@ from kvlog.events import (
     TierRequestStarted,
     TierStoreCompleted,
     TierStorePrepared,
+    validate_event,
 )
 from kvlog.reducers.cpu_tier import reduce_tier
 from kvlog.tier.optimum import lru_curve
-from kvlog.tier.trace import TierAccess, chunk_key
+from kvlog.tier.replay import replay_tier
+from kvlog.tier.synth import synth_tier_log
+from kvlog.tier.trace import TierAccess, accesses_from_log, chunk_key
 from kvlog.tier.whatif import TierVariant, run_variant
 
 K = [chunk_key(i) for i in range(8)]
@@ -99,3 +107,76 @@ def test_optimum_never_below_lru_or_arc_and_hits_grow_with_capacity(
         for eviction in ("lru", "opt"):
             assert hits[eviction] >= previous[eviction], (eviction, num_chunks, hits)
         previous = hits
+
+
+DATA = os.path.join(os.path.dirname(__file__), "data")
+MOONCAKE = os.path.join(DATA, "mooncake_synthetic_trace_3601-3800.jsonl")
+AZURE = os.path.join(DATA, "AzureLLMInferenceTrace_conv_head300.csv")
+
+
+def test_a_synthesized_tier_log_replays_exactly_and_verifies(tmp_path: str) -> None:
+    """The Mooncake slice through ``python -m kvlog.tier.synth``'s writer: the tier events
+    replay to the same answers, the GPU books' replay verifies the log, the accesses come
+    back, and what-ifs run on it."""
+    path = os.path.join(tmp_path, "tier.kvlog")
+    variant = TierVariant("arc", 64, store_threshold=2, keys_per_step=4)
+    tally = synth_tier_log(MOONCAKE, path, variant, gpu_tokens=65536)
+    assert tally.blocks_hit > 0 and tally.evictions > 0
+    replayed = replay_tier(path)
+    assert replayed.exact and replayed.lookups == tally.blocks_asked
+    assert replayed.lookup_hits == tally.blocks_hit
+    assert replay(path, verify=True).ok
+    accesses = accesses_from_log(path)
+    assert len(accesses) == tally.accesses
+    again = run_variant(accesses, variant).tally
+    assert (again.blocks_hit, again.blocks_stored) == (tally.blocks_hit, tally.blocks_stored)
+    bigger = run_variant(accesses, TierVariant("opt", 256, keys_per_step=4)).tally
+    assert bigger.blocks_hit >= again.blocks_hit
+
+
+def test_a_recorded_answer_that_differs_is_named(tmp_path: str) -> None:
+    events = [
+        TierConfigured(num_chunks=2),
+        TierRequestStarted("r0", 0),
+        TierLookedUp("r0", 0, K[0], "hit"),  # the tier is empty: a miss
+    ]
+    out = replay_tier(events)
+    assert out.mismatch is not None and out.mismatch.index == 2 and not out.exact
+    assert "'hit'" in out.mismatch.recorded and "'miss'" in out.mismatch.replayed
+
+
+def test_tier_events_validate() -> None:
+    validate_event(TierStorePrepared("r0", 0, [K[0]], True, [K[0]], [3], []))
+    for bad in (
+        TierStorePrepared("r0", 0, [K[0]], True, [K[0]], [], []),  # a chunk per stored key
+        TierStorePrepared("r0", 0, [K[0]], False, [K[0]], [3], []),  # refused stores nothing
+        TierLookedUp("r0", 0, K[0], "maybe"),
+        TierLookedUp("r0", -1, K[0], "hit"),
+        TierConfigured(num_chunks=4, eviction="fifo"),
+        TierRequestStarted("r0", 0, [K[0]], []),
+    ):
+        with pytest.raises(InvalidEvent):
+            validate_event(bad)
+
+
+def test_kvlog_sweep_cpu_bytes_writes_the_csv_and_the_png(
+    tmp_path: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = os.path.join(tmp_path, "sweep")
+    argv = ["sweep", MOONCAKE, AZURE, "--cpu-bytes", "1GiB,4GiB", "--eviction", "lru,arc,opt"]
+    argv += ["--gpu-tokens", "16384", "--serial", "--out", out]
+    assert main(argv) == 0
+    with open(os.path.join(out, "sweep.csv"), encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 12 and {"eviction", "cpu_bytes", "hit_rate"} <= set(rows[0])
+    by = {(os.path.basename(r["log"]), r["eviction"], int(r["cpu_bytes"])): r for r in rows}
+    mooncake = os.path.basename(MOONCAKE)
+    for size in (1 << 30, 4 << 30):
+        opt = float(by[(mooncake, "opt", size)]["hit_rate"])
+        assert opt >= float(by[(mooncake, "lru", size)]["hit_rate"]) > 0
+    assert float(by[(mooncake, "lru", 4 << 30)]["hit_rate"]) >= float(
+        by[(mooncake, "lru", 1 << 30)]["hit_rate"]
+    )
+    with open(os.path.join(out, "sweep.png"), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert main([*argv[:-2], "--eviction", "fifo", "--out", out]) == 2

@@ -35,6 +35,7 @@ This module is the only one in kvlog that imports vLLM.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -166,7 +167,11 @@ def record_tier(scheduler: Any, vllm_config: Any, kv_cache_config: Any) -> Engin
     cache = CacheConfigured(
         num_gpu_blocks=max(1, int(kv_cache_config.num_blocks)), block_size=block_size, defrag=False
     )
-    engine = Engine(cache, log_path=scheduler_log_path(config.log_path), sync="none")
+    try:
+        engine = Engine(cache, log_path=scheduler_log_path(config.log_path), sync="none")
+    except Exception as exc:  # the recorder never takes serving down
+        logging.getLogger("kvlog").error("kvlog: no CPU tier log: %r", exc)
+        return None
     tier = tier_config_of(manager, blocks_per_chunk)
     tier = msgspec.structs.replace(tier, tokens_per_chunk=blocks_per_chunk * block_size)
     scheduler.manager = TierRecorder(manager, engine.apply, tier)

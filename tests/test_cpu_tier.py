@@ -77,7 +77,7 @@ def test_refused_calls_change_nothing() -> None:
     assert not full.accepted  # two keys, one chunk: vLLM returns None
 
 
-@settings(max_examples=60, deadline=None)
+@settings(deadline=None)
 @given(requests=tier_traces(), extra=st.integers(0, 40))
 def test_lru_curve_equals_per_capacity_replays(requests: list[list[int]], extra: int) -> None:
     accesses = _accesses(requests)
@@ -88,7 +88,7 @@ def test_lru_curve_equals_per_capacity_replays(requests: list[list[int]], extra:
         assert curve[num_chunks] == replayed.tally.blocks_hit, num_chunks
 
 
-@settings(max_examples=60, deadline=None)
+@settings(deadline=None)
 @given(requests=tier_traces(), threshold=st.sampled_from([0, 1, 2]))
 def test_optimum_never_below_lru_or_arc_and_hits_grow_with_capacity(
     requests: list[list[int]], threshold: int

@@ -6,14 +6,20 @@ Swaps, stores and loads then move those bytes around on real tensors; ``check`` 
 live block of every request back and compares. A defrag that forgets a pin, or an executor
 that indexes tensors with unresolved ids, shows up as a block holding someone else's bytes.
 
-The tracker only reads the engine state and watches the events; it never changes either.
-Rules (from the data each block must hold in a correct system):
+The tracker only reads the engine state and watches the events and the plans they made
+(a machine observer); it never changes either. Which CPU sub-block a GPU block goes to or
+comes from is read from each ``TransferPlan`` (the reducers' rule, ``group_sizes`` and
+deferred jobs included), never restated here. Rules (from the data each block must hold in
+a correct system):
 - a block that goes from no owner to an owner gets fresh bytes, except with prefix caching
   where a free block may hold cached data that swap-mode defrag keeps (so its bytes stay);
-- a store copies the tokens of its GPU blocks into its CPU sub-blocks when it succeeds;
-- a load gives its GPU blocks the tokens of its CPU sub-blocks when it succeeds (skip rule
-  of ``block_size_factor`` applied); a failed transfer leaves its destinations unknown;
-- a block that a load is still writing is not checked.
+  ``RequestFinished``, ``RequestPreempted`` and ``BlocksReleased`` drop owners;
+- a store copies the tokens its GPU blocks hold when its plan runs (a flushed store's plan
+  runs before the new owner's fresh bytes) into its CPU sub-blocks when it succeeds;
+- a load gives its GPU blocks the tokens its CPU sub-blocks hold when its plan runs, when
+  it succeeds; a failed transfer leaves its destinations unknown;
+- a block that a load is still writing (from its plan on: a deferred load has not
+  touched it before) is not checked.
 """
 
 from __future__ import annotations
@@ -27,18 +33,19 @@ import numpy as np
 
 from kvlog.events import (
     BlocksAllocated,
+    BlocksReleased,
     CacheConfigured,
     Event,
-    LoadRequested,
     Plan,
     RequestFinished,
     RequestPreempted,
     StepScheduled,
-    StoreRequested,
     TransferFinished,
+    TransferPlan,
 )
 from kvlog.reducers import State
 from kvlog.reducers import step as step_reducer
+from kvlog.splitmix import GOLDEN, mix64_array
 
 if TYPE_CHECKING:
     from kvlog.executors import Executor
@@ -52,7 +59,6 @@ __all__ = [
     "CanaryTracker",
     "canary_bytes",
     "canary_rows",
-    "expand_sub_blocks",
     "make_canary_executor",
 ]
 
@@ -61,16 +67,6 @@ UNKNOWN = -1
 PENDING = -2
 """Token of a GPU block that an unfinished load is writing."""
 
-_MASK64 = (1 << 64) - 1
-
-
-def _splitmix64(x: np.ndarray) -> np.ndarray:
-    """Vectorized splitmix64 finalizer (uint64 in, uint64 out, wrapping arithmetic)."""
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    out: np.ndarray = x ^ (x >> np.uint64(31))
-    return out
-
 
 def canary_rows(tokens: np.ndarray, num_bytes: int) -> np.ndarray:
     """``(len(tokens), num_bytes)`` uint8: row ``i`` depends only on ``tokens[i]`` (>= 0)."""
@@ -78,8 +74,8 @@ def canary_rows(tokens: np.ndarray, num_bytes: int) -> np.ndarray:
     assert tokens.size == 0 or int(tokens.min()) >= 0, "canary tokens must be >= 0"
     num_words = (num_bytes + 7) // 8
     with np.errstate(over="ignore"):
-        base = tokens.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-        words = _splitmix64(np.arange(num_words, dtype=np.uint64)[None, :] + base[:, None])
+        base = tokens.astype(np.uint64) * np.uint64(GOLDEN)
+        words = mix64_array(np.arange(num_words, dtype=np.uint64)[None, :] + base[:, None])
     rows: np.ndarray = words.view(np.uint8).reshape(len(tokens), num_words * 8)[:, :num_bytes]
     return rows
 
@@ -88,13 +84,6 @@ def canary_bytes(token: int, num_bytes: int) -> bytes:
     """``num_bytes`` pseudo-random bytes that depend only on ``token`` (>= 0)."""
     assert token >= 0, f"canary token must be >= 0, got {token}"
     return bytes(canary_rows(np.array([token]), num_bytes)[0].tobytes())
-
-
-def expand_sub_blocks(block_ids: list[int], factor: int, skip: int = 0) -> list[int]:
-    """CPU sub-block ids of ``block_ids`` (``b * factor + k``), the first ``skip`` dropped."""
-    assert 0 <= skip < factor or (skip == 0 and factor == 1), f"bad skip {skip} for {factor}"
-    out = [b * factor + k for b in block_ids for k in range(factor)]
-    return out[skip:]
 
 
 class BlockReader(Protocol):
@@ -109,6 +98,7 @@ class _StateView(Protocol):
     """What the tracker reads from the reducer state."""
 
     def resolve(self, block_id: int) -> int: ...
+    def unresolve(self, physical: int) -> int: ...
     def request_blocks(self, req_id: str) -> list[int]: ...
     def live_requests(self) -> list[str]: ...
 
@@ -133,6 +123,10 @@ class CanaryReport:
     num_skipped: int = 0
     num_failed: int = 0
     failures: list[CanaryFailure] = field(default_factory=list)
+    num_cpu_checked: int = 0
+    """Of ``num_checked``: CPU sub-blocks (what successful stores wrote)."""
+    num_cpu_skipped: int = 0
+    """Of ``num_skipped``: CPU sub-blocks whose store carried unknown bytes."""
 
     @property
     def ok(self) -> bool:
@@ -224,29 +218,34 @@ class CanaryTracker:
             ]
 
     def after(self, state: _StateView, event: Event, plans: Sequence[Plan] = ()) -> None:
-        """Call after the engine applied ``event`` successfully (a machine observer)."""
+        """Call after the engine applied ``event`` successfully, with its plans (a machine
+        observer). Transfer plans first: a store flushed by an allocation reads its blocks
+        before their new owner's fresh bytes land."""
+        for plan in plans:
+            if type(plan) is TransferPlan:
+                self._planned(state, plan)
         if isinstance(event, StepScheduled):
             released = iter(self._step_released)
             for fine in self._step_events:  # the step's own order; writes land where the
                 if isinstance(fine, BlocksAllocated):  # blocks are after its defrag moves
                     self._allocated(state, fine.block_ids)
                 else:
-                    self._released = next(released)
-                    self.after(state, fine)
+                    self._release(next(released))
             self._step_events, self._step_released = [], []
         elif isinstance(event, BlocksAllocated):
             self._allocated(state, event.block_ids)
         elif isinstance(event, (RequestFinished, RequestPreempted)):
-            for b in self._released:
-                self.refs[b] -= 1
-                assert self.refs[b] >= 0, f"canary tracker: block {b} released below zero"
+            self._release(self._released)
             self._released = []
-        elif isinstance(event, StoreRequested):
-            self._submit_store(event)
-        elif isinstance(event, LoadRequested):
-            self._submit_load(event)
+        elif isinstance(event, BlocksReleased):
+            self._release(event.block_ids)
         elif isinstance(event, TransferFinished):
             self.finished(event.job_id, event.success)
+
+    def _release(self, block_ids: list[int]) -> None:
+        for b in block_ids:
+            self.refs[b] -= 1
+            assert self.refs[b] >= 0, f"canary tracker: block {b} released below zero"
 
     def _allocated(self, state: _StateView, block_ids: list[int]) -> None:
         fresh = []
@@ -258,27 +257,44 @@ class CanaryTracker:
             self.refs[b] += 1
         self.write(state, fresh)
 
-    def _submit_store(self, event: StoreRequested) -> None:
-        subs = expand_sub_blocks(event.cpu_block_ids, self.config.block_size_factor)
-        gpu = list(event.gpu_block_ids)
-        tokens = [int(self.gpu_tokens[b]) for b in gpu]
-        self.jobs[event.job_id] = _Job("store", gpu, subs, tokens)
+    def _planned(self, state: _StateView, plan: TransferPlan) -> None:
+        """A transfer's plan runs now: the tokens it carries are those its sources hold
+        (GPU blocks by their logical ids: pinned, defrag never moved them)."""
+        sources = [src for src, _ in plan.pairs]
+        targets = [dst for _, dst in plan.pairs]
+        if plan.kind == "store":
+            gpu = [state.unresolve(p) for p in sources]
+            tokens = [self._stored_token(b) for b in gpu]
+            self.jobs[plan.job_id] = _Job("store", gpu, targets, tokens)
+        else:
+            gpu = [state.unresolve(p) for p in targets]
+            tokens = [int(self.cpu_tokens[s]) for s in sources]
+            self.gpu_tokens[np.asarray(gpu, dtype=np.int64)] = PENDING
+            self.jobs[plan.job_id] = _Job("load", gpu, sources, tokens)
 
-    def _submit_load(self, event: LoadRequested) -> None:
-        factor = self.config.block_size_factor
-        gpu = list(event.gpu_block_ids)
-        skip = -len(gpu) % factor
-        subs = expand_sub_blocks(event.cpu_block_ids, factor, skip)
-        tokens = [int(self.cpu_tokens[s]) for s in subs]
-        for b in gpu:
-            self.gpu_tokens[b] = PENDING
-        self.jobs[event.job_id] = _Job("load", gpu, subs, tokens)
+    def _stored_token(self, block_id: int) -> int:
+        """What a store planned now reads from a GPU block: its token, or, while a load
+        writes it, the load's (the reducers fence the store behind that load)."""
+        token = int(self.gpu_tokens[block_id])
+        if token != PENDING:
+            return token
+        for job in self.jobs.values():
+            if job.kind == "load" and block_id in job.gpu_block_ids:
+                return job.tokens[job.gpu_block_ids.index(block_id)]
+        raise AssertionError(f"canary tracker: block {block_id} pending without its load")
 
     def finished(self, job_id: int, success: bool) -> None:
-        """A transfer finished: move the tokens it carried (or forget them on failure)."""
+        """A transfer finished: move the tokens it carried (or forget them on failure: a
+        store that read a failed load's blocks carries unknown bytes too)."""
         job = self.jobs.pop(job_id, None)
         if job is None:
             return
+        if job.kind == "load" and not success:
+            for other in self.jobs.values():
+                if other.kind == "store":
+                    for i, b in enumerate(other.gpu_block_ids):
+                        if b in job.gpu_block_ids and other.tokens[i] in job.tokens:
+                            other.tokens[i] = UNKNOWN
         for gpu, sub, tok in zip(job.gpu_block_ids, job.sub_block_ids, job.tokens, strict=True):
             value = tok if success else UNKNOWN
             if job.kind == "store":
@@ -351,8 +367,10 @@ class CanaryTracker:
             for k, tok in enumerate(tokens):
                 if tok < 0:
                     report.num_skipped += 1
+                    report.num_cpu_skipped += 1
                     continue
                 report.num_checked += 1
+                report.num_cpu_checked += 1
                 if _cpu_part(data, k, factor, pages) != canary_bytes(tok, size):
                     self._fail(report, CanaryFailure("cpu", "", cpu_block, cpu_block, tok, -1))
 

@@ -1,9 +1,7 @@
 """The ``kvlog`` command line: synth, replay, inspect, demo, sweep.
 
-Exit status: 0 when everything checked out, 1 when a replay diverged or a canary failed
-(or ``--execute`` had nothing to check), 2 for bad arguments or a log that cannot be read
-(refused before anything is written), 130 after Ctrl-C (the log being written is closed
-first, so it replays).
+It parses arguments, calls the domain (``kvlog.synth``, ``kvlog.replay``, ``kvlog.sweep``)
+and prints what ``kvlog.present`` renders. Exit status: :data:`EPILOG`.
 """
 
 from __future__ import annotations
@@ -15,12 +13,13 @@ import os
 import signal
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 import typing
 from collections.abc import Iterator, Sequence
 from types import FrameType
-from typing import Any, TextIO
+from typing import Any
 
 from kvlog import __version__
 from kvlog.cli_sweep import (
@@ -31,22 +30,53 @@ from kvlog.cli_sweep import (
     cmd_replay_parallel,
     cmd_sweep,
     policy_fields,
-    progress_bar,
-    render_table,
     run_trace_command,
+    synth_geometry,
     trace_flags,
-    trace_geometry,
 )
 from kvlog.errors import ConfigError, KvlogError, LogExists, MissingExtra
-from kvlog.events import DEFAULT_PAD_SIZES, SCHEMA_VERSION, Checkpoint, Event, to_dict
-from kvlog.log import FORMAT_VERSION, LogReader
+from kvlog.events import SCHEMA_VERSION, Checkpoint, Event, to_dict
+from kvlog.log import FORMAT_VERSION, SYNC_MODES, LogReader
+from kvlog.policy import POLICY_FIELDS, check_tail_only, policy_field
+from kvlog.present.text import describe_overrides, progress_bar, replay_text, synth_text
+from kvlog.present.units import format_bytes
 from kvlog.replay import ReplayResult, replay
 from kvlog.report import Series, report_path, write_report
-from kvlog.sweep import format_bytes
-from kvlog.synth import SynthConfig, SynthResult, run_synth
+from kvlog.synth import SynthConfig, read_meta, run_synth
 from kvlog.synth.driver import defer_sigint
 
-__all__ = ["build_parser", "main"]
+__all__ = ["EPILOG", "build_parser", "main"]
+
+DESCRIPTION = (
+    "kvlog keeps the books of an LLM serving engine's KV cache (defrag of accelerator "
+    "blocks, offload to CPU) as a log of events that replays to the same decisions. "
+    "Record a workload (synth), verify or re-run a log under another policy (replay), "
+    "compare policies over logs (sweep), read a log's records (inspect), or see it all "
+    "at once (demo)."
+)
+EPILOG = """exit status:
+  0    everything checked out
+  1    a replay diverged, a canary failed, --execute read no block, a sweep variant was refused
+  2    bad arguments or a log that cannot be read, refused before anything is written
+  130  interrupted (Ctrl-C); the log being written is closed first, so it replays
+
+Run "kvlog COMMAND --help" for a command's flags and their defaults."""
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default after its help, unless there is none to show (None, a
+    switch that is off), the help already says it, or it is a list (their help says it in
+    the flag's own units)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if default is None or default is False or isinstance(default, list):
+            return text
+        return text if "default" in text else super()._get_help_string(action)
+
+
+_POLICY_FIELD_NAMES = frozenset(row.name for row in POLICY_FIELDS)
 
 _EVENT_TYPES = (
     *(t.__name__ for t in typing.get_args(Event)),
@@ -54,91 +84,78 @@ _EVENT_TYPES = (
 )
 
 
-def _pad_sizes(text: str) -> tuple[int, ...]:
-    try:
-        sizes = tuple(int(x) for x in text.replace(" ", "").split(",") if x)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"--pad-sizes wants integers like 8,16,32: {exc}") from exc
-    if not sizes:
-        raise argparse.ArgumentTypeError("--pad-sizes needs at least one size")
-    return sizes
-
-
-def _add_policy(p: argparse.ArgumentParser, defaults: bool) -> None:
-    """Policy flags; for replay (``defaults=False``) an absent flag keeps the recording's."""
-    d = SynthConfig()
-    p.add_argument(
-        "--threshold",
-        type=int,
-        default=d.threshold if defaults else None,
-        help="defrag trigger: max_used - threshold > num_used",
-    )
-    p.add_argument(
-        "--max-swaps",
-        type=int,
-        default=d.max_swaps if defaults else None,
-        help="most block pairs one defrag moves",
-    )
-    p.add_argument(
-        "--pad-sizes",
-        type=_pad_sizes,
-        default=DEFAULT_PAD_SIZES if defaults else None,
-        help="pad buckets for graph capture, e.g. 8,16,32",
-    )
-    group = p.add_mutually_exclusive_group()
-    group.add_argument(
-        "--no-defrag",
-        dest="defrag",
-        action="store_false",
-        default=d.defrag if defaults else None,
-        help="turn defragmentation off",
-    )
-    if not defaults:
-        group.add_argument("--defrag", dest="defrag", action="store_true", help="turn it on")
-    add_policy_flags(p, defaults)
+_WORKLOAD_FLAGS: tuple[tuple[str, str, type, str], ...] = (
+    ("--seed", "seed", int, "seed of the synthetic workload"),
+    ("--steps", "steps", int, "scheduler steps to run"),
+    ("--num-cpu-blocks", "num_cpu_blocks", int, "CPU offload blocks (0: no offload)"),
+    ("--block-size-factor", "block_size_factor", int, "GPU blocks per CPU block"),
+    ("--arrival-rate", "arrival_rate", float, "requests per step"),
+    ("--prompt-len-mean", "prompt_len_mean", float, "mean prompt tokens"),
+    ("--output-len-mean", "output_len_mean", float, "mean output tokens"),
+    ("--max-num-seqs", "max_num_seqs", int, "most requests running at once"),
+    ("--num-prefixes", "num_prefixes", int, "distinct shared system prompts"),
+    ("--prefix-share", "prefix_share", float, "share of requests that start with a shared prompt"),
+    ("--failure-rate", "transfer_failure_rate", float, "share of simulated transfers that fail "
+     "(without --execute)"),
+)  # fmt: skip
+"""``kvlog synth``'s workload flags: (flag, ``SynthConfig`` field for the default, type, help)."""
 
 
 def _add_synth(sub: Any) -> None:
-    p = sub.add_parser("synth", help="record a synthetic serving workload into a log")
+    p = sub.add_parser(
+        "synth",
+        help="record a synthetic serving workload (or a public trace) into a log",
+        description="Record a seeded serving workload, or a public request trace with "
+        "--trace, into a new log (arrivals, prefix sharing, preemption, stores and loads).",
+        formatter_class=_HelpFormatter,
+    )
     d = SynthConfig()
-    p.add_argument("--out", required=True, help="log file to create")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--out", required=True, help="log file to create (must not hold records)")
+    for flag, name, kind, text in _WORKLOAD_FLAGS:
+        p.add_argument(flag, type=kind, default=getattr(d, name), help=text)
     p.add_argument(
-        "--num-gpu-blocks", type=int, help=f"default {d.num_gpu_blocks} (4096 with --trace)"
-    )
-    p.add_argument("--block-size", type=int, help=f"default {d.block_size} (128 with --trace)")
-    p.add_argument(
-        "--num-cpu-blocks",
+        "--num-gpu-blocks",
         type=int,
-        default=d.num_cpu_blocks,
-        help="CPU offload blocks (0: no offload)",
+        help=f"GPU blocks in the pool (default {d.num_gpu_blocks}; 4096 with --trace)",
     )
-    p.add_argument("--block-size-factor", type=int, default=d.block_size_factor)
-    p.add_argument("--prefix-caching", action="store_true")
-    p.add_argument("--arrival-rate", type=float, default=d.arrival_rate, help="requests per step")
-    p.add_argument("--prompt-len-mean", type=float, default=d.prompt_len_mean)
-    p.add_argument("--output-len-mean", type=float, default=d.output_len_mean)
-    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    p.add_argument("--num-prefixes", type=int, default=d.num_prefixes)
-    p.add_argument("--prefix-share", type=float, default=d.prefix_share)
     p.add_argument(
-        "--failure-rate",
-        type=float,
-        default=d.transfer_failure_rate,
-        help="share of simulated transfers that fail (without --execute)",
+        "--block-size",
+        type=int,
+        help=f"tokens per block (default {d.block_size}; 128 with --trace)",
     )
+    p.add_argument("--prefix-caching", action="store_true", help="share prompt prefix blocks")
     p.add_argument("--execute", action="store_true", help="run on CPU tensors with canary checks")
-    p.add_argument("--backend", choices=("cpu", "fake"), default="cpu")
-    p.add_argument("--check-every", type=int, default=0, help="canary check every N steps")
-    p.add_argument("--sync", choices=("none", "step", "always", "background"), default="step")
-    p.add_argument("--checkpoint-every", type=int, default=256)
-    _add_policy(p, defaults=True)
+    p.add_argument(
+        "--backend",
+        choices=("cpu", "fake"),
+        default="cpu",
+        help="--execute: the executor's device",
+    )
+    p.add_argument(
+        "--check-every", type=int, default=0, help="canary check every N steps (0: at the end)"
+    )
+    p.add_argument(
+        "--sync",
+        choices=SYNC_MODES,
+        default="step",
+        help="when the log is fsynced",
+    )
+    p.add_argument(
+        "--checkpoint-every", type=int, default=256, help="steps between digest checkpoints"
+    )
+    add_policy_flags(p, defaults=True)
     add_trace_flags(p)
 
 
 def _add_replay(sub: Any) -> None:
-    p = sub.add_parser("replay", help="verify a log, diff it, or run a what-if policy")
+    p = sub.add_parser(
+        "replay",
+        help="verify a log, diff it, or run a what-if policy",
+        description="Replay a log: verify every checkpoint, compare with another log "
+        "(--against), re-run it under other policy settings (a what-if), re-apply its plans "
+        "to canary-filled CPU tensors (--execute), or plot it (--report).",
+        formatter_class=_HelpFormatter,
+    )
     p.add_argument("log")
     p.add_argument("--no-verify", dest="verify", action="store_false", help="skip checkpoints")
     p.add_argument("--against", help="compare event by event with a re-run of this log")
@@ -148,29 +165,51 @@ def _add_replay(sub: Any) -> None:
     p.add_argument("--backend", choices=("cpu", "fake"), default="cpu")
     p.add_argument("--from-snapshot", action="store_true", help="start at the latest snapshot")
     p.add_argument("--report", help="plot to FILE (.png or .svg, kvlog[plot]; .csv numbers)")
-    _add_policy(p, defaults=False)
+    add_policy_flags(p, defaults=False)
     add_parallel_flags(p)
 
 
 def _add_inspect(sub: Any) -> None:
-    p = sub.add_parser("inspect", help="print a log's records as JSON lines")
+    p = sub.add_parser(
+        "inspect",
+        help="print a log's records as JSON lines",
+        description="Print a log's records as JSON lines, one per record, with its sequence "
+        "number. A checkpoint's snapshot is summarised (its size) unless --snapshots.",
+        formatter_class=_HelpFormatter,
+    )
     p.add_argument("log")
     p.add_argument("--type", action="append", choices=_EVENT_TYPES, help="only these types")
     p.add_argument("--from", dest="start", type=int, default=0, help="first sequence number")
     p.add_argument("--to", dest="end", type=int, default=-1, help="last sequence number")
     p.add_argument("--no-checkpoints", action="store_true", help="leave Checkpoint records out")
     p.add_argument("--header", action="store_true", help="print the header first")
+    p.add_argument(
+        "--snapshots",
+        action="store_true",
+        help="print checkpoint snapshots whole (base64; megabytes for a large pool)",
+    )
 
 
 def _add_demo(sub: Any) -> None:
-    p = sub.add_parser("demo", help="synth on CPU tensors (offload + defrag), replay and verify")
-    p.add_argument("--out", default=os.path.join("out", "demo"), help="directory for the log")
-    p.add_argument("--steps", type=int, default=1500)
-    p.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser(
+        "demo",
+        help="synth on CPU tensors (offload + defrag), replay, verify, what-ifs, report",
+        formatter_class=_HelpFormatter,
+    )
+    p.add_argument(
+        "--out", default=os.path.join("out", "demo"), help="directory for the log and report"
+    )
+    p.add_argument("--steps", type=int, default=1500, help="scheduler steps to record")
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvlog", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="kvlog",
+        description=textwrap.fill(DESCRIPTION, 88),
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument(
         "--version",
         action="version",
@@ -181,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_replay(sub)
     _add_inspect(sub)
     _add_demo(sub)
-    add_sweep(sub)
+    add_sweep(sub, _HelpFormatter)
     return parser
 
 
@@ -209,6 +248,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())
             return 0
+        except LogExists as exc:
+            hint = "" if "--out" in str(exc) else " (give another --out, or remove it)"
+            print(f"kvlog {args.command}: {exc}{hint}", file=sys.stderr)
+            return 2
         except (KvlogError, OSError) as exc:
             print(f"kvlog {args.command}: {exc}", file=sys.stderr)
             return 2
@@ -252,10 +295,6 @@ def synth_config(args: argparse.Namespace) -> SynthConfig:
         num_cpu_blocks=args.num_cpu_blocks,
         block_size_factor=args.block_size_factor,
         prefix_caching=args.prefix_caching,
-        defrag=args.defrag,
-        threshold=args.threshold,
-        max_swaps=args.max_swaps,
-        pad_sizes=args.pad_sizes,
         arrival_rate=args.arrival_rate,
         prompt_len_mean=args.prompt_len_mean,
         output_len_mean=args.output_len_mean,
@@ -264,7 +303,7 @@ def synth_config(args: argparse.Namespace) -> SynthConfig:
         prefix_share=args.prefix_share,
         transfer_failure_rate=args.failure_rate,
         check_every=args.check_every,
-    ).replace(**trace_geometry(args), **policy_fields(args))
+    ).replace(**synth_geometry(args), **policy_fields(args))
 
 
 def cmd_synth(args: argparse.Namespace) -> int:
@@ -287,59 +326,11 @@ def cmd_synth(args: argparse.Namespace) -> int:
             checkpoint_every=args.checkpoint_every,
             snapshot_every=args.snapshot_every,
         )
-    print_synth(result, sys.stdout)
+    print(synth_text(result))
     return 0 if result.canary_ok else 1
 
 
-def print_synth(r: SynthResult, out: TextIO) -> None:
-    rows = [
-        ("log", f"{r.log_path} ({r.num_events} events, {r.num_steps} steps)"),
-        (
-            "requests",
-            f"{r.num_requests} arrived, {r.num_finished} finished, {r.num_preemptions} preemptions",
-        ),
-        ("prefix cache", _prefix_line(r)),
-        (
-            "offload",
-            f"{r.num_stores} stores, {r.num_loads} loads ({r.num_loaded_blocks} blocks), "
-            f"{r.num_failed_transfers} failed",
-        ),
-        ("defrag", f"{r.num_swap_plans} swap plans, {r.num_swapped_blocks} blocks moved"),
-        ("peak highest used id", str(r.peak_max_used)),
-        ("digest", r.final_digest),
-        ("elapsed", f"{r.elapsed_s:.2f} s ({r.num_events / max(r.elapsed_s, 1e-9):,.0f} events/s)"),
-    ]
-    if r.simulated_s:
-        rows.insert(2, ("trace", f"{r.simulated_s:,.1f} s served, {r.num_clipped} clipped"))
-    if r.canary_checks:
-        checked = sum(c.num_checked for c in r.canary_checks)
-        failed = sum(c.num_failed for c in r.canary_checks)
-        rows.append(
-            ("canary", f"{len(r.canary_checks)} checks, {checked} blocks read, {failed} wrong")
-        )
-    out.write("synth\n" + format_table(rows) + "\n")
-
-
-def _prefix_line(r: SynthResult) -> str:
-    if not r.config.prefix_caching:
-        return "off"
-    return (
-        f"{r.num_prefix_hit_blocks:,} hit blocks of {r.num_prefix_query_blocks:,} looked up "
-        f"(hit rate {r.prefix_hit_rate:.1%})"
-    )
-
-
 # -- replay ------------------------------------------------------------------------------
-def _overrides(args: argparse.Namespace) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for name in ("threshold", "max_swaps", "pad_sizes", "defrag"):
-        value = getattr(args, name)
-        if value is not None:
-            out[name] = value
-    out.update(policy_fields(args))
-    return out
-
-
 _PARALLEL_REFUSES = (
     ("against", "--against"),
     ("execute", "--execute"),
@@ -353,7 +344,7 @@ def check_replay_flags(args: argparse.Namespace) -> None:
     verifies the recorded run only, ``--from-snapshot`` too, ``--report`` must be
     writable (checked first, not after the replay); ``--address``/``--num-cpus`` need
     ``--parallel``. Raises :class:`~kvlog.errors.ConfigError` naming the flag."""
-    whatif = _overrides(args)
+    whatif = policy_fields(args)
     if args.parallel:
         for name, flag in _PARALLEL_REFUSES:
             if getattr(args, name):
@@ -378,8 +369,9 @@ def check_replay_flags(args: argparse.Namespace) -> None:
 
 
 def _flag_of(name: str) -> str:
-    names = {"policy_ratio_pct": "ratio-limit", "policy_min_swaps": "min-swaps"}
-    return "--" + names.get(name, name.replace("_", "-"))
+    if name in _POLICY_FIELD_NAMES:
+        return policy_field(name).flag
+    return "--" + name.replace("_", "-")
 
 
 def _recorded_policy(path: str) -> str:
@@ -392,9 +384,7 @@ def _recorded_policy(path: str) -> str:
 def check_policy_flags(args: argparse.Namespace, policy: str) -> None:
     """``--ratio-limit`` and ``--min-swaps`` tune the tail policy only: refused under any
     other (they would be ignored)."""
-    for name in ("policy_ratio_pct", "policy_min_swaps"):
-        if getattr(args, name, None) is not None and policy != "tail":
-            raise ConfigError(_flag_of(name), getattr(args, name), "--policy tail with it")
+    check_tail_only(vars(args), policy, _flag_of, "--policy tail with it")
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -412,9 +402,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
             from_snapshot=args.from_snapshot,
             series=bool(args.report),
             progress=lambda _records, done: update(min(done, total), total),
-            **_overrides(args),
+            **policy_fields(args),
         )
-    print_replay(result, sys.stdout)
+    print(replay_text(result))
     if args.report:
         title = f"kvlog replay {os.path.basename(args.log)}"
         config = result.recorded_config
@@ -430,97 +420,10 @@ def _series(result: ReplayResult) -> list[Series]:
     if result.recorded is not None and result.recorded.series is not None:
         out.append(result.recorded.series)
     if result.whatif is not None and result.whatif.whatif.series is not None:
-        changed = ", ".join(f"{k}={v}" for k, v in result.whatif.overrides.items())
-        result.whatif.whatif.series.label = f"what-if {changed}"
+        changed = describe_overrides(result.whatif.overrides)
+        result.whatif.whatif.series.label = f"what-if: {changed}"
         out.append(result.whatif.whatif.series)
     return out
-
-
-def _stats_rows(result: ReplayResult) -> list[tuple[str, ...]]:
-    rec = result.recorded
-    if rec is None:
-        return []
-    runs = [rec] + ([result.whatif.whatif] if result.whatif is not None else [])
-    names = [
-        ("swap plans", "num_swap_plans"),
-        ("swapped blocks", "num_swapped_blocks"),
-        ("swap bytes", "swap_bytes"),
-        ("stores", "num_stores"),
-        ("store bytes", "store_bytes"),
-        ("loads", "num_loads"),
-        ("load bytes", "load_bytes"),
-        ("bytes moved", "bytes_moved"),
-        ("peak highest used id", "peak_max_used"),
-        ("mean highest used id", "mean_max_used"),
-    ]
-    rows: list[tuple[str, ...]] = [("", *(r.label for r in runs))]
-    for label, attr in names:
-        fmt = format_bytes if attr.endswith(("bytes", "bytes_moved")) else _fmt
-        rows.append((label, *(fmt(getattr(r, attr)) for r in runs)))
-    return rows
-
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:,.1f}"
-    if isinstance(value, int):
-        return f"{value:,}"
-    return str(value)
-
-
-def print_replay(result: ReplayResult, out: TextIO) -> None:
-    rows = [
-        ("log", f"{result.path}"),
-        (
-            "records",
-            f"{result.num_records:,} ({result.num_events:,} events, "
-            f"{result.num_checkpoints} checkpoints, {result.num_verified} verified)",
-        ),
-        ("final digest", result.final_digest),
-        ("replay speed", f"{result.events_per_s:,.0f} events/s ({result.elapsed_s:.2f} s)"),
-    ]
-    if result.start_seq:
-        rows.append(("started at", f"seq {result.start_seq} (snapshot)"))
-    if result.tail:
-        rows.append(("torn tail", result.tail))
-    out.write("replay\n" + format_table(rows) + "\n\n" + format_table(_stats_rows(result)) + "\n")
-    if result.whatif is not None:
-        diffs = result.whatif.differences
-        out.write(f"\nwhat-if {result.whatif.overrides}: {len(diffs)} differences\n")
-        for name, (before, after) in diffs.items():
-            out.write(f"  {name}: {_fmt(before)} -> {_fmt(after)}\n")
-        if result.whatif.whatif.rejected is not None:
-            out.write(f"  what-if stopped: {result.whatif.whatif.rejected.message}\n")
-    if result.canary is not None:
-        c = result.canary
-        out.write(
-            f"\ncanary: {c.num_checked} blocks read, {c.num_failed} wrong, "
-            f"{c.num_skipped} not checkable\n"
-        )
-        for f in c.failures[:5]:
-            out.write(f"  {f}\n")
-    d = result.divergence
-    if d is None:
-        out.write("\nno divergence\n")
-        return
-    out.write(
-        f"\nDIVERGENCE ({d.kind}) at seq {d.seq} (last agreeing seq {d.after_seq}): {d.message}\n"
-    )
-    for label, value in (
-        ("event", d.event),
-        ("other event", d.other_event),
-        ("expected digest", d.expected_digest),
-        ("actual digest", d.actual_digest),
-        ("expected plans", d.expected_plans),
-        ("actual plans", d.actual_plans),
-    ):
-        if value:
-            out.write(f"  {label}: {value}\n")
-
-
-def format_table(rows: Sequence[tuple[str, ...]]) -> str:
-    """Rows as aligned columns: labels left, figures right (rendered by rich)."""
-    return render_table(rows)
 
 
 # -- inspect -----------------------------------------------------------------------------
@@ -534,7 +437,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     reader = LogReader(args.log)
     write = sys.stdout.write
     if args.header:
-        write(msgspec.json.encode(reader.header).decode() + "\n")
+        header = msgspec.structs.asdict(reader.header)
+        header["meta"] = read_meta(reader.header.meta)
+        write(msgspec.json.encode(header).decode() + "\n")
     wanted = set(args.type or ())
     encoder = msgspec.json.Encoder()
     for seq, record in reader.records(args.start):
@@ -544,7 +449,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             continue
         if wanted and type(record).__name__ not in wanted:
             continue
-        write(encoder.encode({"seq": seq, **to_dict(record)}).decode() + "\n")
+        fields = to_dict(record)
+        if type(record) is Checkpoint and record.snapshot and not args.snapshots:
+            fields["snapshot"] = f"<{format_bytes(len(record.snapshot))}: --snapshots shows it>"
+        write(encoder.encode({"seq": seq, **fields}).decode() + "\n")
     if reader.tail is not None:
         print(f"kvlog inspect: torn tail (not modified): {reader.tail}", file=sys.stderr)
     return 0
@@ -613,10 +521,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
         "and defrag on\n"
     )
     synth = run_synth(config, log_path, execute=True, sync="none", meta=_DEMO_MARK)
-    print_synth(synth, sys.stdout)
+    print(synth_text(synth))
     print()
     result = replay(log_path, execute=True)
-    print_replay(result, sys.stdout)
+    print(replay_text(result))
     same = result.final_digest == synth.final_digest
     print(f"\nlive digest {'==' if same else '!='} replayed digest")
     series = _demo_whatifs(log_path)
@@ -638,8 +546,8 @@ def _demo_whatifs(log_path: str) -> list[Series]:
         recorded, other = run.whatif.recorded, run.whatif.whatif
         print(
             f"what-if {label}: mean highest used id {recorded.mean_max_used:,.0f} -> "
-            f"{other.mean_max_used:,.0f}, blocks moved by defrag {recorded.num_swapped_blocks:,} "
-            f"-> {other.num_swapped_blocks:,}"
+            f"{other.mean_max_used:,.0f}, moved by defrag {format_bytes(recorded.swap_bytes)} "
+            f"-> {format_bytes(other.swap_bytes)}"
         )
         for stats, name in ((recorded, "recorded (seed)"), (other, label)):
             if stats.series is not None and (name != "recorded (seed)" or not out):

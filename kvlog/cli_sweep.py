@@ -1,5 +1,6 @@
 """The command line for real traffic and what-ifs: ``synth --trace``, ``sweep``, ``replay
---parallel``, the policy flags, and the tables and progress bars (rich) ``kvlog`` prints.
+--parallel`` and the policy flags. It parses and prints: the defaults and checks of a trace
+run are :mod:`kvlog.synth`'s, the tables, progress bars and pictures :mod:`kvlog.present`'s.
 
 ``kvlog.cli`` builds the parser and calls in here; everything here takes parsed arguments.
 """
@@ -7,19 +8,20 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
+import dataclasses
 import os
-import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 from kvlog.cost import HARDWARE, cost_model
 from kvlog.errors import ConfigError
 from kvlog.events import DEFRAG_POLICIES
-from kvlog.synth import SynthConfig, SynthResult, TraceConfig, bytes_per_token, read_trace
-from kvlog.synth.traces import TRACE_FORMATS, TraceRequest
+from kvlog.policy import POLICY_FIELDS, parse_ratio_pct, parse_size
+from kvlog.present.text import progress_bar, render_table, segments_text, sweep_table
+from kvlog.present.units import plural, size_label
+from kvlog.synth import SynthConfig, SynthResult, TraceConfig, read_trace, trace_geometry
+from kvlog.synth.traces import TRACE_FORMATS
 
 __all__ = [
     "add_parallel_flags",
@@ -29,33 +31,30 @@ __all__ = [
     "cmd_replay_parallel",
     "cmd_sweep",
     "policy_fields",
-    "progress_bar",
-    "render_table",
     "run_trace_command",
     "size_arg",
     "trace_flags",
 ]
 
-TRACE_DEFAULTS = {"num_gpu_blocks": 4096, "block_size": 128}
-"""Geometry of trace runs when not given (real prompts are long: 128-token blocks)."""
-_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-_MAX_SIZE = 1 << 50  # CacheConfigured's bound on max_bytes_per_step
-_MAX_RATIO = 100.0
-
 
 # -- argument types ------------------------------------------------------------------------
-def size_arg(text: str) -> int:
-    """Bytes from ``4096``, ``64MiB``, ``1G``, ``512k`` (binary units)."""
-    raw = text.strip().lower().removesuffix("b").removesuffix("i")
-    digits = raw.rstrip("kmgt")
-    unit = raw[len(digits) :]
-    try:
-        value = float(digits)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 64MiB)") from exc
-    if unit not in _SIZE_UNITS or not 0 <= value * _SIZE_UNITS[unit] <= _MAX_SIZE:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 64MiB, at most 1PiB)")
-    return int(value * _SIZE_UNITS[unit])
+def arg_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An argparse ``type`` from a parser of :mod:`kvlog.policy` (its ``ValueError`` becomes
+    the usage error's message)."""
+
+    def typed(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    typed.__name__ = parse.__name__
+    return typed
+
+
+size_arg = arg_type(parse_size)
+"""Bytes from ``4096``, ``64MiB``, ``1G``, ``512k`` (binary units)."""
+_ratio_pct = arg_type(parse_ratio_pct)
 
 
 def _list_of(kind: Callable[[str], Any], what: str) -> Callable[[str], list[Any]]:
@@ -71,19 +70,6 @@ def _list_of(kind: Callable[[str], Any], what: str) -> Callable[[str], list[Any]
     return parse
 
 
-def _ratio_pct(text: str) -> int:
-    try:
-        ratio = float(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"a ratio like 1.5, not {text!r}") from exc
-    if not 1.0 <= ratio <= _MAX_RATIO:
-        raise argparse.ArgumentTypeError(
-            f"a ratio of highest used id to used blocks in [1, {_MAX_RATIO:g}] like 1.5 "
-            f"(not a percent), not {text!r}"
-        )
-    return round(ratio * 100)
-
-
 def _policy_name(text: str) -> str:
     from kvlog.sweep import POLICY_NAMES
 
@@ -94,57 +80,57 @@ def _policy_name(text: str) -> str:
 
 # -- policy flags --------------------------------------------------------------------------
 def add_policy_flags(p: argparse.ArgumentParser, defaults: bool) -> None:
-    """``--policy`` and its parameters; for replay (``defaults=False``) an absent flag keeps
-    the recording's value."""
-    d = SynthConfig()
-    p.add_argument(
-        "--policy",
-        choices=DEFRAG_POLICIES,
-        default=d.policy if defaults else None,
-        help="defrag policy: seed (the plugin's rule) or tail (vllm-gaudi PR #376)",
-    )
-    p.add_argument(
-        "--ratio-limit",
-        dest="policy_ratio_pct",
-        type=_ratio_pct,
-        default=None,
-        help=f"tail: defrag when highest used id / used blocks exceeds this "
-        f"({d.policy_ratio_pct / 100:g})",
-    )
-    p.add_argument(
-        "--min-swaps",
-        dest="policy_min_swaps",
-        type=int,
-        default=None,
-        help=f"tail: skip defrags of fewer pairs ({d.policy_min_swaps})",
-    )
-    p.add_argument(
-        "--max-bytes-per-step",
-        type=size_arg,
-        default=d.max_bytes_per_step if defaults else None,
-        help="any policy: bytes one step's defrag may move, e.g. 256MiB (0: no cap)",
-    )
-
-
-POLICY_FIELDS = ("policy", "policy_ratio_pct", "policy_min_swaps", "max_bytes_per_step")
+    """A flag per policy field (:data:`kvlog.policy.POLICY_FIELDS`); for replay
+    (``defaults=False``) an absent flag keeps the recording's value. The tail's parameters
+    have no parser default (given under another policy, they are refused)."""
+    for row in POLICY_FIELDS:
+        default = row.default if defaults and not row.tail_only else None
+        shown = f" (default {row.text(row.default)})" if defaults else " (default: the log's)"
+        if row.name == "defrag":
+            group = p.add_mutually_exclusive_group()
+            group.add_argument(
+                "--no-defrag",
+                dest="defrag",
+                action="store_false",
+                default=default,
+                help="turn defragmentation off",
+            )
+            if not defaults:
+                group.add_argument(
+                    "--defrag", dest="defrag", action="store_true", help="turn it on"
+                )
+            continue
+        p.add_argument(
+            row.flag,
+            dest=row.name,
+            type=arg_type(row.parse),
+            choices=DEFRAG_POLICIES if row.name == "policy" else None,
+            metavar=None if row.name == "policy" else row.flag[2:].upper().replace("-", "_"),
+            default=default,
+            help=row.help + shown,
+        )
 
 
 def policy_fields(args: argparse.Namespace) -> dict[str, Any]:
-    """The policy flags that were given (all of them for synth, which has defaults)."""
-    return {n: getattr(args, n) for n in POLICY_FIELDS if getattr(args, n, None) is not None}
+    """The policy flags that were given (for synth, also those with a default)."""
+    return {
+        r.name: getattr(args, r.name)
+        for r in POLICY_FIELDS
+        if getattr(args, r.name, None) is not None
+    }
 
 
 # -- synth --trace -------------------------------------------------------------------------
-_TRACE_ONLY = {
+_TRACE_CONFIG = {f.name: f.default for f in dataclasses.fields(TraceConfig)}
+_TRACE_ONLY: dict[str, Any] = {
     "trace_format": None,
     "requests": None,
-    "time_scale": 1.0,
-    "step_ms": 50.0,
-    "max_num_batched_tokens": 8192,
-    "max_model_len": 0,
+    **{n: _TRACE_CONFIG[n] for n in ("time_scale", "step_ms", "max_num_batched_tokens")},
+    "max_model_len": _TRACE_CONFIG["max_model_len"],
     "scheduler": "kvlog",
 }
-"""The flags only ``--trace`` reads, and their values when not given."""
+"""The flags only ``--trace`` reads, and their values when not given (``TraceConfig``'s
+defaults: ``run_trace`` from Python has the same)."""
 
 
 def add_trace_flags(p: argparse.ArgumentParser) -> None:
@@ -211,7 +197,6 @@ def run_trace_command(args: argparse.Namespace, config: SynthConfig) -> SynthRes
         max_num_batched_tokens=flags["max_num_batched_tokens"],
         max_model_len=flags["max_model_len"],
     )
-    _check_trace_config(trace_config, requests)
     return run_trace(
         trace_config,
         requests,
@@ -226,121 +211,59 @@ def run_trace_command(args: argparse.Namespace, config: SynthConfig) -> SynthRes
     )
 
 
-def trace_geometry(args: argparse.Namespace) -> dict[str, int]:
-    """``num_gpu_blocks``, ``block_size``, ``page_size_bytes`` for synth, trace or not."""
-    d = SynthConfig()
-    trace = bool(getattr(args, "trace", None))
-    blocks = args.num_gpu_blocks
-    if blocks is None:  # 0 is a value (refused by the validator), not "the default"
-        blocks = TRACE_DEFAULTS["num_gpu_blocks"] if trace else d.num_gpu_blocks
-    size = args.block_size
-    if size is None:
-        size = TRACE_DEFAULTS["block_size"] if trace else d.block_size
+def synth_geometry(args: argparse.Namespace) -> dict[str, int]:
+    """``num_gpu_blocks``, ``block_size``, ``page_size_bytes`` for synth: the flags given,
+    else ``SynthConfig``'s defaults, or with ``--trace`` :func:`kvlog.synth.trace_geometry`'s."""
     page = getattr(args, "page_size_bytes", None)
-    if page is None:
-        page = bytes_per_token() * size if trace else d.page_size_bytes
-    return {"num_gpu_blocks": blocks, "block_size": size, "page_size_bytes": page}
-
-
-def _check_trace_config(config: TraceConfig, requests: Sequence[TraceRequest]) -> None:
-    from kvlog.errors import TraceError
-
-    if requests and requests[0].hash_ids and 512 % config.synth.block_size:
-        raise TraceError(f"--block-size {config.synth.block_size} must divide 512 for hash_ids")
-    config.check(requests)
-
-
-# -- tables and progress -------------------------------------------------------------------
-def render_table(rows: Sequence[tuple[str, ...]], header: bool = False) -> str:
-    """Rows as aligned columns (rich): text left, figures right; ``header``: the first row
-    is a header, underlined."""
-    from rich import box
-    from rich.console import Console
-    from rich.table import Table
-
-    if not rows:
-        return ""
-    width = max(len(r) for r in rows)
-    table = Table(
-        box=box.SIMPLE_HEAD if header else None,
-        show_header=header,
-        show_edge=False,
-        pad_edge=False,
-        padding=(0, 1),
-    )
-    first = rows[0] if header else ("",) * width
-    for i in range(width):
-        name = first[i] if i < len(first) else ""
-        numeric = i > 0 and all(_figure(r[i]) for r in rows[1 if header else 0 :] if i < len(r))
-        table.add_column(name, justify="right" if numeric else "left", no_wrap=True)
-    for r in rows[1:] if header else rows:
-        table.add_row(*(list(r) + [""] * (width - len(r))))
-    buffer = io.StringIO()
-    Console(file=buffer, width=400, color_system=None, legacy_windows=False).print(table)
-    return "\n".join("  " + line.rstrip() for line in buffer.getvalue().splitlines())
-
-
-def _figure(text: str) -> bool:
-    stripped = text.replace(",", "").replace(".", "").replace("-", "").split(" ")[0]
-    return stripped.isdigit() or not text
-
-
-@contextlib.contextmanager
-def progress_bar(
-    description: str, stream: TextIO | None = None
-) -> Iterator[Callable[[int, int], None]]:
-    """A rich progress bar on stderr (drawn only on a terminal); yields ``update(done, total)``."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-
-    console = Console(file=stream or sys.stderr)
-    columns = (BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(
-        *Progress.get_default_columns()[:1],
-        *columns,
-        console=console,
-        transient=True,
-        disable=not console.is_terminal,  # else rich leaves a blank line on stderr
-    ) as bar:
-        task = bar.add_task(description, total=None)
-
-        def update(done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total)
-
-        yield update
+    if getattr(args, "trace", None):
+        return trace_geometry(args.num_gpu_blocks, args.block_size, page)
+    d = SynthConfig()
+    return {
+        "num_gpu_blocks": d.num_gpu_blocks if args.num_gpu_blocks is None else args.num_gpu_blocks,
+        "block_size": d.block_size if args.block_size is None else args.block_size,
+        "page_size_bytes": d.page_size_bytes if page is None else page,
+    }
 
 
 # -- kvlog sweep ---------------------------------------------------------------------------
-def add_sweep(sub: Any) -> None:
-    p = sub.add_parser("sweep", help="what-if replays of logs under many policies, on Ray")
+_ListFlag = tuple[str, Callable[[str], Any], str, Sequence[Any], str, Callable[[Any], str]]
+"""A sweep flag that takes a list: flag, item parser, what the items are, defaults, help,
+how the help shows a default."""
+
+
+def _ratio(pct: int) -> str:
+    return f"{pct / 100:g}"
+
+
+def add_sweep(sub: Any, formatter: type[argparse.HelpFormatter] = argparse.HelpFormatter) -> None:
+    from kvlog import sweep as d
+
+    p = sub.add_parser(
+        "sweep",
+        help="what-if replays of logs under many policies, on Ray",
+        description="Replay every log under every policy variant (one Ray task each) and "
+        "compare them: a table, DIR/sweep.csv and DIR/sweep.png.",
+        formatter_class=formatter,
+    )
     p.add_argument("logs", nargs="+", metavar="LOG")
     p.add_argument("--out", required=True, help="directory for sweep.csv and sweep.png")
-    p.add_argument(
-        "--policy",
-        type=_list_of(_policy_name, "policy names"),
-        default=["seed", "tail", "budget"],
-        help="policies to try, from seed, tail, budget, off, recorded",
-    )
-    p.add_argument(
-        "--threshold",
-        type=_list_of(int, "integers"),
-        default=[8, 16, 32],
-        help="seed (and budget: the lowest) thresholds",
-    )
+    names = ", ".join(d.POLICY_NAMES)
+    lists: tuple[_ListFlag, ...] = (
+        ("--policy", _policy_name, "policy names", d.DEFAULT_POLICIES, f"of {names}", str),
+        ("--threshold", int, "integers", d.DEFAULT_THRESHOLDS, "seed; budget: the least", str),
+        ("--ratio-limit", _ratio_pct, "ratios", d.DEFAULT_RATIOS_PCT, "tail: e.g. 1.25", _ratio),
+        ("--min-swaps", int, "integers", d.DEFAULT_MIN_SWAPS, "tail: skip fewer pairs", str),
+        ("--budget", size_arg, "sizes", d.DEFAULT_BUDGETS, "budget: bytes per step", size_label),
+    )  # fmt: skip
+    for flag, kind, what, default, text, show in lists:
+        shown = ",".join(show(v) for v in default)
+        p.add_argument(
+            flag,
+            type=_list_of(kind, what),
+            default=list(default),
+            help=f"{text} (default: {shown})",
+        )
     p.add_argument("--max-swaps", type=_list_of(int, "integers"), help="seed: caps per step")
-    p.add_argument(
-        "--ratio-limit",
-        type=_list_of(_ratio_pct, "ratios"),
-        default=[150],
-        help="tail: ratio limits, e.g. 1.25,1.5",
-    )
-    p.add_argument("--min-swaps", type=_list_of(int, "integers"), default=[4], help="tail")
-    p.add_argument(
-        "--budget",
-        type=_list_of(size_arg, "sizes"),
-        default=[64 << 20],
-        help="budget: bytes per step, e.g. 64MiB,256MiB",
-    )
     p.add_argument("--address", help="an existing Ray cluster (default: a local Ray)")
     p.add_argument("--num-cpus", type=int, help="local Ray: worker CPUs (default: all)")
     p.add_argument("--serial", action="store_true", help="no Ray: run here, one by one")
@@ -452,13 +375,8 @@ def add_cost_flags(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from kvlog.sweep import (
-        policy_grid,
-        run_sweep,
-        sweep_table,
-        write_sweep_csv,
-        write_sweep_plot,
-    )
+    from kvlog.present.pictures import write_sweep_figure
+    from kvlog.sweep import policy_grid, run_sweep, write_sweep_csv
 
     check_sweep_flags(args)
     if args.cpu_bytes:
@@ -474,7 +392,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     )
     where = "here" if args.serial else (args.address or "a local Ray")
     print(
-        f"kvlog sweep: {len(args.logs)} logs x {len(specs)} policies on {where}; {cost.describe()}"
+        f"kvlog sweep: {plural(len(args.logs), 'log')} x {plural(len(specs), 'policy', 'policies')}"
+        f" on {where}; {cost.describe()}"
     )
     started = time.perf_counter()
     with progress_bar("what-ifs") as update:
@@ -491,9 +410,11 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     os.makedirs(args.out, exist_ok=True)
     csv_path, png_path = os.path.join(args.out, "sweep.csv"), os.path.join(args.out, "sweep.png")
     write_sweep_csv(csv_path, rows)
-    write_sweep_plot(png_path, rows)
+    write_sweep_figure(png_path, rows)
     print(f"\nwrote {csv_path} and {png_path} ({time.perf_counter() - started:.1f} s)")
     refused = [r for r in rows if r.rejected]
+    if refused:
+        print(f"{plural(len(refused), 'variant')} refused (named in the table and the picture)")
     return 1 if refused else 0
 
 
@@ -502,7 +423,7 @@ def check_sweep_flags(args: argparse.Namespace) -> None:
     naming the flag, or MissingExtra): CPUs below 1, values no policy accepts, an ``--out``
     that cannot hold the CSV and the PNG, no matplotlib for the PNG, no Ray without
     ``--serial``."""
-    from kvlog.report import plt_module
+    from kvlog.present.pictures import plt_module
     from kvlog.sweep import _ray
 
     if args.num_cpus is not None and args.num_cpus < 1:
@@ -542,24 +463,5 @@ def cmd_replay_parallel(args: argparse.Namespace, out: TextIO) -> int:
         result = replay_segments(
             args.log, address=args.address, num_cpus=args.num_cpus, progress=update
         )
-    rows: list[tuple[str, ...]] = [("segment", "records", "events", "verified", "digest", "")]
-    for s in result.segments:
-        stop = "end" if s.stop_seq < 0 else f"{s.stop_seq:,}"
-        rows.append(
-            (
-                str(s.index),
-                f"{s.start_seq:,}..{stop}",
-                f"{s.num_events:,}",
-                f"{s.num_verified:,}",
-                s.final_digest[:16],
-                s.divergence,
-            )
-        )
-    out.write(render_table(rows, header=True) + "\n")
-    out.write(
-        f"\n{len(result.segments)} segments, {result.num_events:,} events, "
-        f"{result.num_verified:,} checkpoints verified, final digest {result.final_digest} "
-        f"({time.perf_counter() - started:.2f} s)\n"
-    )
-    out.write("no divergence\n" if result.ok else f"DIVERGENCE: {result.divergence}\n")
+    out.write(segments_text(result, time.perf_counter() - started) + "\n")
     return 0 if result.ok else 1

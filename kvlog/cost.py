@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvlog.errors import ConfigError
+from kvlog.events import pair_bytes
 
 __all__ = [
     "GAUDI2_HBM_BYTES_PER_S",
@@ -53,8 +54,10 @@ class CostModel:
         return (max_used + 1) * page_size_bytes / self.hbm_bytes_per_s
 
     def defrag_s(self, padded_pairs: int, page_size_bytes: int, swap: bool) -> float:
-        """HBM traffic of one step's defrag plan (``padded_pairs`` = its ``padded_to``)."""
-        return padded_pairs * page_size_bytes * (4 if swap else 2) / self.hbm_bytes_per_s
+        """HBM traffic of one step's defrag plan (``padded_pairs`` = its ``padded_to``):
+        every byte a pair moves is read once and written once."""
+        moved = pair_bytes(page_size_bytes, "swap" if swap else "move")
+        return padded_pairs * 2 * moved / self.hbm_bytes_per_s
 
     def transfer_s(self, store_bytes: int, load_bytes: int) -> float:
         """Host-link time of one step's stores and loads (both directions at once)."""

@@ -85,6 +85,7 @@ from kvlog.events import (
     encode,
 )
 from kvlog.events.validate import MAX_REQ_ID_LENGTH, normalize_event
+from kvlog.fold import checkpoint_digest, state_at_end
 from kvlog.log import (
     DEFAULT_SYNC_INTERVAL_S,
     MAX_RECORD_BYTES,
@@ -96,20 +97,15 @@ from kvlog.log import (
     check_sync_interval,
 )
 from kvlog.machine import Machine
-from kvlog.memory import (
-    available_memory,
-    check_state_memory,
-    state_bytes,
-)
+from kvlog.memory import check_state_memory
 from kvlog.reducers import running
 from kvlog.reducers.digest import digest_and_snapshot
 from kvlog.reducers.ranges import check_id_dtype
-from kvlog.replay import checkpoint_digest, replay_state
 
 if TYPE_CHECKING:
     from kvlog.executors import Executor, TransferCompletion
 
-__all__ = ["Engine", "available_memory", "block_table_row", "check_state_memory", "state_bytes"]
+__all__ = ["Engine", "block_table_row"]
 
 _EVENT_TYPES = frozenset(typing.get_args(Event))
 _STEP_TYPES = STEP_EVENTS
@@ -466,7 +462,7 @@ class Engine:
         writer = None
         try:  # opened inside: an interrupt anywhere leaves no descriptor or lock behind
             writer = _open_existing(log_path, sync, sync_interval_s)
-            state, last = replay_state(writer.path)
+            state, last = state_at_end(writer.path)
             if state.config is None:
                 raise LogNotFound(2, f"{writer.path} holds no events to resume")
             return cls._continued(
@@ -714,7 +710,7 @@ def _check_snapshot_of(path: str, state: reducers.State, last: int) -> None:
     if final is not None and final.seq == last:
         expected, actual = final.digest, checkpoint_digest(state, final.digest)
     else:  # the log ends past its last checkpoint (a crash): its end, replayed
-        expected = running.checkpoint_digest(replay_state(path)[0])
+        expected = running.checkpoint_digest(state_at_end(path)[0])
         actual = running.checkpoint_digest(state)
     if actual != expected:
         raise ConfigError(

@@ -11,53 +11,54 @@ against the digest of the re-run state. The first divergence is reported precise
   one): the exact sequence number of the first event that differs, both events, both
   digests after it and both plan lists.
 
-Policy overrides (any ``CacheConfigured`` field but the geometry-free ones are allowed:
-``threshold``, ``max_swaps``, ``defrag``, ``pad_sizes``...) run a what-if next to the
-recorded policy: both runs see the same events and the result compares swaps, bytes moved
-and the highest used block over time. ``execute=True`` applies the (effective) plans to
-small CPU tensors filled with canary bytes and checks every live block at the end.
+Policy overrides (the policy fields of ``CacheConfigured``, ``kvlog.policy.POLICY_FIELDS``:
+``threshold``, ``max_swaps``, ``defrag``, ``policy``...; the geometry stays the recorded
+one) run a what-if next to the recorded policy: both runs see the same events and the
+result compares swaps, bytes moved and the highest used block over time.
+``execute=True`` applies the (effective) plans to small CPU tensors filled with canary
+bytes and checks every live block at the end.
 """
 
 from __future__ import annotations
 
-import collections
 import itertools
-import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-
 from kvlog import reducers
 from kvlog.canary import CanaryReport, CanaryTracker, make_canary_executor
-from kvlog.errors import CorruptLogError, InvalidEvent, NotConfigured
+from kvlog.errors import InvalidEvent, NotConfigured
 from kvlog.events import (
     STEP_EVENTS,
     CacheConfigured,
     Checkpoint,
     Event,
     Plan,
-    Record,
-    StepEnded,
-    StepScheduled,
     TransferFinished,
     to_dict,
+)
+from kvlog.fold import (
+    Divergence,
+    Fold,
+    Lane,
+    Progress,
+    checkpoint_digest,
+    state_at_end,
 )
 from kvlog.log import LogReader
 from kvlog.machine import Machine, Observer
 from kvlog.memory import check_state_memory
-from kvlog.reducers import running
+from kvlog.policy import POLICY_FIELDS
 from kvlog.report import Series
-from kvlog.tally import PlanTally
+from kvlog.tally import RunFigures, RunSummary
 
 if TYPE_CHECKING:
     from kvlog.executors import Executor
 
 __all__ = [
-    "POLICY_FIELDS",
     "Divergence",
     "ReplayResult",
     "RunStats",
@@ -67,60 +68,22 @@ __all__ = [
     "replay_state",
 ]
 
-POLICY_FIELDS: tuple[str, ...] = ("defrag", "threshold", "max_swaps", "pad_sizes")
-"""Fields a what-if may override without touching the recorded geometry."""
-_ALL_FIELDS = tuple(CacheConfigured.__struct_fields__)
-
-_log = logging.getLogger(__name__)
-Progress = Callable[[int, int], None]
-"""Called as ``progress(records_done, bytes_done_estimate)`` every few thousand records."""
+_POLICY_FIELDS = frozenset(row.name for row in POLICY_FIELDS)
+replay_state = state_at_end
+"""The state at the end of a log and its last event's sequence number (``kvlog.fold``)."""
 
 
 @dataclass
-class Divergence:
-    """The first place where a re-run disagrees with what it is checked against."""
-
-    kind: str  # "rejected" | "checkpoint" | "checkpoint-seq" | "snapshot" | "event" | "plans"
-    # | "digest"
-    seq: int  # the record where it was found (exact for rejected/event/plans)
-    after_seq: int  # the last sequence number known to agree (-1: none)
-    message: str
-    event: dict[str, Any] | None = None
-    other_event: dict[str, Any] | None = None
-    expected_digest: str = ""
-    actual_digest: str = ""
-    expected_plans: list[dict[str, Any]] = field(default_factory=list)
-    actual_plans: list[dict[str, Any]] = field(default_factory=list)
-
-
-@dataclass
-class RunStats:
-    """What one policy did over the whole log."""
+class RunStats(RunFigures):
+    """What one policy did over the whole log: its run's :class:`~kvlog.tally.RunSummary`
+    (read through ``RunFigures``' names), its final digest, its refusal and its series."""
 
     label: str
     config: CacheConfigured
-    num_events: int = 0
-    num_steps: int = 0
-    num_swap_plans: int = 0
-    num_swapped_blocks: int = 0
-    swap_bytes: int = 0
-    num_stores: int = 0
-    num_loads: int = 0
-    store_bytes: int = 0
-    load_bytes: int = 0
-    peak_max_used: int = -1
-    sum_max_used: int = 0
+    summary: RunSummary
     final_digest: str = ""
     rejected: Divergence | None = None
     series: Series | None = None
-
-    @property
-    def mean_max_used(self) -> float:
-        return self.sum_max_used / self.num_steps if self.num_steps else 0.0
-
-    @property
-    def bytes_moved(self) -> int:
-        return self.swap_bytes + self.store_bytes + self.load_bytes
 
 
 @dataclass
@@ -187,49 +150,6 @@ def _plans_dicts(plans: list[Plan]) -> list[dict[str, Any]]:
     return [to_dict(p) for p in plans]
 
 
-class _StatsObserver(Observer):
-    """Counts what one policy did (``RunStats``), step by step: an observer of its machine."""
-
-    def __init__(self, stats: RunStats) -> None:
-        self.stats = stats
-        self.tally = PlanTally(stats.config.page_size_bytes)
-
-    def after(self, state: reducers.State, event: Event, plans: list[Plan]) -> None:
-        self.stats.num_events += 1
-        if plans:
-            self.tally.add(plans)
-        if isinstance(event, (StepEnded, StepScheduled)):
-            self._end_step(state, event.step)
-
-    def _end_step(self, state: reducers.State, step: int) -> None:
-        s, t = self.stats, self.tally
-        top = int(state.max_used)
-        s.num_steps += 1
-        s.peak_max_used = max(s.peak_max_used, top)
-        s.sum_max_used += top
-        if s.series is not None:
-            s.series.add(
-                step,
-                int(state.num_used),
-                top,
-                t.step_blocks_moved,
-                t.step_store_bytes,
-                t.step_load_bytes,
-            )
-        t.end_step()
-
-    def copy_totals(self) -> None:
-        """The tally's run totals into ``RunStats`` (at the end of the run)."""
-        s, t = self.stats, self.tally
-        s.num_swap_plans, s.num_swapped_blocks, s.swap_bytes = (
-            t.swap_plans,
-            t.blocks_moved,
-            t.swap_bytes,
-        )
-        s.num_stores, s.store_bytes = t.stores, t.store_bytes
-        s.num_loads, s.load_bytes = t.loads, t.load_bytes
-
-
 class _FinishedInLog(Observer):
     """Replaying with an executor: a logged ``TransferFinished`` first waits for that job
     on the replay's own executor (the recording's executor had finished it)."""
@@ -243,78 +163,46 @@ class _FinishedInLog(Observer):
 
 
 class _Run:
-    """One policy fed a log's events: a machine, with its statistics as an observer."""
+    """One policy's lane of the fold, with its summary (and its series, if kept)."""
 
-    def __init__(self, label: str, config: CacheConfigured, series: bool) -> None:
-        self.stats = RunStats(label, config, series=Series(label) if series else None)
-        self._observer = _StatsObserver(self.stats)
-        self.machine = Machine(observers=[self._observer])
-        self.alive = True
+    def __init__(self, label: str, series: bool, overrides: dict[str, Any] | None = None) -> None:
+        self.label = label
+        self.series = Series(label) if series else None
+        self.summary = RunSummary(on_step=None if self.series is None else self._add_step)
+        self.lane = Lane(Machine(observers=[self.summary]), overrides, label)
 
-    @property
-    def state(self) -> reducers.State:
-        return self.machine.state
+    def _add_step(self, summary: RunSummary, state: reducers.State, step: int) -> None:
+        assert self.series is not None, "a step hook only with a series"
+        t = summary.plans
+        self.series.add(
+            step,
+            int(state.num_used),
+            int(state.max_used),
+            t.step_blocks_moved,
+            t.step_store_bytes,
+            t.step_load_bytes,
+        )
 
-    def apply(self, event: Event) -> list[Plan]:
-        return self.machine.apply(event)
-
-    def finish(self) -> RunStats:
-        self._observer.copy_totals()
-        self.stats.final_digest = str(reducers.digest(self.state))
-        return self.stats
-
-
-def checkpoint_digest(state: reducers.State, recorded: str) -> str:
-    """The state's digest by the algorithm a checkpoint's digest names: the running digest
-    for ``"v2:..."`` (O(1)), else the canonical version-1 digest
-    of the whole state."""
-    if recorded.startswith(running.DIGEST_V2_PREFIX):
-        return running.checkpoint_digest(state)
-    return str(reducers.digest(state))
+    def finish(self, config: CacheConfigured) -> RunStats:
+        state = self.lane.state
+        return RunStats(
+            self.label,
+            self.summary.config or config,
+            self.summary,
+            final_digest=str(reducers.digest(state)),
+            rejected=self.lane.rejected,
+            series=self.series,
+        )
 
 
 def _check_overrides(overrides: dict[str, Any]) -> None:
-    unknown = sorted(set(overrides) - set(_ALL_FIELDS))
+    unknown = sorted(set(overrides) - _POLICY_FIELDS)
     if unknown:
-        raise TypeError(f"unknown CacheConfigured field(s) to override: {unknown}")
+        raise TypeError(
+            f"not policy fields of CacheConfigured (a what-if keeps the geometry): {unknown}"
+        )
     if "pad_sizes" in overrides:
         overrides["pad_sizes"] = tuple(overrides["pad_sizes"])
-
-
-def _latest_snapshot(
-    path: str, skip: frozenset[int] = frozenset()
-) -> tuple[int, Checkpoint | None]:
-    """Sequence number and record of the last checkpoint that carries a snapshot (but
-    those at a sequence number in ``skip``)."""
-    found: tuple[int, Checkpoint | None] = (-1, None)
-    for seq, record in LogReader(path).records():
-        if type(record) is Checkpoint and record.snapshot and seq not in skip:
-            found = (seq, record)
-    return found
-
-
-def replay_state(path: str | os.PathLike[str]) -> tuple[reducers.State, int]:
-    """The state at the end of a log (from its latest snapshot, verified) and the sequence
-    number of its last event; raises ``CorruptLogError`` on a divergence, so a resumed
-    engine never continues a wrong state.
-
-    A bad snapshot (one that does not restore, or restores another state than the log's
-    events give there) is skipped with a warning: the replay starts again from the
-    snapshot before it (or the log's start), and checks the bad one no more. Any other
-    divergence raises."""
-    path = os.fspath(path)
-    skip: set[int] = set()
-    while True:
-        result, state = _replay(
-            path, verify=True, from_snapshot=True, series=False, skip_snapshots=frozenset(skip)
-        )
-        d = result.divergence
-        if d is None:
-            return state, result.last_event_seq
-        if d.kind != "snapshot" or d.seq in skip:
-            raise CorruptLogError(f"replay diverged: {d.message}", path=result.path, seq=d.seq)
-        _log.warning("%s: %s; replaying from the snapshot before it", path, d.message)
-        skip.add(d.seq)
 
 
 def replay(
@@ -342,46 +230,24 @@ def replay(
         raise ValueError(
             "from_snapshot replays the recorded policy only: no what-if, against or execute"
         )
-    result, _ = _replay(
+    replayer = _Replayer(
         os.fspath(path),
-        verify=verify,
-        against=None if against is None else os.fspath(against),
-        execute=execute,
-        backend=backend,
-        from_snapshot=from_snapshot,
-        series=series,
-        progress=progress,
-        overrides=policy_overrides,
+        verify,
+        policy_overrides,
+        None if against is None else os.fspath(against),
+        execute,
+        backend,
+        series,
     )
+    started = time.perf_counter()
+    replayer.run(from_snapshot, progress)
+    result = replayer.finish()
+    result.elapsed_s = time.perf_counter() - started
     return result
 
 
-def _replay(
-    path: str,
-    *,
-    verify: bool,
-    against: str | None = None,
-    execute: bool = False,
-    backend: str = "cpu",
-    from_snapshot: bool = False,
-    series: bool = True,
-    progress: Progress | None = None,
-    overrides: dict[str, Any] | None = None,
-    skip_snapshots: frozenset[int] = frozenset(),
-) -> tuple[ReplayResult, reducers.State]:
-    replayer = _Replayer(path, verify, overrides or {}, against, execute, backend, series, progress)
-    replayer.skip_snapshots = skip_snapshots
-    started = time.perf_counter()
-    replayer.run(from_snapshot)
-    result = replayer.finish()
-    result.elapsed_s = time.perf_counter() - started
-    assert replayer.recorded is not None or result.divergence is not None or result.num_events == 0
-    state = replayer.recorded.state if replayer.recorded is not None else reducers.initial_state()
-    return result, state
-
-
 class _Replayer:
-    """The replay loop and everything it keeps between records."""
+    """A fold of the log with the recorded run, a what-if, ``against`` and canaries."""
 
     def __init__(
         self,
@@ -392,255 +258,103 @@ class _Replayer:
         execute: bool,
         backend: str,
         series: bool,
-        progress: Progress | None,
     ) -> None:
-        self.reader = LogReader(path)
-        self.verify = verify
         self.overrides = overrides
         self.execute = execute
         self.backend = backend
         self.series = series
-        self.progress = progress
-        self.result = ReplayResult(path, dict(self.reader.header.meta), None)
-        self.recorded: _Run | None = None
+        self.recorded = _Run("recorded", series)
+        self.fold = Fold(path, [self.recorded.lane], verify=verify)
+        self.fold.on_configured = self._start
+        self.fold.on_event.append(self._compare_step)
+        self.recorded_config: CacheConfigured | None = None
         self.whatif: _Run | None = None
-        self.other: _Other | None = None if against is None else _Other(against, series)
+        self.other: _Other | None = None
+        if against is not None:
+            self.other = _Other(against, self.fold)
+            self.fold.on_event.append(self.other.compare)
         self.tracker: CanaryTracker | None = None
         self.executor: Executor | None = None
-        self.last_event_seq = -1
-        self.last_event: Event | None = None
-        self.last_verified_seq = -1
         self.num_steps_max_used_differs = 0
-        self.stopped = False
-        self.skip_snapshots: frozenset[int] = frozenset()
-        """Snapshot checkpoints known bad (``replay_state``): not started from, not checked."""
-        self.start_snapshot = -1  # the snapshot checkpoint the replay started from
 
-    # -- setup ---------------------------------------------------------------------------
     def _start(self, config: CacheConfigured) -> None:
-        self.result.recorded_config = config
-        if type(config.num_gpu_blocks) is int:  # a bad one is refused by the reducers
-            check_state_memory(config)
-        self.recorded = _Run("recorded", config, self.series)
+        """The log's configuration: the what-if lane (its configuration checked here, so a
+        bad override raises) and the canary executor on the run whose plans count."""
+        self.recorded_config = config
         if self.overrides:
-            whatif_config = msgspec.structs.replace(config, **self.overrides)
-            from kvlog.events import validate_event
-
-            validate_event(whatif_config)
-            self.whatif = _Run("what-if", whatif_config, self.series)
+            self.whatif = _Run("what-if", self.series, self.overrides)
+            self.whatif.lane.configured(config)
+            self.fold.lanes.append(self.whatif.lane)
         if self.execute:
-            effective = self.whatif or self.recorded
-            self.executor, self.tracker = make_canary_executor(effective.stats.config, self.backend)
+            effective = (self.whatif or self.recorded).lane
+            self.executor, self.tracker = make_canary_executor(
+                effective.configured(config), self.backend
+            )
             effective.machine.executor = self.executor
             effective.machine.observers += [_FinishedInLog(self.executor), self.tracker]
 
-    def _start_from_snapshot(self) -> int:
-        seq, checkpoint = _latest_snapshot(self.reader.path, self.skip_snapshots)
-        if checkpoint is None:
-            return 0
-        self.start_snapshot = seq
-        try:
-            state = reducers.restore(checkpoint.snapshot)
-        except CorruptLogError as exc:
-            self._bad_snapshot(seq, checkpoint, f"it does not restore ({exc})")
-            self.stopped = True  # nothing to start from
-            return seq + 1
-        if state.config is None:
-            raise CorruptLogError(
-                "a checkpoint snapshot without a configuration", path=self.reader.path, seq=seq
-            )
-        if checkpoint_digest(state, checkpoint.digest) != checkpoint.digest:
-            self._bad_snapshot(seq, checkpoint, "it restores another state than its digest")
-            self.stopped = True
-            return seq + 1
-        self.result.recorded_config = state.config
-        self.recorded = _Run("recorded", state.config, self.series)
-        self.recorded.machine.state = state
-        self.last_event_seq = checkpoint.seq
-        self._checkpoint(seq, checkpoint)
-        return seq + 1
+    def run(self, from_snapshot: bool, progress: Progress | None) -> None:
+        fold = self.fold
+        if from_snapshot:
+            fold.start_from_latest_snapshot()
+            self.recorded_config = fold.state.config
+            self.recorded.summary.config = fold.state.config
+            if fold.state.config is not None:
+                self.recorded.summary.plans.page_size_bytes = fold.state.config.page_size_bytes
+        fold.run(progress)
+        if self.other is not None and not fold.stopped:
+            self.other.at_end()
 
-    # -- the loop ------------------------------------------------------------------------
-    def run(self, from_snapshot: bool) -> None:
-        start = self._start_from_snapshot() if from_snapshot else 0
-        self.result.start_seq = start
-        done_bytes = 0
-        counts: collections.Counter[type] = collections.Counter()
-        try:
-            for seq, record in self.reader.records(start) if not self.stopped else ():
-                self.result.num_records += 1
-                counts[type(record)] += 1
-                if isinstance(record, Checkpoint):
-                    self._checkpoint(seq, record)
-                else:
-                    self._event(seq, record)
-                if self.stopped:
-                    break
-                if self.progress is not None:
-                    done_bytes += 16 + len(_encoded(record))
-                    if self.result.num_records % 4096 == 0:
-                        self.progress(self.result.num_records, done_bytes)
-        finally:
-            for record_type, count in counts.items():
-                name = record_type.__name__
-                self.result.counts[name] = self.result.counts.get(name, 0) + count
-        self.result.last_seq = self.reader.last_seq
-        self.result.last_event_seq = self.last_event_seq
-        if self.reader.tail is not None:
-            self.result.tail = str(self.reader.tail)
-        if self.other is not None and not self.stopped:
-            self.other.at_end(self)
-
-    def _event(self, seq: int, event: Event) -> None:
-        self.result.num_events += 1
-        if self.recorded is None:
-            if type(event) is not CacheConfigured:
-                self._diverge(
-                    Divergence(
-                        "rejected",
-                        seq,
-                        -1,
-                        "the log does not start with CacheConfigured",
-                        to_dict(event),
-                    )
-                )
-                self.stopped = True
-                return
-            self._start(event)
-        assert self.recorded is not None
-        try:
-            plans = self.recorded.apply(event)
-        except InvalidEvent as exc:
-            self._diverge(
-                Divergence(
-                    "rejected", seq, self.last_event_seq, f"seq {seq}: {exc}", to_dict(event)
-                )
-            )
-            self.stopped = True
-            return
-        self._whatif(seq, event)
-        if type(event) in STEP_EVENTS:
-            self._compare_step()
-        self.last_event_seq, self.last_event = seq, event
-        if self.other is not None:
-            self.other.compare(self, seq, event, plans)
-
-    def _compare_step(self) -> None:
+    def _compare_step(self, seq: int, event: Event, plans: list[Plan]) -> None:
         """Count the steps where the what-if's highest used block differs."""
-        run, recorded = self.whatif, self.recorded
-        if run is None or not run.alive or recorded is None:
+        run = self.whatif
+        if run is None or not run.lane.alive or type(event) not in STEP_EVENTS:
             return
-        if run.state.max_used != recorded.state.max_used:
+        if run.lane.state.max_used != self.fold.state.max_used:
             self.num_steps_max_used_differs += 1
 
-    def _whatif(self, seq: int, event: Event) -> list[Plan]:
-        run = self.whatif
-        if run is None or not run.alive:
-            return []
-        if type(event) is CacheConfigured:
-            event = run.stats.config  # the what-if policy, on the recorded geometry
-        try:
-            return run.apply(event)
-        except InvalidEvent as exc:
-            run.alive = False
-            run.stats.rejected = Divergence(
-                "rejected",
-                seq,
-                self.last_event_seq,
-                f"what-if refused seq {seq}: {exc}",
-                to_dict(event),
-            )
-            return []
-
-    def _checkpoint(self, seq: int, checkpoint: Checkpoint) -> None:
-        self.result.num_checkpoints += 1
-        if not self.verify or self.recorded is None:
-            return
-        if checkpoint.seq != self.last_event_seq:
-            message = (
-                f"checkpoint at seq {seq} covers seq {checkpoint.seq}, but the last "
-                f"event before it is seq {self.last_event_seq}"
-            )
-            self._diverge(Divergence("checkpoint-seq", seq, self.last_verified_seq, message))
-            return
-        actual = checkpoint_digest(self.recorded.state, checkpoint.digest)
-        if actual == checkpoint.digest:
-            self.result.num_verified += 1
-            self.last_verified_seq = checkpoint.seq
-            if checkpoint.snapshot and seq != self.start_snapshot:
-                self._check_snapshot(seq, checkpoint)
-            return
-        message = (
-            f"state digest differs at the checkpoint after seq {checkpoint.seq}: it "
-            f"diverged after seq {self.last_verified_seq} and at or before seq {checkpoint.seq}"
-        )
-        event = None if self.last_event is None else to_dict(self.last_event)
-        self._diverge(
-            Divergence(
-                "checkpoint",
-                checkpoint.seq,
-                self.last_verified_seq,
-                message,
-                event,
-                expected_digest=checkpoint.digest,
-                actual_digest=actual,
-            )
-        )
-
-    def _check_snapshot(self, seq: int, checkpoint: Checkpoint) -> None:
-        """A snapshot passed on the way must restore to the state replayed up to it (whose
-        digest its checkpoint just matched), as ``--parallel``'s segments check the
-        snapshots they start from: flipped bytes under a valid frame CRC, or another
-        checkpoint's snapshot, are a divergence. O(pool) per snapshot, as writing it was."""
-        if seq in self.skip_snapshots:
-            return
-        try:
-            restored = reducers.restore(checkpoint.snapshot)
-        except CorruptLogError as exc:
-            self._bad_snapshot(seq, checkpoint, f"it does not restore ({exc})")
-            return
-        if checkpoint_digest(restored, checkpoint.digest) != checkpoint.digest:
-            self._bad_snapshot(seq, checkpoint, "it restores another state than the log's")
-
-    def _bad_snapshot(self, seq: int, checkpoint: Checkpoint, why: str) -> None:
-        message = f"the snapshot of the checkpoint at seq {seq} (after seq {checkpoint.seq}): {why}"
-        self._diverge(Divergence("snapshot", seq, self.last_verified_seq, message))
-
-    def _diverge(self, divergence: Divergence) -> None:
-        if self.result.divergence is None:
-            self.result.divergence = divergence
-
-    # -- the end -------------------------------------------------------------------------
     def finish(self) -> ReplayResult:
-        result = self.result
-        if self.recorded is not None:
-            result.recorded = self.recorded.finish()
-            result.final_digest = result.recorded.final_digest
-        if self.whatif is not None and result.recorded is not None:
-            stats = self.whatif.finish()
+        fold, config = self.fold, self.recorded_config
+        tail = fold.reader.tail
+        result = ReplayResult(
+            fold.path,
+            dict(fold.reader.header.meta),
+            config,
+            num_records=fold.num_records,
+            num_events=fold.num_events,
+            num_checkpoints=fold.num_checkpoints,
+            num_verified=fold.num_verified,
+            counts=dict(fold.counts),
+            start_seq=fold.start_seq,
+            last_seq=fold.reader.last_seq,
+            last_event_seq=fold.last_event_seq,
+            divergence=fold.divergence,
+            tail="" if tail is None else str(tail),
+        )
+        if config is None:
+            return result
+        result.recorded = self.recorded.finish(config)
+        result.final_digest = result.recorded.final_digest
+        if self.whatif is not None:
+            stats = self.whatif.finish(config)
             result.whatif = WhatIf(
                 dict(self.overrides), result.recorded, stats, self.num_steps_max_used_differs
             )
         if self.tracker is not None:
-            effective = self.whatif or self.recorded
-            assert effective is not None and self.executor is not None, "execute without a run"
+            assert self.executor is not None, "a tracker comes with its executor"
             self.executor.wait()
-            result.canary = self.tracker.check(effective.state)
+            result.canary = self.tracker.check((self.whatif or self.recorded).lane.state)
             self.executor.shutdown()
         return result
 
 
-def _encoded(record: Record) -> bytes:
-    from kvlog.events import encode
-
-    return encode(record)
-
-
 class _Other:
-    """The log a replay is compared against (``against=``), re-run in lockstep."""
+    """The log a replay is compared against (``against=``), re-run in lockstep: a hook of
+    the replay's fold, after every event the recorded run took."""
 
-    def __init__(self, path: str, series: bool) -> None:
+    def __init__(self, path: str, fold: Fold) -> None:
         self.path = path
+        self.fold = fold
         events = ((seq, r) for seq, r in LogReader(path).records() if not isinstance(r, Checkpoint))
         first = next(events, None)
         if first is not None and type(first[1]) is not CacheConfigured:
@@ -652,44 +366,30 @@ class _Other:
         self.events: Iterator[tuple[int, Event]] = itertools.chain(
             [] if first is None else [first], events
         )
-        self.run: _Run | None = None
+        self.machine: Machine | None = None
         self.done = False
 
-    def compare(self, replayer: _Replayer, seq: int, event: Event, plans: list[Plan]) -> None:
+    def compare(self, seq: int, event: Event, plans: list[Plan]) -> None:
         if self.done:
             return
-        assert replayer.recorded is not None
         nxt = next(self.events, None)
         if nxt is None:
+            message = f"seq {seq}: {self.path} ends before this event"
             self._report(
-                replayer,
-                Divergence(
-                    "event",
-                    seq,
-                    replayer.last_verified_seq,
-                    f"seq {seq}: {self.path} ends before this event",
-                    to_dict(event),
-                ),
+                Divergence("event", seq, self.fold.last_verified_seq, message, to_dict(event))
             )
             return
         other_seq, other_event = nxt
-        if self.run is None:
+        if self.machine is None:
             assert type(other_event) is CacheConfigured, "checked when the log was opened"
             check_state_memory(other_event)
-            self.run = _Run("against", other_event, series=False)
+            self.machine = Machine()
         try:
-            other_plans = self.run.apply(other_event)
+            other_plans = self.machine.apply(other_event)
         except InvalidEvent as exc:
+            message = f"{self.path} seq {other_seq}: {exc}"
             self._report(
-                replayer,
-                Divergence(
-                    "rejected",
-                    seq,
-                    -1,
-                    f"{self.path} seq {other_seq}: {exc}",
-                    to_dict(event),
-                    to_dict(other_event),
-                ),
+                Divergence("rejected", seq, -1, message, to_dict(event), to_dict(other_event))
             )
             return
         if other_event == event and other_plans == plans:
@@ -697,7 +397,6 @@ class _Other:
         kind = "event" if other_event != event else "plans"
         what = "events differ" if kind == "event" else "the same event planned differently"
         self._report(
-            replayer,
             Divergence(
                 kind,
                 seq,
@@ -705,31 +404,30 @@ class _Other:
                 f"seq {seq}: {what} ({self.path} seq {other_seq})",
                 to_dict(event),
                 to_dict(other_event),
-                expected_digest=str(reducers.digest(self.run.state)),
-                actual_digest=str(reducers.digest(replayer.recorded.state)),
+                expected_digest=str(reducers.digest(self.machine.state)),
+                actual_digest=str(reducers.digest(self.fold.state)),
                 expected_plans=_plans_dicts(other_plans),
                 actual_plans=_plans_dicts(plans),
-            ),
+            )
         )
 
-    def _report(self, replayer: _Replayer, divergence: Divergence) -> None:
+    def _report(self, divergence: Divergence) -> None:
         self.done = True
-        replayer._diverge(divergence)
+        self.fold.diverge(divergence)
 
-    def at_end(self, replayer: _Replayer) -> None:
+    def at_end(self) -> None:
         if self.done:
             return
         nxt = next(self.events, None)
         if nxt is not None:
-            seq = replayer.last_event_seq + 1
+            last = self.fold.last_event_seq
             self._report(
-                replayer,
                 Divergence(
                     "event",
-                    seq,
-                    replayer.last_event_seq,
-                    f"the log ends at seq {replayer.last_event_seq}; {self.path} goes on",
+                    last + 1,
+                    last,
+                    f"the log ends at seq {last}; {self.path} goes on",
                     None,
                     to_dict(nxt[1]),
-                ),
+                )
             )

@@ -9,8 +9,8 @@ log's own policy). ``whatif(path, spec, cost)`` replays one log's events under o
 highest used block id (mean and peak), blocks and bytes moved by defrag, stores, loads and
 the :mod:`kvlog.cost` model's time. ``run_sweep`` runs every (log, variant) pair as a Ray
 task (a local Ray by default, an existing cluster with ``address``; logs are shipped as bytes
-to a remote cluster) or in this process, with a progress bar; ``write_sweep_csv``,
-``write_sweep_plot`` and ``sweep_table`` present the rows.
+to a remote cluster) or in this process, with a progress bar; ``write_sweep_csv`` writes
+the rows (the table and the picture are :mod:`kvlog.present`'s).
 
 ``replay_segments(path)`` replays a long log in parallel segments cut at its snapshot
 checkpoints: each segment restores its snapshot (checking it against the checkpoint's
@@ -32,42 +32,41 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-import msgspec
-
 from kvlog import reducers
 from kvlog.cost import CostModel
-from kvlog.errors import ConfigError, InvalidEvent, MissingExtra
-from kvlog.events import (
-    STEP_EVENTS,
-    CacheConfigured,
-    Checkpoint,
-    Event,
-    Plan,
-    SwapPlan,
-    validate_event,
-)
+from kvlog.errors import ConfigError, MissingExtra
+from kvlog.events import CONFIG_DEFAULTS, Checkpoint
+from kvlog.fold import Fold, Lane, restore_snapshot
 from kvlog.log import LogReader
-from kvlog.machine import Machine, Observer
-from kvlog.replay import checkpoint_digest
-from kvlog.tally import PlanTally
+from kvlog.machine import Machine
+from kvlog.present.units import size_label
+from kvlog.tally import RunSummary
 
 __all__ = [
+    "DEFAULT_BUDGETS",
+    "DEFAULT_MIN_SWAPS",
+    "DEFAULT_POLICIES",
+    "DEFAULT_RATIOS_PCT",
+    "DEFAULT_THRESHOLDS",
     "POLICY_NAMES",
     "PolicySpec",
     "SegmentResult",
     "SegmentedReplay",
     "SweepRow",
-    "format_bytes",
     "policy_grid",
     "replay_segments",
     "run_sweep",
-    "sweep_table",
     "whatif",
     "write_sweep_csv",
-    "write_sweep_plot",
 ]
 
 POLICY_NAMES: tuple[str, ...] = ("seed", "tail", "budget", "off", "recorded")
+DEFAULT_POLICIES: tuple[str, ...] = ("seed", "tail", "budget")
+DEFAULT_THRESHOLDS: tuple[int, ...] = (8, 16, 32)
+DEFAULT_RATIOS_PCT: tuple[int, ...] = (CONFIG_DEFAULTS["policy_ratio_pct"],)
+DEFAULT_MIN_SWAPS: tuple[int, ...] = (CONFIG_DEFAULTS["policy_min_swaps"],)
+DEFAULT_BUDGETS: tuple[int, ...] = (64 << 20,)
+"""The grid ``policy_grid()`` and ``kvlog sweep`` try when not told otherwise."""
 Progress = Callable[[int, int], None]
 """Called as ``progress(done, total)`` after each finished task."""
 
@@ -84,12 +83,12 @@ class PolicySpec:
 
 
 def policy_grid(
-    names: Sequence[str] = ("seed", "tail", "budget"),
-    thresholds: Sequence[int] = (8, 16, 32),
+    names: Sequence[str] = DEFAULT_POLICIES,
+    thresholds: Sequence[int] = DEFAULT_THRESHOLDS,
     max_swaps: Sequence[int | None] = (None,),
-    ratios_pct: Sequence[int] = (150,),
-    min_swaps: Sequence[int] = (4,),
-    budgets: Sequence[int] = (64 << 20,),
+    ratios_pct: Sequence[int] = DEFAULT_RATIOS_PCT,
+    min_swaps: Sequence[int] = DEFAULT_MIN_SWAPS,
+    budgets: Sequence[int] = DEFAULT_BUDGETS,
 ) -> list[PolicySpec]:
     """The variants of the module docstring, in the order given (``None``: the log's own
     ``max_swaps``)."""
@@ -116,7 +115,7 @@ def policy_grid(
         elif name == "budget":
             t = min(thresholds)
             for b in budgets:
-                label = f"budget {_size_label(b)} t={t}"
+                label = f"budget {size_label(b)} t={t}"
                 spec = (("defrag", True), ("threshold", t), ("max_bytes_per_step", b))
                 out.append(PolicySpec(label, spec))
         elif name == "off":
@@ -124,13 +123,6 @@ def policy_grid(
         else:
             out.append(PolicySpec("recorded"))
     return out
-
-
-def _size_label(num_bytes: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if num_bytes >= size and num_bytes % size == 0:
-            return f"{num_bytes // size}{unit}"
-    return f"{num_bytes}B"
 
 
 @dataclass
@@ -162,68 +154,39 @@ class SweepRow:
     overrides: str = ""
     rejected: str = ""
 
-
-class _Tally(Observer):
-    """Running sums of a what-if, step by step: an observer of its machine."""
-
-    def __init__(self, config: CacheConfigured, cost: CostModel, row: SweepRow) -> None:
-        self.config, self.cost, self.row = config, cost, row
-        self.plans = PlanTally(config.page_size_bytes)
-        self.sum_max_used = self.sum_used = 0
-        self.step_defrag_s = 0.0
-        self.step_ms: list[float] = []
-
-    def after(self, state: reducers.State, event: Event, plans: list[Plan]) -> None:
-        if plans:
-            self.plans.add(plans)
-            page = self.config.page_size_bytes
-            for plan in plans:
-                if type(plan) is SwapPlan:
-                    swap = plan.mode == "swap"
-                    self.step_defrag_s += self.cost.defrag_s(plan.padded_to, page, swap)
-        if type(event) in STEP_EVENTS:
-            self._step(state)
-
-    def _step(self, state: reducers.State) -> None:
-        row, top, t = self.row, int(state.max_used), self.plans
-        row.steps += 1
-        row.peak_max_used = max(row.peak_max_used, top)
-        self.sum_max_used += top
-        self.sum_used += int(state.num_used)
-        decode = self.cost.decode_s(top, self.config.page_size_bytes)
-        transfer = self.cost.transfer_s(t.step_store_bytes, t.step_load_bytes)
-        row.decode_s += decode
-        row.transfer_s += transfer
-        row.defrag_s += self.step_defrag_s
-        row.peak_step_swap_bytes = max(row.peak_step_swap_bytes, t.step_swap_bytes)
-        self.step_ms.append(1e3 * (decode + transfer + self.step_defrag_s))
-        t.end_step()
-        self.step_defrag_s = 0.0
-
-    def finish(self, state: reducers.State) -> SweepRow:
-        row, t = self.row, self.plans
-        row.swap_plans, row.blocks_moved, row.swap_bytes = (
-            t.swap_plans,
-            t.blocks_moved,
-            t.swap_bytes,
+    @classmethod
+    def of(cls, log: str, spec: PolicySpec, summary: RunSummary, state: reducers.State) -> SweepRow:
+        """The row of a what-if run: its summary's figures and final digest (none for a
+        run that never took its configuration)."""
+        overrides = json.dumps(spec.as_dict(), sort_keys=True)
+        if summary.config is None:
+            return cls(log, spec.label, overrides=overrides)
+        t = summary.plans
+        return cls(
+            log,
+            spec.label,
+            steps=summary.num_steps,
+            mean_max_used=summary.mean_max_used,
+            peak_max_used=summary.peak_max_used,
+            mean_used=summary.mean_used,
+            swap_plans=t.swap_plans,
+            blocks_moved=t.blocks_moved,
+            swap_bytes=t.swap_bytes,
+            stores=t.stores,
+            loads=t.loads,
+            store_bytes=t.store_bytes,
+            load_bytes=t.load_bytes,
+            bytes_moved=t.bytes_moved,
+            decode_s=summary.decode_s,
+            defrag_s=summary.defrag_s,
+            transfer_s=summary.transfer_s,
+            modeled_s=summary.modeled_s,
+            modeled_ms_per_step=summary.modeled_ms_per_step,
+            p99_step_ms=summary.p99_step_ms,
+            peak_step_swap_bytes=summary.peak_step_swap_bytes,
+            final_digest=str(reducers.digest(state)),
+            overrides=overrides,
         )
-        row.stores, row.store_bytes, row.loads, row.load_bytes = (
-            t.stores,
-            t.store_bytes,
-            t.loads,
-            t.load_bytes,
-        )
-        if row.steps:
-            row.mean_max_used = self.sum_max_used / row.steps
-            row.mean_used = self.sum_used / row.steps
-        row.bytes_moved = row.swap_bytes + row.store_bytes + row.load_bytes
-        row.modeled_s = row.decode_s + row.defrag_s + row.transfer_s
-        row.modeled_ms_per_step = 1e3 * row.modeled_s / row.steps if row.steps else 0.0
-        if self.step_ms:
-            ranked = sorted(self.step_ms)
-            row.p99_step_ms = ranked[min(len(ranked) - 1, (99 * len(ranked)) // 100)]
-        row.final_digest = str(reducers.digest(state))
-        return row
 
 
 def whatif(
@@ -232,26 +195,13 @@ def whatif(
     """Replay the events of the log at ``path`` under ``spec`` (checkpoints are skipped: a
     what-if state is not the recorded one) and sum up what it did."""
     name = log or _log_name(os.fspath(path))
-    row = SweepRow(name, spec.label, overrides=json.dumps(spec.as_dict(), sort_keys=True))
-    machine = Machine()
-    tally: _Tally | None = None
-    for seq, record in LogReader(path).records():
-        if isinstance(record, Checkpoint):
-            continue
-        try:
-            if type(record) is CacheConfigured:
-                record = msgspec.structs.replace(record, **spec.as_dict())
-                validate_event(record)
-                tally = _Tally(record, cost, row)
-                machine.observers.append(tally)
-            machine.apply(record)
-        except InvalidEvent as exc:
-            row.rejected = f"seq {seq}: {exc}"
-            break
-        if tally is None:
-            row.rejected = f"seq {seq}: the log does not start with CacheConfigured"
-            break
-    return tally.finish(machine.state) if tally is not None else row
+    summary = RunSummary(cost=cost)
+    lane = Lane(Machine(observers=[summary]), spec.as_dict())
+    fold = Fold(path, [lane], verify=False).run()
+    row = SweepRow.of(name, spec, summary, lane.state)
+    if fold.divergence is not None:
+        row.rejected = fold.divergence.message
+    return row
 
 
 def _log_name(path: str) -> str:
@@ -383,125 +333,6 @@ def write_sweep_csv(path: str, rows: Iterable[SweepRow]) -> None:
             w.writerow(asdict(row))
 
 
-def sweep_table(rows: Sequence[SweepRow]) -> list[tuple[str, ...]]:
-    """Header and one line per row: the figures a person compares."""
-    out: list[tuple[str, ...]] = [
-        (
-            "log",
-            "policy",
-            "mean top id",
-            "peak top id",
-            "blocks moved",
-            "moved",
-            "peak step swap",
-            "stores",
-            "loads",
-            "model ms/step",
-            "p99 ms",
-            "note",
-        ),
-    ]
-    for r in rows:
-        out.append(
-            (
-                r.log,
-                r.policy,
-                f"{r.mean_max_used:,.1f}",
-                f"{r.peak_max_used:,}",
-                f"{r.blocks_moved:,}",
-                format_bytes(r.bytes_moved),
-                format_bytes(r.peak_step_swap_bytes),
-                f"{r.stores:,}",
-                f"{r.loads:,}",
-                f"{r.modeled_ms_per_step:,.3f}",
-                f"{r.p99_step_ms:,.2f}",
-                "refused: " + r.rejected if r.rejected else "",
-            )
-        )
-    return out
-
-
-def format_bytes(num_bytes: float) -> str:
-    """``1.2 GiB``-style, in the unit that keeps the number readable."""
-    from kvlog.report import byte_unit
-
-    unit, size = byte_unit(num_bytes)
-    return f"{num_bytes / size:,.1f} {unit}" if size > 1 else f"{num_bytes:,.0f} B"
-
-
-_FAMILY_COLORS = {
-    "seed": "tab:blue",
-    "tail": "tab:orange",
-    "budget": "tab:green",
-    "off": "0.35",
-    "recorded": "tab:purple",
-}
-_MARKERS = "osD^vP*Xh<>p"
-
-
-def write_sweep_plot(path: str, rows: Sequence[SweepRow], title: str = "kvlog sweep") -> None:
-    """Bytes moved by defrag against mean highest used id: one panel per log, one point per
-    policy, a colour per policy family (its points joined in order of the x axis), a marker
-    per variant; the legend outside on the right. Transfers are left out of the y axis:
-    every policy replays the same stores and loads (``sweep.csv`` has them)."""
-    from matplotlib.ticker import FuncFormatter, MaxNLocator
-
-    from kvlog.report import byte_unit, plt_module
-
-    plt = plt_module("the sweep picture")
-    logs = list(dict.fromkeys(r.log for r in rows))
-    width = max(1, len(logs))
-    fig, axes = plt.subplots(1, width, figsize=(5.2 * width + 2.6, 4.4), squeeze=False)
-    for ax, log in zip(axes[0], logs, strict=True):
-        _sweep_panel(ax, [r for r in rows if r.log == log and not r.rejected], byte_unit)
-        ax.set_title(log, fontsize=10)
-        ax.set_xlabel("mean highest used block id (blocks)")
-        ax.xaxis.set_major_locator(MaxNLocator(nbins=6))
-        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
-        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.4g}"))
-        ax.set_ylim(bottom=0)
-        ax.grid(True, alpha=0.3)
-    handles, labels = [], []
-    for ax in axes[0]:
-        for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
-            if lab not in labels and not lab.startswith("_"):
-                handles.append(h)
-                labels.append(lab)
-    fig.legend(
-        handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False, title="policy"
-    )
-    fig.suptitle(title + ": lower left is better")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-
-
-def _sweep_panel(ax: Any, rows: list[SweepRow], byte_unit: Callable[[float], Any]) -> None:
-    unit, size = byte_unit(max((r.swap_bytes for r in rows), default=0))
-    ax.set_ylabel(f"moved by defrag ({unit})")
-    families: dict[str, list[SweepRow]] = {}
-    for r in rows:
-        families.setdefault(r.policy.split(" ")[0], []).append(r)
-    for family, members in families.items():
-        color = _FAMILY_COLORS.get(family, "tab:red")
-        line = sorted(members, key=lambda r: r.mean_max_used)
-        if len(line) > 1:
-            xs, ys = [r.mean_max_used for r in line], [r.swap_bytes / size for r in line]
-            ax.plot(xs, ys, color=color, linewidth=0.8, alpha=0.5, zorder=1)
-        for i, r in enumerate(members):
-            ax.scatter(
-                r.mean_max_used,
-                r.swap_bytes / size,
-                s=50,
-                zorder=2,
-                color=color,
-                marker=_MARKERS[i % len(_MARKERS)],
-                label=r.policy,
-                edgecolors="black",
-                linewidths=0.4,
-            )
-
-
 # -- segment-parallel replay ---------------------------------------------------------------
 @dataclass(frozen=True)
 class _Segment:
@@ -588,30 +419,24 @@ def _replay_segment(source: str | bytes, seg: _Segment) -> SegmentResult:
                 f.write(source)
             return _replay_segment(path, seg)
     out = SegmentResult(seg.index, seg.start_seq, seg.stop_seq, last_event_seq=seg.start_event_seq)
-    state = reducers.restore(seg.snapshot) if seg.snapshot else reducers.initial_state()
-    machine = Machine(state)
-    if seg.snapshot and checkpoint_digest(state, seg.start_digest) != seg.start_digest:
-        out.divergence = f"the snapshot before seq {seg.start_seq} does not match its digest"
-        return out
-    for seq, record in LogReader(source).records(seg.start_seq):
-        if 0 <= seg.stop_seq < seq:
-            break
-        if isinstance(record, Checkpoint):
-            out.num_checkpoints += 1
-            verified = checkpoint_digest(state, record.digest) == record.digest
-            if record.seq != out.last_event_seq or not verified:
-                out.divergence = f"the checkpoint at seq {seq} does not verify"
-                break
-            out.num_verified += 1
-            continue
-        try:
-            machine.apply(record)
-        except InvalidEvent as exc:
-            out.divergence = f"seq {seq}: {exc}"
-            break
-        out.num_events += 1
-        out.last_event_seq = seq
-    out.final_digest = str(reducers.digest(state))
+    fold = Fold(
+        source, verify=True, stop_seq=seg.stop_seq, skip_snapshots=frozenset([seg.stop_seq])
+    )
+    if seg.snapshot:  # the next segment checks the snapshot that ends this one
+        state = restore_snapshot(seg.snapshot, seg.start_digest, source, seg.start_seq - 1)
+        if isinstance(state, str):
+            out.divergence = f"the snapshot before seq {seg.start_seq} does not match its digest"
+            return out
+        fold.start_at(state, seg.start_event_seq, seg.start_seq)
+    fold.run()
+    out.num_events, out.last_event_seq = fold.num_events, fold.last_event_seq
+    out.num_checkpoints, out.num_verified = fold.num_checkpoints, fold.num_verified
+    d = fold.divergence
+    if d is not None:
+        out.divergence = (
+            d.message if d.kind == "rejected" else f"a checkpoint does not verify: {d.message}"
+        )
+    out.final_digest = str(reducers.digest(fold.state))
     return out
 
 

@@ -1,19 +1,34 @@
-"""What a run's plans did: counts and bytes of defrag moves, stores and loads, over the
-whole run and within the current step. One definition, used by every observer that sums a
-run up (replay's ``RunStats``, the sweep's rows)."""
+"""What a run did: its plans' counts and bytes (:class:`PlanTally`) and, step by step, the
+highest used block and the cost model's time (:class:`RunSummary`, an observer of the run's
+machine). One definition, used by everything that sums a run up: replay's ``RunStats``,
+the sweep's rows, the synthetic run's counters."""
 
 from __future__ import annotations
 
-from kvlog.events import Plan, SwapPlan, TransferPlan
+from collections.abc import Callable
 
-__all__ = ["PlanTally"]
+from kvlog.cost import CostModel
+from kvlog.events import (
+    CacheConfigured,
+    Event,
+    Plan,
+    StepEnded,
+    StepScheduled,
+    SwapPlan,
+    TransferPlan,
+    pair_bytes,
+)
+from kvlog.machine import Observer
+from kvlog.present.units import p99
+from kvlog.reducers import State
+
+__all__ = ["PlanTally", "RunFigures", "RunSummary", "StepHook"]
 
 
 class PlanTally:
     """Running totals of plans (whole run) and of the current step (``end_step`` resets).
 
-    A ``SwapPlan`` of ``n`` pairs moves ``n`` pages in move mode and ``2 n`` in swap mode
-    (both blocks are copied); a ``TransferPlan`` moves its ``num_bytes``."""
+    A ``SwapPlan`` moves ``pair_bytes`` per pair; a ``TransferPlan`` its ``num_bytes``."""
 
     __slots__ = (
         "blocks_moved",
@@ -42,7 +57,7 @@ class PlanTally:
         for plan in plans:
             if type(plan) is SwapPlan:
                 moved = len(plan.pairs)
-                num_bytes = moved * self.page_size_bytes * (2 if plan.mode == "swap" else 1)
+                num_bytes = moved * pair_bytes(self.page_size_bytes, plan.mode)
                 self.swap_plans += 1
                 self.blocks_moved += moved
                 self.swap_bytes += num_bytes
@@ -58,7 +73,165 @@ class PlanTally:
                     self.load_bytes += plan.num_bytes
                     self.step_load_bytes += plan.num_bytes
 
+    @property
+    def bytes_moved(self) -> int:
+        """Defrag, store and load bytes together."""
+        return self.swap_bytes + self.store_bytes + self.load_bytes
+
     def end_step(self) -> None:
         """Start the next step's totals at zero."""
         self.step_blocks_moved = self.step_swap_bytes = 0
         self.step_store_bytes = self.step_load_bytes = 0
+
+
+StepHook = Callable[["RunSummary", State, int], None]
+"""Called as ``hook(summary, state, step)`` at every step's end, before the step's plan
+totals restart (a replay's time series reads them there)."""
+
+
+class RunSummary(Observer):
+    """What one run did, step by step: an observer of its machine.
+
+    The configuration (page bytes) is the ``CacheConfigured`` the machine takes, or
+    ``config`` for a run that starts from a snapshot. With a ``cost`` model every step is
+    also timed (``kvlog.cost``: decode, defrag, transfers)."""
+
+    def __init__(
+        self,
+        config: CacheConfigured | None = None,
+        cost: CostModel | None = None,
+        on_step: StepHook | None = None,
+    ) -> None:
+        self.config = config
+        self.cost = cost
+        self.on_step = on_step
+        self.plans = PlanTally(0 if config is None else config.page_size_bytes)
+        self.num_events = self.num_steps = 0
+        self.peak_max_used = -1
+        self.sum_max_used = self.sum_used = 0
+        self.peak_step_swap_bytes = 0
+        self.decode_s = self.defrag_s = self.transfer_s = 0.0
+        self.step_ms: list[float] = []
+        """Modeled milliseconds of each step (with a cost model)."""
+        self._step_defrag_s = 0.0
+
+    def after(self, state: State, event: Event, plans: list[Plan]) -> None:
+        self.num_events += 1
+        if type(event) is CacheConfigured:
+            self.config = event
+            self.plans.page_size_bytes = event.page_size_bytes
+        if plans:
+            self.plans.add(plans)
+            if self.cost is not None:
+                self._time_defrag(plans)
+        if isinstance(event, (StepEnded, StepScheduled)):
+            self._end_step(state, event.step)
+
+    def _time_defrag(self, plans: list[Plan]) -> None:
+        assert self.cost is not None and self.config is not None, "a configured, costed run"
+        page = self.config.page_size_bytes
+        for plan in plans:
+            if type(plan) is SwapPlan:
+                swap = plan.mode == "swap"
+                self._step_defrag_s += self.cost.defrag_s(plan.padded_to, page, swap)
+
+    def _end_step(self, state: State, step: int) -> None:
+        top, tally = int(state.max_used), self.plans
+        self.num_steps += 1
+        self.peak_max_used = max(self.peak_max_used, top)
+        self.sum_max_used += top
+        self.sum_used += int(state.num_used)
+        self.peak_step_swap_bytes = max(self.peak_step_swap_bytes, tally.step_swap_bytes)
+        if self.cost is not None and self.config is not None:
+            decode = self.cost.decode_s(top, self.config.page_size_bytes)
+            transfer = self.cost.transfer_s(tally.step_store_bytes, tally.step_load_bytes)
+            self.decode_s += decode
+            self.transfer_s += transfer
+            self.defrag_s += self._step_defrag_s
+            self.step_ms.append(1e3 * (decode + transfer + self._step_defrag_s))
+        if self.on_step is not None:
+            self.on_step(self, state, step)
+        tally.end_step()
+        self._step_defrag_s = 0.0
+
+    # -- the figures ---------------------------------------------------------------------
+    @property
+    def mean_max_used(self) -> float:
+        return self.sum_max_used / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def mean_used(self) -> float:
+        return self.sum_used / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def modeled_s(self) -> float:
+        return self.decode_s + self.defrag_s + self.transfer_s
+
+    @property
+    def modeled_ms_per_step(self) -> float:
+        return 1e3 * self.modeled_s / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def p99_step_ms(self) -> float:
+        """The 99th percentile of the modeled step times (0 without any; numpy's)."""
+        return p99(self.step_ms)
+
+
+class RunFigures:
+    """A result's figures of one run under the names results report (``num_swap_plans``,
+    ``store_bytes``...), read from the run's :class:`RunSummary`: a base of the result
+    types (replay's ``RunStats``, ``SynthResult``), which hold it as ``summary``."""
+
+    summary: RunSummary
+
+    @property
+    def num_events(self) -> int:
+        return self.summary.num_events
+
+    @property
+    def num_steps(self) -> int:
+        return self.summary.num_steps
+
+    @property
+    def num_swap_plans(self) -> int:
+        return self.summary.plans.swap_plans
+
+    @property
+    def num_swapped_blocks(self) -> int:
+        return self.summary.plans.blocks_moved
+
+    @property
+    def swap_bytes(self) -> int:
+        return self.summary.plans.swap_bytes
+
+    @property
+    def num_stores(self) -> int:
+        return self.summary.plans.stores
+
+    @property
+    def num_loads(self) -> int:
+        return self.summary.plans.loads
+
+    @property
+    def store_bytes(self) -> int:
+        return self.summary.plans.store_bytes
+
+    @property
+    def load_bytes(self) -> int:
+        return self.summary.plans.load_bytes
+
+    @property
+    def bytes_moved(self) -> int:
+        return self.summary.plans.bytes_moved
+
+    @property
+    def peak_max_used(self) -> int:
+        return self.summary.peak_max_used
+
+    @property
+    def sum_max_used(self) -> int:
+        return self.summary.sum_max_used
+
+    @property
+    def mean_max_used(self) -> float:
+        return self.summary.mean_max_used

@@ -79,7 +79,7 @@ def test_synth_execute_runs_canary_checks(
 def test_replay_verifies(log_path: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["replay", log_path]) == 0
     out = capsys.readouterr().out
-    assert "no divergence" in out and "verified" in out and "events/s" in out
+    assert "verified: the replay agrees" in out and "verified" in out and "events/s" in out
 
 
 def test_replay_what_if_writes_svg_and_csv_reports(
@@ -88,10 +88,10 @@ def test_replay_what_if_writes_svg_and_csv_reports(
     svg = os.path.join(tmp_path, "r.svg")
     assert main(["replay", log_path, "--no-defrag", "--report", svg]) == 0
     out = capsys.readouterr().out
-    assert "what-if {'defrag': False}:" in out and f"wrote SVG {svg}" in out
+    assert "what-if: defrag off (recorded on)" in out and f"wrote SVG {svg}" in out
     with open(svg, encoding="utf-8") as f:
         text = f.read()
-    assert "<svg" in text and "what-if defrag=False" in text  # matplotlib, legend per run
+    assert "<svg" in text and "what-if: defrag off" in text  # matplotlib, legend per run
     csv_path = os.path.join(tmp_path, "r.csv")
     assert main(["replay", log_path, "--threshold", "4", "--report", csv_path]) == 0
     with open(csv_path, encoding="utf-8") as f:
@@ -202,3 +202,56 @@ def test_version_names_the_package_and_the_log_format(capsys: pytest.CaptureFixt
         main(["--version"])
     assert info.value.code == 0
     assert capsys.readouterr().out.strip() == "kvlog 0.1.0 (log schema 1, format 1)"
+
+
+def test_inspect_summarises_snapshots_and_shows_them_when_asked(
+    tmp_path: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = os.path.join(tmp_path, "s.kvlog")
+    assert main(["synth", "--out", path, *SYNTH, "--snapshot-every", "1"]) == 0
+    capsys.readouterr()
+    assert main(["inspect", path, "--type", "Checkpoint"]) == 0
+    short = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert short and all(len(r["snapshot"]) < 80 for r in short)
+    assert any("--snapshots shows it" in r["snapshot"] for r in short)
+    assert main(["inspect", path, "--type", "Checkpoint", "--snapshots"]) == 0
+    whole = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert max(len(r["snapshot"]) for r in whole) > 1000
+
+
+def test_inspect_header_reads_settings_of_new_and_old_logs(
+    log_path: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    old = os.path.join(os.path.dirname(__file__), "..", "replays", "plain.kvlog")
+    assert isinstance(LogReader(old).header.meta["synth"], str)  # JSON inside a string
+    for path in (log_path, old):
+        assert main(["inspect", path, "--header", "--to", "0"]) == 0
+        header = json.loads(capsys.readouterr().out.splitlines()[0])
+        assert header["meta"]["workload"] == "kvlog synth"
+        assert isinstance(header["meta"]["synth"], dict), path
+        assert isinstance(header["meta"]["synth"]["steps"], int)
+    assert LogReader(log_path).header.meta["synth.steps"] == "200"  # flat: no JSON in JSON
+
+
+def test_help_is_plain_text_and_synth_flags_show_defaults(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    top = capsys.readouterr().out
+    assert "``" not in top and "exit status" in top
+    with pytest.raises(SystemExit):
+        main(["synth", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for flag in ("--seed", "--steps", "--num-prefixes", "--prefix-share", "--sync"):
+        assert flag in text
+    assert text.count("(default:") >= 12
+    assert "(default: None)" not in text
+
+
+def test_an_existing_log_is_refused_without_python_advice(
+    log_path: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["synth", "--out", log_path, *SYNTH]) == 2
+    err = capsys.readouterr().err
+    assert "already holds records" in err and "--out" in err and "Engine" not in err

@@ -108,7 +108,40 @@ def test_host_transfer_programs_match_numpy(pairs: tuple[np.ndarray, np.ndarray]
 
 
 @given(pairs=transfer_pairs())
-def test_device_transfer_programs_match_numpy(pairs: tuple[np.ndarray, np.ndarray]) -> None:
+def test_small_device_programs_equal_the_numpy_built_ones(
+    pairs: tuple[np.ndarray, np.ndarray],
+) -> None:
+    """Jobs of at most ``INDEXED_MAX_PAIRS`` pairs are compiled on Python ints: the same
+    runs and device index as the numpy build (forced here with a threshold of 0)."""
+    device_ids, host_ids = pairs
+    small = build_device_transfer_program(host_ids, device_ids, torch.device("cpu"))
+    threshold = copies.INDEXED_MAX_PAIRS
+    copies.INDEXED_MAX_PAIRS = 0
+    try:
+        reference = build_device_transfer_program(host_ids, device_ids, torch.device("cpu"))
+    finally:
+        copies.INDEXED_MAX_PAIRS = threshold
+    assert small.runs == reference.runs
+    if reference.device_index is None:
+        assert small.device_index is None
+    else:
+        assert small.device_index is not None
+        assert torch.equal(small.device_index, reference.device_index)
+
+
+@pytest.mark.parametrize("threshold", [copies.INDEXED_MAX_PAIRS, 0])
+@given(pairs=transfer_pairs())
+def test_device_transfer_programs_match_numpy(
+    threshold: int, pairs: tuple[np.ndarray, np.ndarray]
+) -> None:
+    saved, copies.INDEXED_MAX_PAIRS = copies.INDEXED_MAX_PAIRS, threshold
+    try:
+        _device_transfer_matches_numpy(pairs)
+    finally:
+        copies.INDEXED_MAX_PAIRS = saved
+
+
+def _device_transfer_matches_numpy(pairs: tuple[np.ndarray, np.ndarray]) -> None:
     device_ids, host_ids = pairs  # store: device rows (repeats allowed) into distinct host rows
     device, host = _rows(4), _rows(5)
     expected = host.numpy().copy()

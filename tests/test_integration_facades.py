@@ -516,3 +516,58 @@ def test_resolve_refuses_a_float_and_passes_pads_through() -> None:
         with pytest.raises(BlockOutOfRange):
             defrag.resolve(bad)  # type: ignore[arg-type]
     assert defrag.resolve_all([[-1, 5], [BS * 1000]]) == [[-1, defrag.resolve(5)], [BS * 1000]]
+
+
+def test_a_facade_selects_the_tail_policy_and_a_byte_budget(tmp_path: Path) -> None:
+    """``policy="tail"`` and a budget of four pages (128 bytes each here) by keyword: the
+    plan moves the four highest used blocks into the holes from ``num_used`` up (the seed's
+    rule fills from block 1), the log's ``CacheConfigured`` carries both, a replay agrees."""
+    log = tmp_path / "tail.kvlog"
+    defrag = make(policy="tail", max_bytes_per_step=4 * 128, log_path=log)
+    config = defrag.engine.config
+    assert (config.policy, config.max_bytes_per_step, config.page_size_bytes) == ("tail", 512, 128)
+    defrag.update_state({"a": list(range(1, 37)), "b": list(range(40, 50))}, [])
+    defrag.defragment()
+    assert defrag.last_swap is None  # highest used 49 over 46 used: below the ratio 1.5
+    defrag.update_state({}, ["a"])
+    defrag.defragment()
+    assert defrag.last_swap is not None
+    assert defrag.last_swap.pairs == [(49, 10), (48, 11), (47, 12), (46, 13)]
+    assert defrag.resolve_all([list(range(40, 50))]) == [[40, 41, 42, 43, 44, 45, 13, 12, 11, 10]]
+    defrag.close()
+    first = events(log)[0]
+    assert (first.policy, first.max_bytes_per_step) == ("tail", 512)  # type: ignore[attr-defined]
+    assert replay(str(log)).ok
+
+
+def test_the_environment_selects_the_tail_policy_and_a_byte_budget() -> None:
+    env = {"VLLM_DEFRAG_THRESHOLD": "4", "KVLOG_POLICY": "tail", "KVLOG_MAX_BYTES_PER_STEP": "512"}
+    defrag = OnlineDefragmenter(environ=env)
+    defrag.initialize(make_hpu_caches(64, BS), BS)
+    config = defrag.session.cache_config()
+    assert (config.policy, config.max_bytes_per_step, config.threshold) == ("tail", 512, 4)
+
+
+@pytest.mark.parametrize(
+    ("environ", "overrides", "name"),
+    [
+        ({}, {"policy_min_swaps": 2}, "policy_min_swaps"),  # the seed policy ignores it
+        ({"KVLOG_RATIO_LIMIT": "1.2"}, {}, "KVLOG_RATIO_LIMIT"),
+        ({"KVLOG_POLICY": "tail"}, {"policy": "seed", "policy_ratio_pct": 120}, "policy_ratio_pct"),
+        ({"KVLOG_RATIO_LIMIT": "150"}, {"policy": "tail"}, "KVLOG_RATIO_LIMIT"),  # a percent
+        ({"KVLOG_POLICY": "compact"}, {}, "KVLOG_POLICY"),
+        ({"KVLOG_MAX_BYTES_PER_STEP": "lots"}, {}, "KVLOG_MAX_BYTES_PER_STEP"),
+        ({}, {"max_swaps": 0}, "max_swaps"),
+        ({"KVLOG_PAD_SIZES": "16,8"}, {}, "KVLOG_PAD_SIZES"),
+        ({}, {"max_bytes_per_step": 100}, "max_bytes_per_step"),  # below one page of 128
+    ],
+)
+def test_facade_policy_values_the_command_line_refuses_are_refused(
+    environ: dict[str, str], overrides: dict[str, object], name: str
+) -> None:
+    """Refused at construction (or when the caches tell the page size), naming the keyword
+    or the variable, as ``kvlog synth`` refuses the same values."""
+    with pytest.raises(ConfigError) as info:
+        defrag = OnlineDefragmenter(environ=environ, **overrides)  # type: ignore[arg-type]
+        defrag.initialize(make_hpu_caches(64, BS), BS)
+    assert info.value.name == name

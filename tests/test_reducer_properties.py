@@ -2,7 +2,7 @@
 
 - ``check_invariants`` holds after every event of random realistic programs.
 - Every refused event (planted defects of each kind) raises a typed ``InvalidEvent``,
-  ``validate`` agrees with ``reduce``, and the digest and snapshot do not move.
+  ``check`` agrees with ``reduce``, and the digest and snapshot do not move.
 - ``snapshot``/``restore`` at any point gives the same digest and the same future plans.
 - The digest is a pinned value for a fixed program and does not depend on the process.
 - ``BlockSet`` behaves like a Python set; ``resolve_array`` like ``resolve``.
@@ -39,13 +39,13 @@ from kvlog.events import (
 )
 from kvlog.reducers import (
     State,
+    check,
     check_invariants,
     digest,
     initial_state,
     reduce,
     restore,
     snapshot,
-    validate,
 )
 from kvlog.reducers.blockset import BlockSet, pack_words
 
@@ -155,16 +155,16 @@ def test_invariants_hold_and_refusals_change_nothing(
 ) -> None:
     state = initial_state()
     with pytest.raises(errors.NotConfigured):
-        validate(state, events[-1] if len(events) > 1 else BlocksAllocated("a", [1]))
+        check(state, events[-1] if len(events) > 1 else BlocksAllocated("a", [1]))
     for i, event in enumerate(events):
-        validate(state, event)  # a valid event passes validate
+        check(state, event)  # a valid event passes the check
         state, _ = reduce(state, event)
         check_invariants(state)
         if i % 7 == 0:
             before, blob = digest(state), snapshot(state)
             for bad, error in planted_defects(state, rng):
                 with pytest.raises(error) as raised:
-                    validate(state, bad)
+                    check(state, bad)
                 assert isinstance(raised.value, errors.InvalidEvent)
                 with pytest.raises(error):
                     reduce(state, bad)

@@ -7,18 +7,15 @@ pairs (9,1),(8,2),(7,3),(6,4)") and checks the plans, the resolved tables and
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
+from reducer_helpers import alloc, make, rejected, run
 
 from kvlog import errors
 from kvlog.events import (
-    BlocksAllocated,
     CacheConfigured,
     Event,
     FencePlan,
     LoadRequested,
-    Plan,
     RequestFinished,
     RequestPreempted,
     StepEnded,
@@ -27,31 +24,7 @@ from kvlog.events import (
     TransferFinished,
     TransferPlan,
 )
-from kvlog.reducers import State, check_invariants, digest, initial_state, reduce, snapshot
-
-
-def make(**config: Any) -> State:
-    """A configured state: 16 blocks, threshold 0 unless said."""
-    config.setdefault("num_gpu_blocks", 16)
-    config.setdefault("block_size", 16)
-    config.setdefault("threshold", 0)
-    state, plans = reduce(initial_state(), CacheConfigured(**config))
-    assert plans == []
-    return state
-
-
-def run(state: State, *events: Event) -> list[Plan]:
-    """Apply events, checking invariants after each; all their plans."""
-    plans: list[Plan] = []
-    for event in events:
-        _, new = reduce(state, event)
-        check_invariants(state)
-        plans.extend(new)
-    return plans
-
-
-def alloc(req_id: str, *block_ids: int) -> BlocksAllocated:
-    return BlocksAllocated(req_id=req_id, block_ids=list(block_ids))
+from kvlog.reducers import State, check_invariants, digest, initial_state
 
 
 def swap(step: int, pairs: list[tuple[int, int]], padded_to: int, mode: str = "move") -> SwapPlan:
@@ -60,15 +33,6 @@ def swap(step: int, pairs: list[tuple[int, int]], padded_to: int, mode: str = "m
 
 def resolved(state: State, req_id: str) -> list[int]:
     return [state.resolve(b) for b in state.request_blocks(req_id)]
-
-
-def rejected(state: State, event: Event, error: type[Exception], match: str | None = None) -> None:
-    """The event raises ``error`` and changes nothing, not even the snapshot."""
-    before, blob = digest(state), snapshot(state)
-    with pytest.raises(error, match=match):
-        reduce(state, event)
-    assert digest(state) == before and snapshot(state) == blob
-    check_invariants(state)
 
 
 # -- defrag --------------------------------------------------------------------------------

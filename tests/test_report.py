@@ -9,8 +9,7 @@ import sys
 
 import pytest
 
-from kvlog.cli import format_table
-from kvlog.cli_sweep import progress_bar, render_table, size_arg
+from kvlog.cli_sweep import size_arg
 from kvlog.cost import (
     GAUDI2_HBM_BYTES_PER_S,
     GAUDI3_HBM_BYTES_PER_S,
@@ -20,7 +19,10 @@ from kvlog.cost import (
 )
 from kvlog.errors import ConfigError, MissingExtra
 from kvlog.events import CacheConfigured
-from kvlog.report import Series, _downsample, _panels, byte_unit, write_report
+from kvlog.present.pictures import rolling_mean
+from kvlog.present.text import progress_bar, render_table
+from kvlog.present.units import byte_unit, format_bytes, p99, parse_size, plural
+from kvlog.report import Series, write_report
 
 CONFIG = CacheConfigured(num_gpu_blocks=64, block_size=16, page_size_bytes=2 << 20)
 
@@ -47,34 +49,28 @@ def test_fragmentation_is_the_share_of_holes_below_the_top() -> None:
     assert s.transfer_bytes == [0, 0]
 
 
-def test_downsampling_keeps_peaks() -> None:
-    xs = list(range(10_000))
-    ys = [0.0] * 10_000
-    ys[4321] = 99.0
-    px, py = _downsample(xs, ys)
-    assert len(px) <= 1500 and max(py) == 99.0
+def test_rolling_mean_averages_the_last_window_and_skips_gaps() -> None:
+    assert rolling_mean([1.0, 3.0, 5.0, 7.0], 2).tolist() == [1.0, 2.0, 4.0, 6.0]
+    gappy = rolling_mean([float("nan"), 2.0, float("nan"), float("nan")], 2)
+    assert gappy[1] == 2.0 and gappy[2] == 2.0 and gappy[3] != gappy[3]  # NaN: nothing to average
+    assert rolling_mean([4.0, 8.0], 1).tolist() == [4.0, 8.0]
 
 
 def test_byte_units_keep_numbers_readable() -> None:
     assert byte_unit(3 << 30) == ("GiB", 1 << 30)
     assert byte_unit(5 << 20) == ("MiB", 1 << 20)
     assert byte_unit(100) == ("B", 1)
+    assert format_bytes(3 << 30) == "3.0 GiB" and format_bytes(0) == "0 B"
+    assert parse_size("64MiB") == 64 << 20 and parse_size("1.5k") == 1536
+    with pytest.raises(ValueError, match="not a size"):
+        parse_size("2PiB")
 
 
-def test_panels_carry_units_and_the_modeled_step_time() -> None:
-    panels = _panels([series("a", 30), series("b", 30)], CONFIG, None)
-    kinds = [(title.split(" (")[0], kind) for title, kind, _ in panels]
-    assert kinds == [
-        ("fragmentation: holes below the highest used block", "pct"),
-        ("blocks", "blocks"),
-        ("moved by defrag per step", "bytes"),
-        ("stored + loaded per step", "bytes"),
-        ("modeled step time", "ms"),
-    ]
-    blocks = panels[1][2]
-    assert [label for label, _ in blocks][-1] == "used blocks (any policy)" and len(blocks) == 3
-    no_pages = _panels([series("a", 5)], None, None)
-    assert [kind for _, kind, _ in no_pages] == ["pct", "blocks", "blocks", "bytes"]
+def test_plurals_and_p99() -> None:
+    assert plural(1, "log") == "1 log" and plural(2, "policy", "policies") == "2 policies"
+    assert plural(1500, "step") == "1,500 steps"
+    assert p99([]) == 0.0 and p99(list(range(1, 101))) == 100.0  # a value of the series
+    assert p99([5.0] * 10 + [9.0]) == 9.0
 
 
 def test_png_and_svg_figures(tmp_path: str) -> None:
@@ -88,8 +84,18 @@ def test_png_and_svg_figures(tmp_path: str) -> None:
     with open(svg, encoding="utf-8") as f:
         text = f.read()
     assert "<svg" in text and text.rstrip().endswith("</svg>")
-    for words in ("scheduler step", "MiB", "ms", "what-if", "used blocks"):
-        assert words in text, words  # axes carry units; legends name every line
+    for words in (
+        "scheduler step",
+        "GiB",
+        "ms/step",
+        "what-if",
+        "used blocks",
+        "p99",
+        "cumulative",
+        "rolling mean",
+        "every policy",
+    ):
+        assert words in text, words  # axes carry units; legends and the table name every run
     other = os.path.join(tmp_path, "report")
     assert write_report(other, data) == f"wrote PNG {other}.png"
 
@@ -130,7 +136,7 @@ def test_cost_model_constants_and_formulas() -> None:
 
 
 def test_tables_align_labels_left_and_figures_right() -> None:
-    text = format_table([("swaps", "1"), ("bytes moved", "1,000")])
+    text = render_table([("swaps", "1"), ("bytes moved", "1,000")])
     assert text.splitlines() == ["  swaps            1", "  bytes moved  1,000"]
     table = render_table([("log", "policy", "moved"), ("m", "seed t=8", "1.5 GiB")], header=True)
     lines = table.splitlines()
@@ -146,3 +152,26 @@ def test_progress_bar_reports_and_sizes_parse() -> None:
     assert size_arg("64MiB") == 64 << 20 and size_arg("1G") == 1 << 30 and size_arg("512") == 512
     with pytest.raises(Exception, match="not a size"):
         size_arg("lots")
+
+
+def test_the_sweep_shows_every_variant_and_names_the_refused(tmp_path: str) -> None:
+    from kvlog.present.pictures import write_sweep_figure
+    from kvlog.present.text import SWEEP_COLUMNS, sweep_table
+    from kvlog.sweep import SweepRow
+
+    rows = [
+        SweepRow("m", "seed t=8", steps=10, mean_max_used=40.0, swap_bytes=3 << 30,
+                 store_bytes=1 << 30, modeled_ms_per_step=1.5, p99_step_ms=2.0),
+        SweepRow("m", "seed t=8 m=1024", rejected="seq 0: CacheConfigured rejected: max_swaps"),
+        SweepRow("m", "off", steps=10, mean_max_used=60.0, modeled_ms_per_step=2.5),
+    ]  # fmt: skip
+    table = sweep_table(rows)
+    assert table[0] == SWEEP_COLUMNS and "defrag bytes" in SWEEP_COLUMNS
+    assert table[1][5:7] == ("3.0 GiB", "1.0 GiB")  # defrag and transfers apart
+    assert table[2][2] == "-" and table[2][-1].startswith("refused: ")
+    svg = os.path.join(tmp_path, "sweep.svg")
+    write_sweep_figure(svg, rows)
+    with open(svg, encoding="utf-8") as f:
+        text = f.read()
+    for words in ("seed t=8 m=1024", "refused: max_swaps", "off", "ms/step", "p99", "GiB"):
+        assert words in text, words

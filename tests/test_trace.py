@@ -183,7 +183,23 @@ def test_cli_synth_trace_prints_hits_and_writes_a_replayable_log(
     out = capsys.readouterr().out
     assert "hit rate" in out and "120 arrived, 120 finished" in out
     assert main(["replay", path]) == 0
-    assert "no divergence" in capsys.readouterr().out
+    assert "verified: the replay agrees" in capsys.readouterr().out
     bad = ["synth", "--trace", MOONCAKE, "--block-size", "96", "--out", path + ".x"]
     assert main(bad) == 2
     assert "must divide 512" in capsys.readouterr().err
+
+
+def test_run_trace_from_python_has_the_command_lines_defaults_and_checks(
+    tmp_path: str,
+) -> None:
+    from kvlog.synth import TRACE_DEFAULTS, SynthConfig, TraceConfig, run_trace, trace_geometry
+
+    geometry = trace_geometry()
+    assert geometry["num_gpu_blocks"] == TRACE_DEFAULTS["num_gpu_blocks"] == 4096
+    assert geometry["page_size_bytes"] == 128 * (128 << 10)  # 128 KiB of KV per token
+    requests = read_trace(MOONCAKE, limit=5)
+    bad = TraceConfig(SynthConfig(**trace_geometry(block_size=96)))
+    out = os.path.join(tmp_path, "bad.kvlog")
+    with pytest.raises(TraceError, match="--block-size 96 must divide 512"):
+        run_trace(bad, requests, out)
+    assert not os.path.exists(out)  # refused before the log exists

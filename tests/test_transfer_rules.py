@@ -31,6 +31,8 @@ import random
 from typing import Any
 
 import pytest
+import reducer_helpers as helpers
+from reducer_helpers import alloc, rejected, run
 
 import kvlog.events
 from kvlog import Engine, errors
@@ -38,10 +40,8 @@ from kvlog.events import (
     BlocksAllocated,
     CacheConfigured,
     Checkpoint,
-    Event,
     FencePlan,
     LoadRequested,
-    Plan,
     RequestFinished,
     RequestPreempted,
     StepEnded,
@@ -53,7 +53,7 @@ from kvlog.events import (
 )
 from kvlog.executors import make_executor
 from kvlog.log import read_log
-from kvlog.reducers import State, check_invariants, digest, initial_state, reduce, restore, snapshot
+from kvlog.reducers import State, check_invariants, digest, restore, snapshot
 
 LOADS_DEFER = "deferred" in LoadRequested.__struct_fields__
 BlocksReleased: Any = getattr(kvlog.events, "BlocksReleased", None)
@@ -62,37 +62,9 @@ PAGE = 100
 
 def make(**config: Any) -> State:
     """A configured state: 16 GPU blocks, 8 CPU blocks, threshold 0, 100-byte pages."""
-    config.setdefault("num_gpu_blocks", 16)
-    config.setdefault("block_size", 16)
     config.setdefault("num_cpu_blocks", 8)
-    config.setdefault("threshold", 0)
     config.setdefault("page_size_bytes", PAGE)
-    state, plans = reduce(initial_state(), CacheConfigured(**config))
-    assert plans == []
-    return state
-
-
-def run(state: State, *events: Event) -> list[Plan]:
-    """Apply events, checking invariants after each; all their plans."""
-    plans: list[Plan] = []
-    for event in events:
-        _, new = reduce(state, event)
-        check_invariants(state)
-        plans.extend(new)
-    return plans
-
-
-def rejected(state: State, event: Event, error: type[Exception], match: str | None = None) -> None:
-    """The event raises ``error`` and changes nothing, not even the snapshot."""
-    before, blob = digest(state), snapshot(state)
-    with pytest.raises(error, match=match):
-        reduce(state, event)
-    assert digest(state) == before and snapshot(state) == blob
-    check_invariants(state)
-
-
-def alloc(req_id: str, *block_ids: int) -> BlocksAllocated:
-    return BlocksAllocated(req_id=req_id, block_ids=list(block_ids))
+    return helpers.make(**config)
 
 
 def store(

@@ -39,6 +39,8 @@ from kvlog.events.types import (
     TransferFinished,
     TransferPlan,
     TransferSubmitted,
+    pair_bytes,
+    swap_mode,
 )
 from kvlog.events.validate import validate_event
 
@@ -69,6 +71,8 @@ __all__ = [
     "decode",
     "decode_plan",
     "encode",
+    "pair_bytes",
+    "swap_mode",
     "to_dict",
     "to_json",
     "validate_event",

@@ -52,6 +52,8 @@ __all__ = [
     "TierStoreCompleted",
     "TierRequestFinished",
     "TierReset",
+    "pair_bytes",
+    "swap_mode",
 ]
 
 SCHEMA_VERSION = 1
@@ -229,6 +231,17 @@ class SwapPlan(_Tagged, frozen=True):
     pairs: list[tuple[int, int]]
     padded_to: int
     mode: Literal["swap", "move"]
+
+
+def swap_mode(config: CacheConfigured) -> Literal["swap", "move"]:
+    """The ``SwapPlan.mode`` of a configuration's defrag plans (see ``SwapPlan``)."""
+    return "swap" if config.prefix_caching else "move"
+
+
+def pair_bytes(page_size_bytes: int, mode: str) -> int:
+    """Bytes one pair of a ``SwapPlan`` in ``mode`` moves: a page, or two for ``"swap"``
+    (both blocks are copied). The one definition that budgets, tallies and reports use."""
+    return page_size_bytes * (2 if mode == "swap" else 1)
 
 
 class TransferPlan(_Tagged, frozen=True):

@@ -1,14 +1,19 @@
 """Facade configuration from the environment variables the Gaudi plugin reads, plus kvlog's.
 
 The plugin reads ``VLLM_DEFRAG`` (its ``defrag`` feature), ``VLLM_DEFRAG_THRESHOLD`` and
-``VLLM_DEFRAG_WITH_GRAPHS``; kvlog adds ``KVLOG_PATH`` (where to record the log; unset or
-empty: no log) and ``KVLOG_SYNC`` (``background``, the default: one write per step and
-an fdatasync on a background thread within about 5 ms; ``step``: an fsync per step on the
-serving thread; ``always``; ``none``) and ``KVLOG_SYNC_INTERVAL_MS`` (the background
-flusher's interval, 5 by default, 0.1 to 60000). Constructor arguments win over the
-environment, the environment over the defaults. A value that cannot be parsed
-raises :class:`~kvlog.errors.ConfigError` naming the variable, at construction, not later
-in the serving loop.
+``VLLM_DEFRAG_WITH_GRAPHS``; kvlog adds a variable for every other policy field of
+``CacheConfigured`` (``KVLOG_POLICY``, ``KVLOG_RATIO_LIMIT``, ``KVLOG_MIN_SWAPS``,
+``KVLOG_MAX_SWAPS``, ``KVLOG_PAD_SIZES``, ``KVLOG_MAX_BYTES_PER_STEP``: the table in
+:mod:`kvlog.policy`, which also gives the keyword of each, its field name), ``KVLOG_PATH``
+(where to record the log; unset or empty: no log) and ``KVLOG_SYNC`` (``background``, the
+default: one write per step and an fdatasync on a background thread within about 5 ms;
+``step``: an fsync per step on the serving thread; ``always``; ``none``) and
+``KVLOG_SYNC_INTERVAL_MS`` (the background flusher's interval, 5 by default, 0.1 to
+60000). Constructor arguments win over the
+environment, the environment over the defaults. A value that cannot be parsed, or that
+the event validator or the command line would refuse (a tail parameter under the seed
+policy), raises :class:`~kvlog.errors.ConfigError` naming the variable or the keyword, at
+construction, not later in the serving loop.
 """
 
 from __future__ import annotations
@@ -16,9 +21,11 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
+from typing import Any
 
 import msgspec
 
+from kvlog import policy as policy_table
 from kvlog.errors import ConfigError
 from kvlog.events import CONFIG_DEFAULTS
 from kvlog.log import (
@@ -28,6 +35,7 @@ from kvlog.log import (
     SyncMode,
     check_sync_interval,
 )
+from kvlog.policy import POLICY_FIELDS, check_policy_values, check_tail_only, policy_from_env
 
 __all__ = [
     "ENV_DEFRAG",
@@ -42,16 +50,12 @@ __all__ = [
     "parse_bool",
 ]
 
-ENV_DEFRAG = "VLLM_DEFRAG"
-ENV_THRESHOLD = "VLLM_DEFRAG_THRESHOLD"
+ENV_DEFRAG = policy_table.policy_field("defrag").env
+ENV_THRESHOLD = policy_table.policy_field("threshold").env
 ENV_WITH_GRAPHS = "VLLM_DEFRAG_WITH_GRAPHS"
 ENV_LOG_PATH = "KVLOG_PATH"
 ENV_SYNC = "KVLOG_SYNC"
 ENV_SYNC_INTERVAL = "KVLOG_SYNC_INTERVAL_MS"
-
-_TRUE = frozenset({"1", "true", "yes", "on"})
-_FALSE = frozenset({"0", "false", "no", "off"})
-MAX_THRESHOLD = 2**31 - 1
 
 
 class FacadeConfig(msgspec.Struct, frozen=True):
@@ -63,7 +67,8 @@ class FacadeConfig(msgspec.Struct, frozen=True):
     ``log_path``: the log file, or None for no log; ``sync``: the log's group commit
     (``background``: the fsync off the serving thread); ``sync_interval_s``: the background
     flusher's interval, the bound of its durability lag (``KVLOG_SYNC_INTERVAL_MS``).
-    ``defrag`` and ``threshold`` default to ``CacheConfigured``'s (``CONFIG_DEFAULTS``).
+    The other fields are ``CacheConfigured``'s policy fields (``kvlog.policy``), whose
+    defaults they have (``CONFIG_DEFAULTS``).
     """
 
     defrag: bool = CONFIG_DEFAULTS["defrag"]
@@ -72,30 +77,29 @@ class FacadeConfig(msgspec.Struct, frozen=True):
     log_path: str | None = None
     sync: SyncMode = "background"
     sync_interval_s: float = DEFAULT_SYNC_INTERVAL_S
+    max_swaps: int = CONFIG_DEFAULTS["max_swaps"]
+    pad_sizes: tuple[int, ...] = CONFIG_DEFAULTS["pad_sizes"]
+    policy: str = CONFIG_DEFAULTS["policy"]
+    policy_ratio_pct: int = CONFIG_DEFAULTS["policy_ratio_pct"]
+    policy_min_swaps: int = CONFIG_DEFAULTS["policy_min_swaps"]
+    max_bytes_per_step: int = CONFIG_DEFAULTS["max_bytes_per_step"]
+
+    def policy_fields(self) -> dict[str, Any]:
+        """The ``CacheConfigured`` policy fields (for the log's first event)."""
+        return {row.name: getattr(self, row.name) for row in POLICY_FIELDS}
+
+
+assert {row.name for row in POLICY_FIELDS} <= set(FacadeConfig.__struct_fields__), (
+    "FacadeConfig holds every policy field of CacheConfigured"
+)
 
 
 def parse_bool(name: str, text: str) -> bool:
     """``1/true/yes/on`` or ``0/false/no/off``, any case and surrounding space."""
-    value = text.strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise ConfigError(name, text, "a boolean (1/true/yes/on or 0/false/no/off)")
-
-
-def _parse_threshold(name: str, text: str) -> int:
     try:
-        value = int(text.strip())
+        return policy_table.parse_bool(text)
     except ValueError:
-        raise ConfigError(name, text, "a non-negative integer") from None
-    return _check_threshold(name, value)
-
-
-def _check_threshold(name: str, value: object) -> int:
-    if type(value) is not int or not 0 <= value <= MAX_THRESHOLD:
-        raise ConfigError(name, value, f"an integer in [0, {MAX_THRESHOLD}]")
-    return value
+        raise ConfigError(name, text, "a boolean (1/true/yes/on or 0/false/no/off)") from None
 
 
 def _check_sync(name: str, value: object) -> SyncMode:
@@ -111,13 +115,9 @@ def _check_bool(name: str, value: object) -> bool:
 
 
 def _from_environ(env: Mapping[str, str], base: FacadeConfig) -> FacadeConfig:
-    """``base`` with every variable that is set (and not empty) parsed over it."""
+    """``base`` with every variable that is set (and not empty) parsed over it, but the
+    policy's (:func:`_policy`)."""
     out = base
-    if env.get(ENV_DEFRAG, "").strip():
-        out = msgspec.structs.replace(out, defrag=parse_bool(ENV_DEFRAG, env[ENV_DEFRAG]))
-    if env.get(ENV_THRESHOLD, "").strip():
-        threshold = _parse_threshold(ENV_THRESHOLD, env[ENV_THRESHOLD])
-        out = msgspec.structs.replace(out, threshold=threshold)
     if env.get(ENV_WITH_GRAPHS, "").strip():
         graphs = parse_bool(ENV_WITH_GRAPHS, env[ENV_WITH_GRAPHS])
         out = msgspec.structs.replace(out, with_graphs=graphs)
@@ -130,6 +130,28 @@ def _from_environ(env: Mapping[str, str], base: FacadeConfig) -> FacadeConfig:
         interval = _parse_interval_ms(ENV_SYNC_INTERVAL, env[ENV_SYNC_INTERVAL])
         out = msgspec.structs.replace(out, sync_interval_s=interval)
     return out
+
+
+def _policy(env: Mapping[str, str], keywords: Mapping[str, Any]) -> dict[str, Any]:
+    """The policy fields set by variables or (winning) keywords, each checked as the log's
+    ``CacheConfigured`` will be, and refused as the command line refuses them; a refusal
+    names the variable or the keyword."""
+    unknown = sorted(set(keywords) - {row.name for row in POLICY_FIELDS})
+    if unknown:
+        raise TypeError(f"unknown facade policy keyword(s): {unknown}")
+    from_env = policy_from_env(env)
+    given = {n: v for n, v in keywords.items() if v is not None}
+    if "pad_sizes" in given:
+        given["pad_sizes"] = tuple(given["pad_sizes"])
+    values = {**from_env, **given}
+
+    def name_of(name: str) -> str:
+        return name if name in given else policy_table.policy_field(name).env
+
+    check_policy_values(values, name_of)
+    policy = values.get("policy", CONFIG_DEFAULTS["policy"])
+    check_tail_only(values, policy, name_of, f"{name_of('policy')}='tail' with it")
+    return values
 
 
 def _parse_interval_ms(name: str, text: str) -> float:
@@ -147,22 +169,21 @@ def _parse_interval_ms(name: str, text: str) -> float:
 def config_from_env(
     environ: Mapping[str, str] | None = None,
     *,
-    defrag: bool | None = None,
-    threshold: int | None = None,
     with_graphs: bool | None = None,
     log_path: str | os.PathLike[str] | None = None,
     sync: str | None = None,
     sync_interval_s: float | None = None,
+    **policy: Any,
 ) -> FacadeConfig:
     """The facade configuration: arguments (not None) over ``environ`` over the defaults.
 
-    ``environ`` defaults to ``os.environ``; pass a dict in tests.
+    ``policy``: any policy field of ``CacheConfigured`` by name (``defrag``, ``threshold``,
+    ``policy="tail"``, ``max_bytes_per_step``...); ``environ`` defaults to ``os.environ``
+    (pass a dict in tests).
     """
-    out = _from_environ(os.environ if environ is None else environ, FacadeConfig())
-    if defrag is not None:
-        out = msgspec.structs.replace(out, defrag=_check_bool("defrag", defrag))
-    if threshold is not None:
-        out = msgspec.structs.replace(out, threshold=_check_threshold("threshold", threshold))
+    env = os.environ if environ is None else environ
+    out = _from_environ(env, FacadeConfig())
+    out = msgspec.structs.replace(out, **_policy(env, policy))
     if with_graphs is not None:
         graphs = _check_bool("with_graphs", with_graphs)
         out = msgspec.structs.replace(out, with_graphs=graphs)

@@ -25,7 +25,7 @@ import torch
 
 from kvlog.engine import Engine, block_table_row
 from kvlog.errors import BlockInUse, BlockOutOfRange, ConfigError, InvalidEvent
-from kvlog.events import DEFAULT_PAD_SIZES, StepScheduled, SwapPlan
+from kvlog.events import StepScheduled, SwapPlan
 from kvlog.executors import Executor
 from kvlog.executors.layouts import KVCaches
 from kvlog.integrations.books import Claim
@@ -172,9 +172,11 @@ class OnlineDefragmenter:
     """The plugin's defragmenter surface over a shared :class:`KvCacheSession`.
 
     ``OnlineDefragmenter(kv_caches, block_size)`` as vllm-gaudi's runner builds it, or the
-    older ``OnlineDefragmenter()`` plus ``initialize(kv_caches, block_size)``. Arguments not
-    given come from the environment (``VLLM_DEFRAG``, ``VLLM_DEFRAG_THRESHOLD``,
-    ``VLLM_DEFRAG_WITH_GRAPHS``, ``KVLOG_PATH``, ``KVLOG_SYNC``); ``prefix_caching`` from the
+    older ``OnlineDefragmenter()`` plus ``initialize(kv_caches, block_size)``. Every policy
+    field of ``CacheConfigured`` is a keyword (``threshold=``, ``policy="tail"``,
+    ``max_bytes_per_step=``...); arguments not given come from the environment
+    (``VLLM_DEFRAG``, ``VLLM_DEFRAG_THRESHOLD``, ``KVLOG_POLICY``..., ``KVLOG_PATH``,
+    ``KVLOG_SYNC``: see ``kvlog.integrations.config``); ``prefix_caching`` from the
     plugin's ``get_config()`` or vLLM's current config when not given. A
     ``KvlogOffloadingConnector`` worker over the same tensors shares this Engine.
     """
@@ -192,13 +194,12 @@ class OnlineDefragmenter:
         **overrides: Any,
     ) -> None:
         self.config = config or config_from_env(environ, **overrides)
-        self.to_swap_pad_thresholds = list(DEFAULT_PAD_SIZES)
+        self.to_swap_pad_thresholds = list(self.config.pad_sizes)
         self._prefix_caching = prefix_caching
         self.session = KvCacheSession(
             self.config,
             prefix_caching=bool(prefix_caching),
             backend=backend,
-            pad_sizes=self.to_swap_pad_thresholds,
             executor_options=executor_options,
         )
         self.cache_utils: CacheSwapHandle | None = None

@@ -240,10 +240,8 @@ class OffloadingWorker:
         return self.finished_of(("store", "load"))
 
     def finished_of(self, kinds: Sequence[JobKind]) -> list[TransferResult]:
-        out: list[TransferResult] = []
-        for kind in kinds:
-            out.extend(_result(kind, r) for r in self.session.take_finished((kind,)))
-        return out
+        finished = self.session.take_finished(kinds)  # one poll of the executor
+        return [_result(kind, r) for kind, r in finished]
 
     def wait(self, job_ids: Iterable[int] | None) -> None:
         """Block until these jobs (None: all) finish; results still come from ``get_finished``."""

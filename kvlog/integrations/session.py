@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import secrets
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Literal
 
 import torch
@@ -24,8 +24,6 @@ import torch
 from kvlog.engine import Engine
 from kvlog.errors import ConfigError, LayoutError
 from kvlog.events import (
-    CONFIG_DEFAULTS,
-    DEFAULT_PAD_SIZES,
     BlocksAllocated,
     CacheConfigured,
     Event,
@@ -39,6 +37,7 @@ from kvlog.executors import TransferCompletion, make_executor
 from kvlog.executors.layouts import KVCaches, register_layout
 from kvlog.integrations.books import Claim, RequestBooks
 from kvlog.integrations.config import FacadeConfig
+from kvlog.policy import check_byte_budget
 from kvlog.reducers import step as step_reducer
 
 __all__ = [
@@ -132,15 +131,11 @@ class KvCacheSession:
         *,
         prefix_caching: bool = False,
         backend: Backend = "auto",
-        max_swaps: int = CONFIG_DEFAULTS["max_swaps"],
-        pad_sizes: Sequence[int] = DEFAULT_PAD_SIZES,
         executor_options: Mapping[str, Any] | None = None,
     ) -> None:
         self.config = config
         self.prefix_caching = prefix_caching
         self.backend = backend
-        self.max_swaps = max_swaps
-        self.pad_sizes = tuple(pad_sizes)
         self.executor_options = dict(executor_options or {})
         self._caches: _Caches | None = None
         self.num_cpu_blocks = 0
@@ -195,8 +190,12 @@ class KvCacheSession:
                     f"the shared cache's {known.num_gpu_blocks} blocks of {known.block_size}",
                 )
             return
-        register_layout(kv_caches, num_gpu_blocks, block_size, layout)
-        self._caches = caches
+        previous, self._caches = self._caches, caches
+        try:  # the layout registered, the policy checked against its pages, now
+            self.cache_config()
+        except BaseException:
+            self._caches = previous
+            raise
 
     def configure(self, config: FacadeConfig, prefix_caching: bool) -> None:
         """A facade's policy; before the first event, or again with the same values."""
@@ -240,19 +239,18 @@ class KvCacheSession:
         layout = register_layout(
             caches.kv_caches, caches.num_gpu_blocks, caches.block_size, caches.layout
         )
-        return CacheConfigured(
+        config = CacheConfigured(
             num_gpu_blocks=caches.num_gpu_blocks,
             block_size=caches.block_size,
             num_cpu_blocks=self.num_cpu_blocks,
             block_size_factor=self.block_size_factor,
             prefix_caching=self.prefix_caching,
-            defrag=self.config.defrag,
-            threshold=self.config.threshold,
-            max_swaps=self.max_swaps,
-            pad_sizes=self.pad_sizes,
             page_size_bytes=layout.page_size_bytes,
             quarantine_released=self.quarantine,
+            **self.config.policy_fields(),
         )
+        check_byte_budget(config, "max_bytes_per_step")
+        return config
 
     @property
     def engine(self) -> Engine:
@@ -364,12 +362,14 @@ class KvCacheSession:
             return
         self._route(self._engine.poll())
 
-    def take_finished(self, kinds: Iterable[JobKind]) -> list[TransferCompletion]:
+    def take_finished(self, kinds: Iterable[JobKind]) -> list[tuple[JobKind, TransferCompletion]]:
+        """Poll once, then hand over the finished transfers of these kinds, kind by kind."""
         self.poll()
-        out: list[TransferCompletion] = []
+        out: list[tuple[JobKind, TransferCompletion]] = []
         for kind in kinds:
-            out.extend(self._finished[kind])
-            self._finished[kind].clear()
+            queue = self._finished[kind]
+            out.extend((kind, result) for result in queue)
+            queue.clear()
         return out
 
     def wait(self, job_ids: Iterable[int] | None) -> None:
@@ -443,9 +443,6 @@ class KvCacheSession:
             if rest:
                 self._num_holds += 1
                 self._hold(f"{hold_id}.{self._num_holds}", rest)
-
-    def holds_any(self, block_ids: Iterable[int]) -> bool:
-        return any(b in self._holds for b in block_ids)
 
     @property
     def held_blocks_view(self) -> Mapping[int, str]:

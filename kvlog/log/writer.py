@@ -216,8 +216,8 @@ class LogWriter:
                 if new and frame_kind(payload) == RECORD:
                     raise LogExists(
                         errno.EEXIST,
-                        f"{self.path} already holds records; use Engine.resume() to continue "
-                        "it (the file was not touched)",
+                        f"{self.path} already holds records: not overwritten (the file was "
+                        "not touched)",
                     )
         self._body = info.body
         if closed:

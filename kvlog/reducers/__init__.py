@@ -6,7 +6,7 @@ place, once, and returns the plans; ``reduce(state, event)`` is both. See
 ``docs/internals.md`` for the contract and ``defrag.py`` / ``transfers.py`` for the rules.
 """
 
-from kvlog.reducers.compose import Checked, check, commit, reduce, validate
+from kvlog.reducers.compose import Checked, check, commit, reduce
 from kvlog.reducers.digest import digest, restore, snapshot
 from kvlog.reducers.invariants import check_invariants
 from kvlog.reducers.state import MAX_JOBS_IN_FLIGHT, Job, State, initial_state
@@ -24,5 +24,4 @@ __all__ = [
     "reduce",
     "restore",
     "snapshot",
-    "validate",
 ]

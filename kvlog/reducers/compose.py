@@ -37,7 +37,7 @@ from kvlog.events.validate import VALIDATORS
 from kvlog.reducers import defrag, step, transfers
 from kvlog.reducers.state import State
 
-__all__ = ["Checked", "check", "commit", "reduce", "validate"]
+__all__ = ["Checked", "check", "commit", "reduce"]
 
 _Check = Callable[[State, Any], Any]
 _Apply = Callable[[State, Any, Any], list[Plan]]
@@ -111,11 +111,6 @@ def commit(state: State, checked: Checked) -> list[Plan]:
     plans = checked.apply(state, checked.event, checked.found)
     state.last_swap = plans[-1] if plans and type(plans[-1]) is SwapPlan else None
     return plans
-
-
-def validate(state: State, event: Event) -> None:
-    """``check`` without keeping what it found."""
-    check(state, event)
 
 
 def reduce(state: State, event: Event) -> tuple[State, list[Plan]]:

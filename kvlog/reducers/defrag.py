@@ -44,7 +44,6 @@ words it passes; the move is one compiled loop over the pairs.
 from __future__ import annotations
 
 import bisect
-from typing import Literal
 
 import numpy as np
 
@@ -58,6 +57,7 @@ from kvlog.events import (
     RequestPreempted,
     StepEnded,
     SwapPlan,
+    swap_mode,
 )
 from kvlog.reducers import kernels, policies, transfers
 from kvlog.reducers.blockset import SCALAR_LIMIT, IdArray
@@ -76,7 +76,6 @@ __all__ = [
     "end_step",
     "end_step_at",
     "pad_bucket",
-    "pair_up",
     "release",
     "quarantine_freed",
     "release_request",
@@ -285,18 +284,11 @@ def end_step_at(state: State, step: int) -> list[Plan]:
         return []
     state.move_blocks(sources, destinations)
     pairs = list(zip(sources.tolist(), destinations.tolist(), strict=True))
-    mode: Literal["swap", "move"] = "swap" if config.prefix_caching else "move"
     padded_to = pad_bucket(len(pairs), config.pad_sizes)
-    return [SwapPlan(step=step, pairs=pairs, padded_to=padded_to, mode=mode)]
+    return [SwapPlan(step=step, pairs=pairs, padded_to=padded_to, mode=swap_mode(config))]
 
 
 def pad_bucket(num_pairs: int, pad_sizes: tuple[int, ...]) -> int:
     """Smallest pad size >= num_pairs, else the largest (the seed's ``to_swap_pad``)."""
     index = bisect.bisect_left(pad_sizes, num_pairs)  # pad sizes ascend (validated)
     return pad_sizes[index] if index < len(pad_sizes) else pad_sizes[-1]
-
-
-def pair_up(state: State) -> tuple[list[int], list[int]]:
-    """Sources and destinations of this step's defrag (equal lengths; empty: no plan)."""
-    sources, destinations = policies.walk(state)
-    return sources.tolist(), destinations.tolist()

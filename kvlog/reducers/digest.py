@@ -34,7 +34,7 @@ from kvlog.events import CONFIG_DEFAULTS, CacheConfigured, SwapPlan, decode_plan
 from kvlog.reducers.blockset import BlockSet, pack_words
 from kvlog.reducers.consistency import check_consistent
 from kvlog.reducers.state import Job, State
-from kvlog.reducers.transfers import expand_sub_blocks
+from kvlog.reducers.transfers import seed_sub_blocks
 
 __all__ = [
     "FORMAT_VERSION",
@@ -72,8 +72,7 @@ def _config(config: CacheConfigured | None) -> dict[str, Any] | None:
 
 def _seed_subs(job: Job, factor: int) -> np.ndarray:
     """A job's CPU sub-blocks under the seed's rule (all that schema-1 logs knew)."""
-    skip = 0 if job.kind == "store" else (-job.gpu_block_ids.size) % factor
-    return expand_sub_blocks(job.cpu_block_ids, factor, skip)
+    return seed_sub_blocks(job.kind, job.gpu_block_ids.size, job.cpu_block_ids, factor)
 
 
 def _job(job: Job, factor: int) -> list[Any]:

@@ -30,6 +30,8 @@ from typing import Any, Literal
 import numba
 import numpy as np
 
+from kvlog.splitmix import GOLDEN, M1, M2
+
 __all__ = [
     "FWD_KEY",
     "GOLDEN",
@@ -46,11 +48,9 @@ __all__ = [
     "table_terms",
 ]
 
-GOLDEN = 0x9E3779B97F4A7C15
 FWD_KEY = 0x243F6A8885A308D3
-M1, M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
-"""splitmix64's constants and the mapping terms' key: the running digest's arithmetic
-(``running.py``), which the kernels below compute in wrapping uint64."""
+"""The mapping terms' key; with splitmix64's constants (:mod:`kvlog.splitmix`) the running
+digest's arithmetic (``running.py``), which the kernels below compute in wrapping uint64."""
 
 _ALL = np.uint64(0xFFFF_FFFF_FFFF_FFFF)
 _ONE = np.uint64(1)

@@ -36,7 +36,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from kvlog.events import CacheConfigured
+from kvlog.events import CacheConfigured, pair_bytes, swap_mode
 from kvlog.reducers import pairing
 from kvlog.reducers.pairing import Walk
 from kvlog.reducers.state import State
@@ -83,9 +83,9 @@ def first_destination(config: CacheConfigured, num_used: int) -> int:
 def pair_limit(config: CacheConfigured) -> int:
     """The most pairs one step's plan may hold: ``max_swaps``, and the byte budget."""
     limit = config.max_swaps
-    pair_bytes = config.page_size_bytes * (2 if config.prefix_caching else 1)
-    if config.max_bytes_per_step and pair_bytes:
-        limit = min(limit, config.max_bytes_per_step // pair_bytes)
+    per_pair = pair_bytes(config.page_size_bytes, swap_mode(config))
+    if config.max_bytes_per_step and per_pair:
+        limit = min(limit, config.max_bytes_per_step // per_pair)
     return limit
 
 

@@ -32,7 +32,8 @@ import numpy as np
 
 from kvlog.events import CacheConfigured
 from kvlog.reducers import kernels
-from kvlog.reducers.kernels import FWD_KEY, GOLDEN, M1, M2
+from kvlog.reducers.kernels import FWD_KEY, GOLDEN
+from kvlog.splitmix import mix64, mix64_array
 
 if TYPE_CHECKING:
     from kvlog.reducers.state import Job, State
@@ -58,19 +59,9 @@ _LOOP_LIMIT = 16
 """Up to this many table entries, ``table_terms`` hashes them in a Python loop."""
 
 
-def mix(x: int) -> int:
-    """splitmix64's finalizer on a Python int below 2**64."""
-    x = ((x ^ (x >> 30)) * M1) & MASK
-    x = ((x ^ (x >> 27)) * M2) & MASK
-    return x ^ (x >> 31)
-
-
-def _mix_array(x: np.ndarray) -> np.ndarray:
-    """``mix`` on a uint64 array (numpy's uint64 arithmetic wraps modulo 2**64)."""
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(M1)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(M2)
-    out: np.ndarray = x ^ (x >> np.uint64(31))
-    return out
+mix = mix64
+"""splitmix64's finalizer on a Python int below 2**64 (:mod:`kvlog.splitmix`)."""
+_mix_array = mix64_array
 
 
 def _sum(terms: np.ndarray) -> int:

@@ -70,6 +70,7 @@ __all__ = [
     "cpu_sub_blocks",
     "expand_sub_blocks",
     "flush",
+    "seed_sub_blocks",
 ]
 
 Transfer = StoreRequested | LoadRequested
@@ -92,20 +93,28 @@ def _mismatch(event: Transfer, factor: int, detail: str) -> TransferSizeMismatch
     return TransferSizeMismatch(f"{what}: {detail}", event)
 
 
+def seed_sub_blocks(kind: str, num_gpu: int, cpu: IdArray, factor: int) -> IdArray:
+    """The seed's rule (no groups): a store fills whole CPU blocks; a load of ``num_gpu``
+    GPU blocks skips the first ``(-num_gpu) % factor`` sub-blocks of its first CPU block.
+    (Unchecked: ``cpu_sub_blocks`` refuses counts that do not match.)"""
+    skip = 0 if kind == "store" else (-num_gpu) % factor
+    return expand_sub_blocks(cpu, factor, skip)
+
+
 def _seed_subs(event: Transfer, cpu: IdArray, factor: int) -> IdArray:
     num_gpu, num_cpu = len(event.gpu_block_ids), len(event.cpu_block_ids)
-    if isinstance(event, StoreRequested):
-        src_count, dst_count, skip = num_gpu, num_cpu * factor, 0
-    else:
-        src_count, dst_count, skip = num_cpu * factor, num_gpu, (-num_gpu) % factor
-    if dst_count != src_count - skip:
+    store = isinstance(event, StoreRequested)
+    subs = seed_sub_blocks("store" if store else "load", num_gpu, cpu, factor)
+    if subs.size != num_gpu:
+        src_count, dst_count = (num_gpu, num_cpu * factor) if store else (num_cpu * factor, num_gpu)
+        skip = num_cpu * factor - subs.size
         raise _mismatch(
             event,
             factor,
             f"{dst_count} destination sub-blocks, but {src_count} source sub-blocks minus "
             f"{skip} skipped = {src_count - skip}",
         )
-    return expand_sub_blocks(cpu, factor, skip)
+    return subs
 
 
 def _group_subs(event: Transfer, cpu: IdArray, factor: int) -> IdArray:

@@ -24,7 +24,14 @@ from kvlog.executors import Executor
 from kvlog.log import SyncMode
 from kvlog.synth.driver import SynthResult, SynthRun, step_boundaries
 from kvlog.synth.pool import BlockPool, CpuCache
-from kvlog.synth.serving import TraceConfig, TraceRun, VllmBlockPool, bytes_per_token
+from kvlog.synth.serving import (
+    TRACE_DEFAULTS,
+    TraceConfig,
+    TraceRun,
+    VllmBlockPool,
+    bytes_per_token,
+    trace_geometry,
+)
 from kvlog.synth.traces import TRACE_FORMATS, TraceRequest, read_trace
 from kvlog.synth.workload import Request, SynthConfig, Workload
 
@@ -35,6 +42,7 @@ __all__ = [
     "SynthConfig",
     "SynthResult",
     "SynthRun",
+    "TRACE_DEFAULTS",
     "TRACE_FORMATS",
     "TraceConfig",
     "TraceRequest",
@@ -44,7 +52,10 @@ __all__ = [
     "bytes_per_token",
     "read_trace",
     "run_synth",
+    "flat_meta",
+    "read_meta",
     "run_trace",
+    "trace_geometry",
 ]
 
 
@@ -64,11 +75,7 @@ def run_synth(
     A config that cannot run (``SynthConfig.check``) is refused before the log exists;
     ``meta`` adds entries to the log header's."""
     config.check()
-    meta = {
-        **(meta or {}),
-        "workload": "kvlog synth",
-        "synth": json.dumps(_jsonable(config), sort_keys=True),
-    }
+    meta = {**(meta or {}), "workload": "kvlog synth", **flat_meta("synth", _jsonable(config))}
     return _record(
         config.cache_config(),
         lambda engine, tracker: SynthRun(config, engine, tracker),
@@ -99,9 +106,13 @@ def run_trace(
     then the partial log is removed."""
     config.check(requests)
     described = dataclasses.asdict(config)
-    described["synth"] = _jsonable(config.synth)
+    del described["synth"]
     described.update(source=source, num_requests=len(requests), scheduler=scheduler)
-    meta = {"workload": "kvlog synth --trace", "trace": json.dumps(described, sort_keys=True)}
+    meta = {
+        "workload": "kvlog synth --trace",
+        **flat_meta("trace", described),
+        **flat_meta("synth", _jsonable(config.synth)),
+    }
     make_run: Callable[[Engine, CanaryTracker | None], _Runs]
     if scheduler == "vllm":
         if execute or config.synth.num_cpu_blocks:
@@ -147,7 +158,6 @@ def _record(
         region = step_boundaries() if deferrable else contextlib.nullcontext()
         with region:  # a SIGINT while the Engine is built, runs or closes: at a step's end
             result = _run_engine(cache_config, make_run, out, meta, options, executor, tracker)
-        result.num_events += 1  # the CacheConfigured the engine applied itself
     finally:
         if executor is not None:
             executor.shutdown()
@@ -172,6 +182,41 @@ def _run_engine(
         if out is not None:  # a stalled trace, refused: no partial log (ours)
             os.unlink(out)
         raise
+
+
+def flat_meta(prefix: str, values: dict[str, object]) -> dict[str, str]:
+    """Header ``meta`` entries ``prefix.name`` for each value: strings as they are, other
+    values as their JSON (``8``, ``true``, ``[8, 16]``); sorted by name."""
+    return {
+        f"{prefix}.{name}": value if isinstance(value, str) else json.dumps(value)
+        for name, value in sorted(values.items())
+    }
+
+
+def read_meta(meta: dict[str, str]) -> dict[str, object]:
+    """A log header's ``meta`` with the run's settings as objects: ``{"workload": ...,
+    "synth": {...}, "trace": {...}}``, from the ``prefix.name`` entries of
+    :func:`flat_meta` and from the whole-JSON ``"synth"``/``"trace"`` entries older logs
+    have (a trace's ``synth`` then sits inside its ``trace``)."""
+    out: dict[str, object] = {}
+    for key, value in meta.items():
+        prefix, dot, name = key.partition(".")
+        if dot and prefix in ("synth", "trace"):
+            group = out.setdefault(prefix, {})
+            assert isinstance(group, dict), "a settings group that is not a dict"
+            group[name] = _json_or_text(value)
+        elif key in ("synth", "trace"):
+            out[key] = _json_or_text(value)
+        else:
+            out[key] = value
+    return out
+
+
+def _json_or_text(value: str) -> object:
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
 
 
 def _jsonable(config: SynthConfig) -> dict[str, object]:

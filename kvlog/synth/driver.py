@@ -32,20 +32,18 @@ from kvlog.events import (
     BlocksAllocated,
     Event,
     LoadRequested,
-    Plan,
     RequestFinished,
     RequestPreempted,
     StepEnded,
     StoreRequested,
-    SwapPlan,
     TransferFinished,
 )
-from kvlog.machine import Observer
-from kvlog.reducers import State
+from kvlog.reducers.transfers import expand_sub_blocks
 from kvlog.synth.pool import BlockPool, CpuCache
 from kvlog.synth.workload import Request, SynthConfig, Workload
+from kvlog.tally import RunFigures, RunSummary
 
-__all__ = ["RunCounts", "SynthResult", "SynthRun", "defer_sigint", "step_boundaries"]
+__all__ = ["SynthResult", "SynthRun", "defer_sigint", "step_boundaries"]
 
 _MAX_WAITING = 1024
 
@@ -93,30 +91,32 @@ def step_boundaries() -> Iterator[Callable[[], None]]:
 
 
 @dataclass
-class SynthResult:
-    """Counters of one synthetic run."""
+class SynthResult(RunFigures):
+    """Counters of one synthetic run (what the Engine's machine did: ``RunFigures``)."""
 
     config: SynthConfig
     log_path: str | None = None
-    num_steps: int = 0
-    num_events: int = 0
+    summary: RunSummary = field(default_factory=RunSummary)
+    """What the Engine's machine did: an observer of it (``watch``)."""
     num_requests: int = 0
     num_finished: int = 0
     num_preemptions: int = 0
     num_prefix_hit_blocks: int = 0
     num_prefix_query_blocks: int = 0  # full prompt blocks looked up in the prefix cache
-    num_stores: int = 0
-    num_loads: int = 0
     num_loaded_blocks: int = 0
     num_failed_transfers: int = 0
-    num_swap_plans: int = 0
-    num_swapped_blocks: int = 0
-    peak_max_used: int = -1
     final_digest: str = ""
     canary_checks: list[CanaryReport] = field(default_factory=list)
     elapsed_s: float = 0.0
     num_clipped: int = 0  # trace requests cut to the longest request the pool takes
     simulated_s: float = 0.0  # trace runs: the serving time the steps stand for
+
+    def watch(self, engine: Engine) -> None:
+        """Sum up what ``engine``'s machine does from now on (and the ``CacheConfigured``
+        it applied when it was built, before anything watched it)."""
+        self.summary = RunSummary(engine.config)
+        self.summary.num_events = 1
+        engine.machine.observers.append(self.summary)
 
     @property
     def canary_ok(self) -> bool:
@@ -138,21 +138,6 @@ class _Job:
     success: bool
     cpu_blocks: list[int]
     gpu_blocks: list[int]
-
-
-class RunCounts(Observer):
-    """Counts a synthetic run's events and defrag plans into its result (an observer of
-    the engine's machine)."""
-
-    def __init__(self, result: SynthResult) -> None:
-        self.result = result
-
-    def after(self, state: State, event: Event, plans: list[Plan]) -> None:
-        self.result.num_events += 1
-        for plan in plans:
-            if type(plan) is SwapPlan:
-                self.result.num_swap_plans += 1
-                self.result.num_swapped_blocks += len(plan.pairs)
 
 
 class SynthRun:
@@ -178,10 +163,9 @@ class SynthRun:
         self.result = SynthResult(config, engine.log_path)
         cap = (config.num_gpu_blocks - 1 - config.watermark_blocks) * config.block_size // 2
         self.max_tokens = max(cap, config.block_size)
-        observers = engine.machine.observers
-        observers.append(RunCounts(self.result))
-        if tracker is not None:
-            observers.append(tracker)  # sees every event, the polled TransferFinished too
+        self.result.watch(engine)
+        if tracker is not None:  # sees every event, the polled TransferFinished too
+            engine.machine.observers.append(tracker)
 
     # -- emitting ------------------------------------------------------------------------
     def emit(self, event: Event) -> None:
@@ -215,8 +199,6 @@ class SynthRun:
         self._admit(step)
         self._advance()
         self.emit(StepEnded(step=step))
-        self.result.num_steps += 1
-        self.result.peak_max_used = max(self.result.peak_max_used, int(self.engine.state.max_used))
 
     def _clip(self, req: Request) -> None:
         """Keep every request small enough to fit the pool alone (else it could never run)."""
@@ -250,12 +232,10 @@ class SynthRun:
             self.emit(
                 StoreRequested(job_id=job_id, gpu_block_ids=gpu_blocks, cpu_block_ids=cpu_blocks)
             )
-            self.result.num_stores += 1
         else:
             self.emit(
                 LoadRequested(job_id=job_id, cpu_block_ids=cpu_blocks, gpu_block_ids=gpu_blocks)
             )
-            self.result.num_loads += 1
             self.result.num_loaded_blocks += len(gpu_blocks)
         return job_id
 
@@ -451,7 +431,8 @@ class SynthRun:
         for g in range(first, num_prefix // factor):
             keys.append(req.group_key(g, factor))
         hits = self.cpu.lookup(keys)
-        num_load = len(hits) * factor - (start - first * factor)
+        # the sub-blocks of the hits but the first group's ones the GPU hits already hold
+        num_load = expand_sub_blocks(np.asarray(hits, np.int64), factor, start % factor).size
         if num_load <= 0:
             return [], 0
         return hits, num_load

@@ -43,16 +43,18 @@ from kvlog.errors import ConfigError, TraceError
 from kvlog.events import BlocksAllocated, StepEnded
 from kvlog.synth.driver import SynthResult, SynthRun, _Job, step_boundaries
 from kvlog.synth.pool import BlockPool
-from kvlog.synth.traces import TraceRequest, block_keys
+from kvlog.synth.traces import HASH_BLOCK_TOKENS, TraceRequest, block_keys
 from kvlog.synth.workload import Request, SynthConfig
 
 __all__ = [
     "STALL_STEPS",
+    "TRACE_DEFAULTS",
     "TraceConfig",
     "TraceLive",
     "TraceRun",
     "VllmBlockPool",
     "bytes_per_token",
+    "trace_geometry",
 ]
 
 STALL_STEPS = 10_000
@@ -64,6 +66,25 @@ def bytes_per_token(
 ) -> int:
     """KV bytes of one token over all layers (defaults: Llama-3.1-8B in bf16, 128 KiB)."""
     return 2 * num_layers * num_kv_heads * head_size * dtype_bytes
+
+
+TRACE_DEFAULTS = {"num_gpu_blocks": 4096, "block_size": 128}
+"""Geometry of trace runs when not given (real prompts are long: 128-token blocks); the
+page is :func:`bytes_per_token` times the block size."""
+
+
+def trace_geometry(
+    num_gpu_blocks: int | None = None,
+    block_size: int | None = None,
+    page_size_bytes: int | None = None,
+) -> dict[str, int]:
+    """``num_gpu_blocks``, ``block_size`` and ``page_size_bytes`` of a trace run, each
+    :data:`TRACE_DEFAULTS`'s where not given (``None``; 0 is a value, refused later), for
+    ``SynthConfig(**trace_geometry(...))`` or ``config.replace(...)``."""
+    blocks = TRACE_DEFAULTS["num_gpu_blocks"] if num_gpu_blocks is None else num_gpu_blocks
+    size = TRACE_DEFAULTS["block_size"] if block_size is None else block_size
+    page = bytes_per_token() * size if page_size_bytes is None else page_size_bytes
+    return {"num_gpu_blocks": blocks, "block_size": size, "page_size_bytes": page}
 
 
 @dataclass(frozen=True)
@@ -90,8 +111,14 @@ class TraceConfig:
         """Refuse (:class:`~kvlog.errors.ConfigError`, naming the flag) a run that cannot
         progress or cannot end within ``max_steps``, before anything is logged: a clock that
         is not a finite positive number, no token budget, a model length no request fits in
-        or whose blocks the pool cannot hold, a trace whose last arrival is past the limit."""
+        or whose blocks the pool cannot hold, a trace whose last arrival is past the limit,
+        ``hash_ids`` with a block size that does not divide their 512 tokens."""
         self.synth.check()
+        c = self.synth
+        if requests and requests[0].hash_ids and HASH_BLOCK_TOKENS % c.block_size:
+            raise TraceError(
+                f"--block-size {c.block_size} must divide {HASH_BLOCK_TOKENS} for hash_ids"
+            )
         for flag, value in (("--time-scale", self.time_scale), ("--step-ms", self.step_ms)):
             if not isinstance(value, int | float) or not (math.isfinite(value) and value > 0):
                 raise ConfigError(flag, value, "a finite number > 0")
@@ -99,7 +126,6 @@ class TraceConfig:
             raise ConfigError(
                 "--max-num-batched-tokens", self.max_num_batched_tokens, "an int >= 1"
             )
-        c = self.synth
         usable = (c.num_gpu_blocks - 1) * c.block_size  # block 0 is the null block
         if (
             type(self.max_model_len) is not int
@@ -301,8 +327,6 @@ class TraceRun(SynthRun):
             self._admit_traced(step, budget)
         self._advance()
         self.emit(StepEnded(step=step))
-        self.result.num_steps += 1
-        self.result.peak_max_used = max(self.result.peak_max_used, int(self.engine.state.max_used))
 
     def _arrive(self, step: int) -> None:
         """Trace requests that arrived by ``step`` join the waiting queue."""

@@ -29,22 +29,13 @@ from kvlog.events import (
     RequestPreempted,
     StepEnded,
 )
-from kvlog.synth.driver import RunCounts, SynthResult
+from kvlog.splitmix import splitmix64
+from kvlog.synth.driver import SynthResult
 from kvlog.synth.serving import TraceConfig
 from kvlog.synth.traces import HASH_BLOCK_TOKENS, TraceRequest
+from kvlog.synth.vllm_stubs import VOCAB, build_scheduler, make_request
 
 __all__ = ["VllmTraceRun", "prompt_tokens"]
-
-_VOCAB = 32000
-_MASK64 = (1 << 64) - 1
-
-
-def _mix(x: int) -> int:
-    """splitmix64: a well-spread 64-bit function of ``x``."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
 
 
 def prompt_tokens(request: TraceRequest, serial: int, length: int) -> list[int]:
@@ -53,97 +44,28 @@ def prompt_tokens(request: TraceRequest, serial: int, length: int) -> list[int]:
     if request.hash_ids:
         out: list[int] = []
         for h in request.hash_ids:
-            out.extend(_mix((h << 10) | t) % _VOCAB for t in range(HASH_BLOCK_TOKENS))
+            out.extend(splitmix64((h << 10) | t) % VOCAB for t in range(HASH_BLOCK_TOKENS))
             if len(out) >= length:
                 break
         return out[:length]
-    return [_mix((serial << 32) | t) % _VOCAB for t in range(length)]
-
-
-class _StubModelConfig:
-    """What vLLM's scheduler and ``StructuredOutputManager`` read of a ``ModelConfig``."""
-
-    def __init__(self, max_model_len: int) -> None:
-        import torch
-
-        self.max_model_len = max_model_len
-        self.uses_mrope = False
-        self.is_encoder_decoder = False
-        self.runner_type = "generate"
-        self.is_diffusion = False
-        self.supports_multimodal_inputs = False
-        self.return_sampling_mask = False
-        self.skip_tokenizer_init = True
-        self.multimodal_config = None
-        self.use_mla = False
-        self.dtype = torch.bfloat16
-        self.model = "kvlog-trace-stub"
-
-    def get_vocab_size(self) -> int:
-        return _VOCAB
-
-    def get_total_num_kv_heads(self) -> int:
-        return 8
+    return [splitmix64((serial << 32) | t) % VOCAB for t in range(length)]
 
 
 def _build_scheduler(config: TraceConfig) -> Any:
     """vLLM's ``Scheduler`` for the trace's pool and limits (no connector, no model)."""
-    try:
-        import torch
-        from vllm.config import CacheConfig, DeviceConfig, SchedulerConfig, VllmConfig
-        from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-        from vllm.v1.structured_output import StructuredOutputManager
-    except ImportError as exc:
-        raise MissingExtra("vllm", "vllm", "--scheduler vllm") from exc
     c = config.synth
-    scheduler_config = SchedulerConfig(
-        max_model_len=config.model_len(),
-        is_encoder_decoder=False,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        max_num_seqs=c.max_num_seqs,
-        enable_chunked_prefill=True,
-    )
-    cache_config = CacheConfig(block_size=c.block_size, enable_prefix_caching=c.prefix_caching)
-    vllm_config = VllmConfig(
-        cache_config=cache_config,
-        scheduler_config=scheduler_config,
-        device_config=DeviceConfig(device="cpu"),
-    )
-    vllm_config.model_config = _StubModelConfig(config.model_len())
-    spec = FullAttentionSpec(
-        block_size=c.block_size, num_kv_heads=8, head_size=128, dtype=torch.bfloat16
-    )
-    kv_cache_config = KVCacheConfig(
-        num_blocks=c.num_gpu_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)],
-    )
-    cache_config.num_gpu_blocks = c.num_gpu_blocks
-    return Scheduler(
-        vllm_config=vllm_config,
-        kv_cache_config=kv_cache_config,
-        structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=c.block_size,
-        hash_block_size=c.block_size,
-        log_stats=False,
-    )
-
-
-def _make_request(req_id: str, tokens: list[int], max_tokens: int, block_size: int) -> Any:
-    from vllm import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.request import Request
-
-    init_none_hash(sha256)
-    return Request(
-        request_id=req_id,
-        prompt_token_ids=tokens,
-        sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-        pooling_params=None,
-        block_hasher=get_request_block_hasher(block_size, sha256),
-    )
+    try:
+        return build_scheduler(
+            num_gpu_blocks=c.num_gpu_blocks,
+            block_size=c.block_size,
+            max_model_len=config.model_len(),
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=c.max_num_seqs,
+            prefix_caching=c.prefix_caching,
+            model="kvlog-trace-stub",
+        )[2]
+    except MissingExtra as exc:
+        raise MissingExtra("vllm", "vllm", "--scheduler vllm") from exc
 
 
 class VllmTraceRun:
@@ -157,7 +79,7 @@ class VllmTraceRun:
         self.scheduler = _build_scheduler(config)
         self.pending: deque[tuple[int, TraceRequest]] = deque(enumerate(requests))
         self.result = SynthResult(config.synth, engine.log_path)
-        engine.machine.observers.append(RunCounts(self.result))
+        self.result.watch(engine)
 
     def run(self) -> SynthResult:
         started = time.perf_counter()
@@ -184,7 +106,7 @@ class VllmTraceRun:
                 prompt = longest - output
             tokens = prompt_tokens(trace, serial, prompt)
             bs = self.config.synth.block_size
-            self.scheduler.add_request(_make_request(f"req-{serial}", tokens, output, bs))
+            self.scheduler.add_request(make_request(f"req-{serial}", tokens, output, bs))
             self.result.num_requests += 1
 
     def step(self, step: int) -> None:
@@ -196,8 +118,6 @@ class VllmTraceRun:
             self.result.num_preemptions += 1
         self._allocations(so)
         self._emit(StepEnded(step=step))
-        self.result.num_steps += 1
-        self.result.peak_max_used = max(self.result.peak_max_used, int(self.engine.state.max_used))
         for outputs in self.scheduler.update_from_output(so, self._runner_output(so)).values():
             for out in outputs.outputs:
                 self.result.num_finished += out.finish_reason is not None
@@ -231,7 +151,7 @@ class VllmTraceRun:
         for r in req_ids:
             request = self.scheduler.requests[r]
             done = request.is_prefill_chunk
-            token = _mix((int(r.rpartition("-")[2]) << 24) ^ request.num_tokens) % _VOCAB
+            token = splitmix64((int(r.rpartition("-")[2]) << 24) ^ request.num_tokens) % VOCAB
             sampled.append([] if done else [token])
         return ModelRunnerOutput(
             req_ids=req_ids,
@@ -240,5 +160,5 @@ class VllmTraceRun:
         )
 
     def _emit(self, event: Any) -> None:
-        """One scheduler input to the engine (``RunCounts`` counts it)."""
+        """One scheduler input to the engine (the result's summary counts it)."""
         self.engine.apply(event)

@@ -16,6 +16,7 @@ import numpy as np
 
 from kvlog.errors import ConfigError
 from kvlog.events import CONFIG_DEFAULTS, CacheConfigured
+from kvlog.policy import TAIL_ONLY, check_byte_budget, check_tail_only
 
 __all__ = ["Request", "SynthConfig", "Workload"]
 
@@ -87,21 +88,9 @@ class SynthConfig:
                 raise ConfigError(_flag(name), number, f"a finite number in [{flow}, {fhigh}]")
             if not flow <= number <= fhigh:
                 raise ConfigError(_flag(name), number, f"a number in [{flow}, {fhigh}]")
-        if self.policy != "tail" and (
-            self.policy_ratio_pct != CONFIG_DEFAULTS["policy_ratio_pct"]
-            or self.policy_min_swaps != CONFIG_DEFAULTS["policy_min_swaps"]
-        ):
-            raise ConfigError(
-                "--ratio-limit/--min-swaps", self.policy, "--policy tail (only it reads them)"
-            )
-        cap = self.max_bytes_per_step
-        if self.defrag and 0 < cap < self.page_size_bytes:
-            raise ConfigError(
-                _flag("max_bytes_per_step"),
-                cap,
-                f"0 (no cap) or at least one page ({self.page_size_bytes} bytes): a smaller "
-                "cap moves nothing and turns defrag off",
-            )
+        tuned = {n: getattr(self, n) for n in TAIL_ONLY if getattr(self, n) != CONFIG_DEFAULTS[n]}
+        check_tail_only(tuned, self.policy, _flag, "--policy tail (only it reads them)")
+        check_byte_budget(self.cache_config(), _flag("max_bytes_per_step"))
 
 
 _BIG = 1 << 40

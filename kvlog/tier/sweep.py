@@ -153,7 +153,7 @@ def write_tier_plot(
     path: str, rows: Sequence[dict[str, object]], curves: Sequence[TierCurve]
 ) -> None:
     """Hit rate against host memory, one panel per log (see module docstring)."""
-    from kvlog.report import plt_module
+    from kvlog.present.pictures import plt_module
 
     plt = plt_module("kvlog sweep's sweep.png")
     fig, axes = plt.subplots(1, len(curves), figsize=(6 * len(curves), 4.5), squeeze=False)

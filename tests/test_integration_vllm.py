@@ -71,7 +71,7 @@ def test_connector_is_vllms_offloading_connector_and_overrides_keep_signatures()
         for n in vars(KvlogOffloadingConnector)
         if inspect.isfunction(getattr(KvlogOffloadingConnector, n)) and not n.startswith("_")
     ]
-    assert own == ["bind_connector_metadata"]
+    assert own == ["bind_connector_metadata", "shutdown"]  # shutdown closes the tier log
     for name in own:
         assert _params(KvlogOffloadingConnector, name) == _params(KVConnectorBase_V1, name)
     assert _params(KvlogOffloadingConnector, "__init__") == _params(OffloadingConnector, "__init__")

@@ -268,6 +268,99 @@ def add_sweep(sub: Any, formatter: type[argparse.HelpFormatter] = argparse.HelpF
     p.add_argument("--num-cpus", type=int, help="local Ray: worker CPUs (default: all)")
     p.add_argument("--serial", action="store_true", help="no Ray: run here, one by one")
     add_cost_flags(p)
+    add_tier_flags(p)
+
+
+def add_tier_flags(p: argparse.ArgumentParser) -> None:
+    """The CPU tier's what-ifs (issue 23): given ``--cpu-bytes``, the sweep is of the tier."""
+    p.add_argument(
+        "--cpu-bytes",
+        type=_list_of(size_arg, "sizes"),
+        help="CPU tier: host memory to try, e.g. 4GiB,16GiB,64GiB (LOG: a log or a trace)",
+    )
+    p.add_argument(
+        "--eviction",
+        type=_list_of(str, "names"),
+        default=["lru", "arc", "opt"],
+        help="CPU tier: eviction policies, from lru, arc, opt (the offline optimum)",
+    )
+    p.add_argument(
+        "--store-threshold", type=_list_of(int, "integers"), default=[0], help="CPU tier"
+    )
+    p.add_argument("--tokens-per-chunk", type=int, default=512, help="CPU tier: chunk size")
+    p.add_argument(
+        "--bytes-per-token", type=int, default=131072, help="CPU tier: KV bytes of one token"
+    )
+    p.add_argument(
+        "--gpu-tokens",
+        type=int,
+        default=0,
+        help="CPU tier on a trace: KV tokens the GPU holds (preemption model; 0: none)",
+    )
+    p.add_argument(
+        "--prefill-us-per-token",
+        type=float,
+        default=100.0,
+        help="CPU tier: prefill time one token costs, to price hits",
+    )
+
+
+def cmd_tier_sweep(args: argparse.Namespace) -> int:
+    """``kvlog sweep --cpu-bytes``: the CPU tier's what-ifs (``kvlog/tier/sweep.py``)."""
+    from kvlog.tier.sweep import run_tier_sweep, tier_grid, write_tier_csv, write_tier_plot
+    from kvlog.tier.whatif import EVICTIONS
+
+    for name in args.eviction:
+        if name not in EVICTIONS:
+            raise ConfigError("--eviction", args.eviction, f"names from {list(EVICTIONS)}")
+    if args.tokens_per_chunk < 1 or 512 % args.tokens_per_chunk:
+        raise ConfigError("--tokens-per-chunk", args.tokens_per_chunk, "a divisor of 512")
+    if args.prefill_us_per_token < 0 or args.bytes_per_token < 1:
+        raise ConfigError("--prefill-us-per-token", args.prefill_us_per_token, "a time >= 0")
+    cost = cost_model(args.hardware, args.hbm_tbps, args.link_gbps)
+    variants = tier_grid(
+        args.cpu_bytes,
+        args.eviction,
+        args.store_threshold,
+        args.tokens_per_chunk,
+        args.bytes_per_token,
+    )
+    started = time.perf_counter()
+    with progress_bar("tier what-ifs") as update:
+        rows, curves = run_tier_sweep(
+            args.logs,
+            variants,
+            args.prefill_us_per_token * 1e-6,
+            cost,
+            use_ray=not args.serial,
+            address=args.address,
+            num_cpus=args.num_cpus,
+            progress=update,
+            gpu_tokens=args.gpu_tokens,
+        )
+    columns = (
+        "log",
+        "eviction",
+        "cpu_bytes",
+        "store_threshold",
+        "hit_rate",
+        "bytes_loaded",
+        "bytes_stored",
+        "evictions",
+        "never_read",
+        "prefill_saved_s",
+        "load_s",
+    )
+    table = [columns] + [
+        (os.path.basename(str(r["log"])), *(str(r[c]) for c in columns[1:])) for r in rows
+    ]
+    print(render_table(table, header=True))
+    os.makedirs(args.out, exist_ok=True)
+    csv_path, png_path = os.path.join(args.out, "sweep.csv"), os.path.join(args.out, "sweep.png")
+    write_tier_csv(csv_path, rows)
+    write_tier_plot(png_path, rows, curves)
+    print(f"\nwrote {csv_path} and {png_path} ({time.perf_counter() - started:.1f} s)")
+    return 0
 
 
 def add_cost_flags(p: argparse.ArgumentParser) -> None:
@@ -286,6 +379,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from kvlog.sweep import policy_grid, run_sweep, write_sweep_csv
 
     check_sweep_flags(args)
+    if args.cpu_bytes:
+        return cmd_tier_sweep(args)
     cost = cost_model(args.hardware, args.hbm_tbps, args.link_gbps)
     specs = policy_grid(
         args.policy,

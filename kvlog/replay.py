@@ -185,6 +185,7 @@ class _Run:
             t.step_blocks_moved,
             t.step_store_bytes,
             t.step_load_bytes,
+            t.step_padded_pairs,
         )
 
     def finish(self, config: CacheConfigured) -> RunStats:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from kvlog.cost import CostModel
 from kvlog.errors import ConfigError
-from kvlog.events import CacheConfigured
+from kvlog.events import CacheConfigured, pair_bytes, swap_mode
 
 __all__ = [
     "PICTURE_FORMATS",
@@ -42,9 +42,19 @@ class Series:
     num_swapped: list[int] = field(default_factory=list)
     store_bytes: list[int] = field(default_factory=list)
     load_bytes: list[int] = field(default_factory=list)
+    num_padded: list[int] = field(default_factory=list)
+    """Pairs each step's swap plans copy with their pad buckets (``SwapPlan.padded_to``):
+    what the cost model charges, as the sweep's figures do."""
 
     def add(
-        self, step: int, num_used: int, max_used: int, swapped: int, store: int, load: int
+        self,
+        step: int,
+        num_used: int,
+        max_used: int,
+        swapped: int,
+        store: int,
+        load: int,
+        padded: int | None = None,
     ) -> None:
         self.step.append(step)
         self.num_used.append(num_used)
@@ -52,6 +62,7 @@ class Series:
         self.num_swapped.append(swapped)
         self.store_bytes.append(store)
         self.load_bytes.append(load)
+        self.num_padded.append(swapped if padded is None else padded)
 
     @property
     def fragmentation(self) -> list[float]:
@@ -66,13 +77,14 @@ class Series:
         return [a + b for a, b in zip(self.store_bytes, self.load_bytes, strict=True)]
 
     def swap_bytes(self, config: CacheConfigured) -> list[int]:
-        """Bytes defrag moved per step (a ``"swap"`` pair moves two pages)."""
-        per_pair = config.page_size_bytes * (2 if config.prefix_caching else 1)
+        """Bytes defrag moved per step (``events.pair_bytes`` per pair)."""
+        per_pair = pair_bytes(config.page_size_bytes, swap_mode(config))
         return [n * per_pair for n in self.num_swapped]
 
     def modeled_ms(self, config: CacheConfigured, cost: CostModel) -> list[float]:
-        """The cost model's step time in ms (defrag counted without pad buckets)."""
-        page, swap = config.page_size_bytes, config.prefix_caching
+        """The cost model's step time in ms, defrag charged for its padded pairs (as the
+        sweep and replay's summary charge it)."""
+        page, swap = config.page_size_bytes, swap_mode(config) == "swap"
         return [
             1e3
             * (
@@ -81,7 +93,7 @@ class Series:
                 + cost.transfer_s(store, load)
             )
             for top, n, store, load in zip(
-                self.max_used, self.num_swapped, self.store_bytes, self.load_bytes, strict=True
+                self.max_used, self.num_padded, self.store_bytes, self.load_bytes, strict=True
             )
         ]
 

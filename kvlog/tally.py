@@ -37,6 +37,7 @@ class PlanTally:
         "page_size_bytes",
         "step_blocks_moved",
         "step_load_bytes",
+        "step_padded_pairs",
         "step_store_bytes",
         "step_swap_bytes",
         "store_bytes",
@@ -49,7 +50,7 @@ class PlanTally:
         self.page_size_bytes = page_size_bytes
         self.swap_plans = self.blocks_moved = self.swap_bytes = 0
         self.stores = self.store_bytes = self.loads = self.load_bytes = 0
-        self.step_blocks_moved = self.step_swap_bytes = 0
+        self.step_blocks_moved = self.step_swap_bytes = self.step_padded_pairs = 0
         self.step_store_bytes = self.step_load_bytes = 0
 
     def add(self, plans: list[Plan]) -> None:
@@ -63,6 +64,7 @@ class PlanTally:
                 self.swap_bytes += num_bytes
                 self.step_blocks_moved += moved
                 self.step_swap_bytes += num_bytes
+                self.step_padded_pairs += plan.padded_to
             elif type(plan) is TransferPlan:
                 if plan.kind == "store":
                     self.stores += 1
@@ -80,7 +82,7 @@ class PlanTally:
 
     def end_step(self) -> None:
         """Start the next step's totals at zero."""
-        self.step_blocks_moved = self.step_swap_bytes = 0
+        self.step_blocks_moved = self.step_swap_bytes = self.step_padded_pairs = 0
         self.step_store_bytes = self.step_load_bytes = 0
 
 

@@ -967,3 +967,56 @@ def reducer_programs(
     rng = draw(st.randoms(use_true_random=False))
     num_events = draw(st.integers(1, max_events))
     return random_program(rng, config, num_events, transfers, **features)
+
+
+# -- the CPU tier (issue 23) ---------------------------------------------------------------
+TIER_CALL_KINDS = 10
+"""Kinds of a tier call in ``tier_calls`` (see ``tests/test_cpu_tier_vllm.py``'s driver)."""
+
+
+_TIER_CALL_MIX = (0, 1, 2, 3, 3, 3, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 7, 7, 8, 9)
+"""Each kind as often as it appears: the stores, loads and their completions that make
+evictions, reuse (ARC's T2) and ghost hits, more often than the rest."""
+
+
+@st.composite
+def tier_calls(
+    draw: st.DrawFn,
+    eviction: str = "lru",
+    store_threshold: int = 0,
+    min_calls: int = 1,
+    max_calls: int = 60,
+) -> tuple[dict[str, Any], list[tuple[int, int, int, int]]]:
+    """A CPU tier's configuration and abstract calls ``(kind, a, b, c)``: a driver turns
+    each into a call the manager can take (which request, which keys, which pending job)."""
+    config = {
+        "num_chunks": draw(st.integers(1, 8)),
+        "cache_policy": eviction,
+        "store_threshold": store_threshold,
+        "max_tracker_size": draw(st.integers(2, 12)),
+    }
+    call = st.tuples(
+        st.sampled_from(_TIER_CALL_MIX),
+        st.integers(0, 63),
+        st.integers(0, 63),
+        st.integers(0, 63),
+    )
+    return config, draw(st.lists(call, min_size=min_calls, max_size=max_calls))
+
+
+@st.composite
+def tier_traces(draw: st.DrawFn, max_requests: int = 30, max_keys: int = 24) -> list[list[int]]:
+    """Requests as key sequences over a small key space, with shared prefixes (a request
+    often starts with an earlier request's keys, as prompts share system prompts)."""
+    num_keys = draw(st.integers(1, max_keys))
+    requests: list[list[int]] = []
+    for _ in range(draw(st.integers(1, max_requests))):
+        prefix: list[int] = []
+        if requests and draw(st.booleans()):
+            earlier = requests[draw(st.integers(0, len(requests) - 1))]
+            prefix = earlier[: draw(st.integers(0, len(earlier)))]
+        tail = draw(st.lists(st.integers(0, num_keys - 1), max_size=8))
+        keys = list(dict.fromkeys(prefix + tail))
+        if keys:
+            requests.append(keys)
+    return requests or [[0]]

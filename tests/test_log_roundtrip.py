@@ -30,6 +30,16 @@ from kvlog.events import (
     StepScheduled,
     StoreRequested,
     SwapPlan,
+    TierConfigured,
+    TierLoadCompleted,
+    TierLoadPrepared,
+    TierLookedUp,
+    TierRequestFinished,
+    TierRequestStarted,
+    TierReset,
+    TierStoreCompleted,
+    TierStorePrepared,
+    TierTouched,
     TransferFinished,
     TransferSubmitted,
 )
@@ -255,6 +265,21 @@ def test_buffer_is_bounded(tmp_path: Path, monkeypatch: Any) -> None:
     assert [record for _, record in read_log(writer.path)] == records
 
 
+KEY, OTHER = b"\x00" * 8 + b"\x00\x00\x00\x01", b"\xff" * 12
+TIER_RECORDS: list[Record] = [  # the CPU tier's events (issue 23), keys as raw bytes
+    TierConfigured(num_chunks=4, eviction="arc", store_threshold=2, max_tracker_size=9),
+    TierRequestStarted("r", 0, [KEY], [512]),
+    TierLookedUp("r", 0, KEY, "hit_pending"),
+    TierTouched("r", 0, [KEY, OTHER]),
+    TierLoadPrepared("r", 0, [KEY], [3]),
+    TierLoadCompleted("r", 0, [KEY]),
+    TierStorePrepared("r", 0, [OTHER], True, [OTHER], [2], [KEY], [OTHER], [1024]),
+    TierStoreCompleted("r", 0, [OTHER], success=False),
+    TierRequestFinished("r", 0),
+    TierReset(),
+]
+
+
 def test_every_record_type_round_trips(tmp_path: Path) -> None:
     path = tmp_path / "types.kvlog"
     config = CacheConfigured(
@@ -274,6 +299,7 @@ def test_every_record_type_round_trips(tmp_path: Path) -> None:
         Checkpoint(seq=7, digest="f" * 64, step=0, snapshot=bytes(range(256))),
         StepEnded(2**63 - 1),
         StepScheduled(3, {"b": [3, 4], "c": []}, ["a"], preempted=["d"], resumed=["b"]),
+        *TIER_RECORDS,
     ]
     assert {type(record) for record in records} == set(typing.get_args(Record))
     with LogWriter(path) as writer:

@@ -204,3 +204,21 @@ def test_a_remote_cluster_gets_the_log_as_bytes(logs: list[str]) -> None:
     assert [_replay_segment(blob, s) for s in segments] == [
         _replay_segment(logs[1], s) for s in segments
     ]
+
+
+def test_the_report_series_charges_defrag_as_the_sweep_does(logs: list[str]) -> None:
+    """The demo picture's modeled ms/step (``Series.modeled_ms``) and the sweep's are one
+    figure: both charge a swap plan its padded pairs (``SwapPlan.padded_to``)."""
+    cost = CostModel()
+    padded = 0
+    for path in logs:
+        result = replay(path)
+        series = result.recorded.series
+        assert series is not None
+        config = result.recorded.config
+        row = whatif(path, PolicySpec("recorded"), cost)
+        modeled = series.modeled_ms(config, cost)
+        assert sum(modeled) / len(modeled) == pytest.approx(row.modeled_ms_per_step)
+        assert sum(series.num_padded) >= sum(series.num_swapped)
+        padded += sum(series.num_padded) - sum(series.num_swapped)
+    assert padded > 0, "the logs have pad buckets: the two charges differ without them"

@@ -35,6 +35,10 @@ def test_kvlog_in_real_vllm(cfg: harness.RunConfig, tmp_path: Path) -> None:
     assert res.stores_done > 0 and res.loads_done > 0
     assert (res.loads_sync > 0) == cfg.sync_loads
     assert res.replay_ok is True
+    if cfg.connector == "kvlog":  # issue 23: the scheduler's CPU tier log replays exactly
+        assert res.tier is not None and res.tier.exact, res.tier
+        assert res.tier.lookups > 0 and res.tier.stores_prepared > 0
+        _tier_whatifs(cfg, tmp_path)
     if cfg.defrag:
         fired = f"defrag planned swaps on {res.swap_steps}/{res.steps} steps"
         if cfg.name in harness.DEFRAG_MOST_STEPS:
@@ -50,6 +54,32 @@ def test_kvlog_in_real_vllm(cfg: harness.RunConfig, tmp_path: Path) -> None:
         assert res.table_checks > 0
 
 
+TIER_LINES: list[str] = []
+
+
+def _tier_whatifs(cfg: harness.RunConfig, tmp_path: Path) -> None:
+    """What-ifs run on the recorded tier log: LRU, ARC and the optimum at the run's size."""
+    from kvlog.integrations.vllm import scheduler_log_path
+    from kvlog.tier.replay import replay_tier
+    from kvlog.tier.trace import accesses_from_log
+    from kvlog.tier.whatif import TierVariant, run_variant
+
+    log = scheduler_log_path(str(tmp_path / f"{cfg.name}.kvlog"))
+    accesses = accesses_from_log(log)
+    rates = {}
+    for eviction in ("lru", "arc", "opt"):
+        variant = TierVariant(eviction, cfg.cpu_chunks, keys_per_step=4)
+        result = run_variant(accesses, variant)
+        assert result.tally.blocks_asked > 0
+        rates[eviction] = result.hit_rate
+    tier = replay_tier(log)
+    TIER_LINES.append(
+        f"{cfg.name}: tier log {tier.calls} calls, {tier.compared} answers equal "
+        f"({tier.lookups} lookups); what-if hit rates at {cfg.cpu_chunks} chunks: "
+        + ", ".join(f"{k} {v:.3f}" for k, v in rates.items())
+    )
+
+
 def test_matrix_table(capsys: pytest.CaptureFixture[str]) -> None:
     """Print the figures of every configuration above (also on failures)."""
     if not RESULTS:
@@ -57,6 +87,7 @@ def test_matrix_table(capsys: pytest.CaptureFixture[str]) -> None:
     with capsys.disabled():
         print()
         print(harness.format_table(RESULTS))
+        print("\n".join(TIER_LINES))
 
 
 def test_harness_is_clean_with_vllm_semantics_and_no_defrag(

@@ -7,6 +7,7 @@ the end with a default; no field is reordered or retyped.
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, Literal
@@ -37,6 +38,20 @@ __all__ = [
     "TransferPlan",
     "TransferSubmitted",
     "BlocksReleased",
+    "TIER_EVENTS",
+    "TIER_EVICTIONS",
+    "TIER_LOOKUP_RESULTS",
+    "TierEvent",
+    "TierConfigured",
+    "TierRequestStarted",
+    "TierLookedUp",
+    "TierTouched",
+    "TierLoadPrepared",
+    "TierLoadCompleted",
+    "TierStorePrepared",
+    "TierStoreCompleted",
+    "TierRequestFinished",
+    "TierReset",
     "pair_bytes",
     "swap_mode",
 ]
@@ -256,6 +271,134 @@ class FencePlan(_Tagged, frozen=True):
     job_ids: list[int]
 
 
+# -- the CPU tier: what the scheduler side asks of vLLM's CPUOffloadingManager -------------
+# Keys are vLLM's ``OffloadKey`` bytes (block hash + 4-byte KV-cache group). ``context`` numbers
+# the ``ReqContext`` object the call came with (a request may get a fresh one); ``positions``
+# are the entries of that context's key positions (``set_offload_key_position``) set or
+# changed since the context's previous event, as parallel lists. See reducers/cpu_tier.py.
+
+TIER_LOOKUP_RESULTS: tuple[str, ...] = ("miss", "hit", "hit_pending", "retry")
+TIER_EVICTIONS: tuple[str, ...] = ("lru", "arc")
+
+
+class TierConfigured(_Tagged, frozen=True):
+    """The CPU tier's configuration: ``num_chunks`` slots of ``blocks_per_chunk`` GPU
+    blocks (``chunk_bytes`` each), ``eviction`` (``"lru"``/``"arc"``), ``store_threshold``
+    (below 2: no admission filter) over a tracker of at most ``max_tracker_size`` keys."""
+
+    num_chunks: int
+    eviction: str = "lru"
+    store_threshold: int = 0
+    max_tracker_size: int = 64_000
+    blocks_per_chunk: int = 1
+    tokens_per_chunk: int = 0
+    chunk_bytes: int = 0
+
+
+class TierRequestStarted(_Tagged, frozen=True):
+    """``on_new_request``."""
+
+    req_id: str
+    context: int
+    position_keys: list[bytes] = []
+    positions: list[int] = []
+
+
+class TierLookedUp(_Tagged, frozen=True):
+    """``lookup(key)`` and the manager's answer (``TIER_LOOKUP_RESULTS``)."""
+
+    req_id: str
+    context: int
+    key: bytes
+    result: str
+    position_keys: list[bytes] = []
+    positions: list[int] = []
+
+
+class TierTouched(_Tagged, frozen=True):
+    """``touch(keys)``."""
+
+    req_id: str
+    context: int
+    keys: list[bytes]
+    position_keys: list[bytes] = []
+    positions: list[int] = []
+
+
+class TierLoadPrepared(_Tagged, frozen=True):
+    """``prepare_load(keys)`` and the chunk (slot) of each key it answered."""
+
+    req_id: str
+    context: int
+    keys: list[bytes]
+    chunk_ids: list[int]
+    position_keys: list[bytes] = []
+    positions: list[int] = []
+
+
+class TierLoadCompleted(_Tagged, frozen=True):
+    """``complete_load(keys)``."""
+
+    req_id: str
+    context: int
+    keys: list[bytes]
+
+
+class TierStorePrepared(_Tagged, frozen=True):
+    """``prepare_store(keys)`` and its answer: ``accepted`` False where it returned None;
+    else the keys it chose to store, their chunks, and the keys it evicted for them."""
+
+    req_id: str
+    context: int
+    keys: list[bytes]
+    accepted: bool
+    keys_to_store: list[bytes]
+    chunk_ids: list[int]
+    evicted_keys: list[bytes]
+    position_keys: list[bytes] = []
+    positions: list[int] = []
+
+
+class TierStoreCompleted(_Tagged, frozen=True):
+    """``complete_store(keys, success)``."""
+
+    req_id: str
+    context: int
+    keys: list[bytes]
+    success: bool = True
+
+
+class TierRequestFinished(_Tagged, frozen=True):
+    """``on_request_finished``."""
+
+    req_id: str
+    context: int
+    position_keys: list[bytes] = []
+    positions: list[int] = []
+
+
+class TierReset(_Tagged, frozen=True):
+    """``reset_cache``: every chunk dropped, a new cache generation."""
+
+    generation: int = 0
+
+
+TierEvent = (
+    TierConfigured
+    | TierRequestStarted
+    | TierLookedUp
+    | TierTouched
+    | TierLoadPrepared
+    | TierLoadCompleted
+    | TierStorePrepared
+    | TierStoreCompleted
+    | TierRequestFinished
+    | TierReset
+)
+TIER_EVENTS: frozenset[type] = frozenset(typing.get_args(TierEvent))
+"""The CPU tier's events: the GPU books ignore them (``reducers/cpu_tier.py`` folds them)."""
+
+
 Event = (
     CacheConfigured
     | BlocksAllocated
@@ -268,6 +411,16 @@ Event = (
     | TransferSubmitted
     | BlocksReleased
     | StepScheduled
+    | TierConfigured
+    | TierRequestStarted
+    | TierLookedUp
+    | TierTouched
+    | TierLoadPrepared
+    | TierLoadCompleted
+    | TierStorePrepared
+    | TierStoreCompleted
+    | TierRequestFinished
+    | TierReset
 )
 Record = Event | Checkpoint
 STEP_EVENTS: frozenset[type] = frozenset({StepEnded, StepScheduled})

@@ -18,6 +18,7 @@ import msgspec
 import numpy as np
 
 from kvlog.errors import BlockOutOfRange, DuplicateBlock, InvalidEvent
+from kvlog.events.tier_checks import TIER_VALIDATORS
 from kvlog.events.types import (
     DEFRAG_POLICIES,
     BlocksAllocated,
@@ -242,6 +243,7 @@ VALIDATORS: dict[type, Callable[[Any], None]] = {  # each event type's stateless
     TransferFinished: _validate_finished,
     StepScheduled: _validate_step_scheduled,
 }
+VALIDATORS.update(TIER_VALIDATORS)  # the CPU tier's events (events/tier_checks.py)
 assert set(VALIDATORS) == _EVENT_TYPES, "every event type has exactly one validator"
 
 

@@ -25,14 +25,22 @@ load). The worker side is vLLM's ``OffloadingConnectorWorker`` over a kvlog
 - ``submit_store`` / ``submit_load`` (``expedited`` too) run declared jobs; ``get_finished``
   reports ``job_id, success, transfer_size, transfer_time`` as vLLM's ``TransferResult``.
 
+On the scheduler side, with ``KVLOG_PATH`` set, every call the scheduler makes of vLLM's
+CPU offloading manager is recorded (``kvlog.tier.record``) into the scheduler process's own
+log, ``scheduler_log_path(KVLOG_PATH)``: the CPU tier's inputs and answers, which
+``kvlog.tier.replay.replay_tier`` replays exactly and ``kvlog sweep --cpu-bytes`` asks.
+
 This module is the only one in kvlog that imports vLLM.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Mapping
 from typing import Any
 
+import msgspec
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
@@ -46,12 +54,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 )
 
 from kvlog.engine import Engine
+from kvlog.events import CacheConfigured
 from kvlog.integrations.config import config_from_env
 from kvlog.integrations.offload import OffloadingWorker
 from kvlog.integrations.session import JobKind, KvCacheSession, shared_session
 from kvlog.log import LogStatus
+from kvlog.tier.record import TierRecorder, tier_config_of
 
-__all__ = ["KvlogConnectorWorker", "KvlogOffloadingConnector"]
+__all__ = [
+    "KvlogConnectorWorker",
+    "KvlogOffloadingConnector",
+    "record_tier",
+    "scheduler_log_path",
+]
 
 
 def _layers(kv_caches: Mapping[str, Any]) -> list[Any]:
@@ -130,11 +145,48 @@ class KvlogConnectorWorker(OffloadingConnectorWorker):  # type: ignore[misc]
             super().handle_preemptions(metadata)
 
 
+def scheduler_log_path(log_path: str) -> str:
+    """Where the scheduler process logs the CPU tier, next to the workers' log: a
+    ``scheduler`` log inside a log directory, else ``NAME.scheduler.EXT`` beside ``NAME.EXT``."""
+    if log_path.endswith(os.sep) or os.path.isdir(log_path):
+        return os.path.join(log_path, "scheduler.kvlog")
+    root, ext = os.path.splitext(log_path)
+    return f"{root}.scheduler{ext or '.kvlog'}"
+
+
+def record_tier(scheduler: Any, vllm_config: Any, kv_cache_config: Any) -> Engine | None:
+    """With ``KVLOG_PATH`` set, wrap the scheduler side's CPU offloading manager in a
+    ``TierRecorder`` that logs every call into the scheduler process's own log (an Engine
+    with no GPU books to keep: defrag off); None without ``KVLOG_PATH`` or a CPU manager."""
+    config = config_from_env()
+    manager = getattr(scheduler, "manager", None)
+    if config.log_path is None or manager is None or not hasattr(manager, "_policy"):
+        return None
+    spec = getattr(scheduler, "config", None)
+    blocks_per_chunk = int(getattr(spec, "blocks_per_chunk", 1) or 1)
+    block_size = int(vllm_config.cache_config.block_size)
+    cache = CacheConfigured(
+        num_gpu_blocks=max(1, int(kv_cache_config.num_blocks)), block_size=block_size, defrag=False
+    )
+    try:
+        engine = Engine(cache, log_path=scheduler_log_path(config.log_path), sync="none")
+    except Exception as exc:  # the recorder never takes serving down
+        logging.getLogger("kvlog").error("kvlog: no CPU tier log: %r", exc)
+        return None
+    tier = tier_config_of(manager, blocks_per_chunk)
+    tier = msgspec.structs.replace(tier, tokens_per_chunk=blocks_per_chunk * block_size)
+    scheduler.manager = TierRecorder(manager, engine.apply, tier)
+    return engine
+
+
 class KvlogOffloadingConnector(OffloadingConnector):  # type: ignore[misc]
     """vLLM's ``OffloadingConnector``; on the worker, kvlog keeps the books and moves bytes."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        self.tier_engine: Engine | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.tier_engine = record_tier(self.connector_scheduler, vllm_config, kv_cache_config)
         if role == KVConnectorRole.WORKER:
             worker: Any = getattr(self, "connector_worker", None)
             assert worker is not None, "the WORKER role builds a connector worker"
@@ -148,6 +200,12 @@ class KvlogOffloadingConnector(OffloadingConnector):  # type: ignore[misc]
         if isinstance(worker, KvlogConnectorWorker):
             assert isinstance(connector_metadata, OffloadingConnectorMetadata)
             worker.bind(connector_metadata)
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        if self.tier_engine is not None:  # the scheduler's log of the CPU tier
+            engine, self.tier_engine = self.tier_engine, None
+            engine.close()
 
     @property
     def engine(self) -> Engine:

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 from kvlog.errors import NotConfigured
 from kvlog.events import (
+    TIER_EVENTS,
     BlocksAllocated,
     BlocksReleased,
     CacheConfigured,
@@ -47,6 +48,11 @@ def _unchecked(state: State, event: Event) -> None:
     return None
 
 
+def _tier_only(state: State, event: Event) -> list[Plan]:
+    """The CPU tier's events change nothing in the GPU books (``reducers/cpu_tier.py``)."""
+    return []
+
+
 def _no_check(apply: Callable[[State, Any], list[Plan]]) -> _Apply:
     return lambda state, event, checked: apply(state, event)
 
@@ -63,6 +69,7 @@ _PAIRS: dict[type, tuple[_Check, _Apply]] = {
     TransferSubmitted: (transfers.check_submitted, transfers.apply_submitted),
     BlocksReleased: (defrag.check_release_blocks, defrag.apply_release_blocks),
     StepScheduled: (step.check_step, step.apply_step),
+    **{tier_event: (_unchecked, _no_check(_tier_only)) for tier_event in TIER_EVENTS},
 }
 """Per event type: its check against the state and its apply."""
 _STEPS: dict[type, tuple[Callable[[Any], None], _Check, _Apply]] = {

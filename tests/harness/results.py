@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from harness.configs import CI_MATRIX, MAX_DETAILS, RunConfig
 
@@ -50,6 +51,7 @@ class RunResult:
     replay_ok: bool | None = None
     live_digest: str = ""
     replay_digest: str = ""
+    tier: Any = None  # the scheduler's CPU tier log refolded (kvlog.tier.replay.TierReplay)
     errors: list[str] = field(default_factory=list)
     details: dict[str, list[str]] = field(default_factory=dict)
 

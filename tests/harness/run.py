@@ -70,7 +70,11 @@ class Run(Checks):
 
         cfg = self.cfg
         self.connector: Any = None
-        with _env("VLLM_USE_V2_MODEL_RUNNER", "1" if cfg.v2_runner else "0"):
+        log_env = self.log_path if cfg.connector == "kvlog" else ""  # the scheduler's tier log
+        with (
+            _env("VLLM_USE_V2_MODEL_RUNNER", "1" if cfg.v2_runner else "0"),
+            _env("KVLOG_PATH", log_env),
+        ):
             self.vllm_config, self.kv_cache_config, self.scheduler = build_vllm(cfg)
             if cfg.connector != "none":
                 self.connector = KVConnectorFactory.create_connector(
@@ -376,6 +380,7 @@ class Run(Checks):
             r.note("harness", f"job {job_id} never reported complete")
         if self.connector is not None:
             self._kvlog("connector.shutdown", self.connector.shutdown, timed=False)
+        self._replay_tier()
         engine = self._engine()
         if engine is None:
             return
@@ -392,6 +397,24 @@ class Run(Checks):
                 f"divergence {result.divergence}; replay digest "
                 f"{result.final_digest} live {r.live_digest}",
             )
+
+
+def _replay_tier(self: Run) -> None:
+    """The scheduler side's CPU tier log (kvlog connector runs): closed, then refolded by
+    the tier reducer with every recorded answer compared (``RunResult.tier``)."""
+    connector = getattr(self.scheduler, "connector", None)
+    if connector is None or getattr(connector, "tier_engine", None) is None:
+        return
+    from kvlog.integrations.vllm import scheduler_log_path
+    from kvlog.tier.replay import replay_tier
+
+    self._kvlog("scheduler connector.shutdown", connector.shutdown, timed=False)
+    self.result.tier = replay_tier(scheduler_log_path(self.log_path))
+    if not self.result.tier.exact:
+        self.result.note("tier", f"the CPU tier does not replay: {self.result.tier}")
+
+
+Run._replay_tier = _replay_tier  # type: ignore[attr-defined]
 
 
 def run_config(cfg: RunConfig, workdir: str | None = None) -> RunResult:

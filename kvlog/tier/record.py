@@ -1,0 +1,172 @@
+"""``TierRecorder``: vLLM's offloading manager with every call recorded as a tier event.
+
+The connector's scheduler role wraps its ``CPUOffloadingManager`` in one (config only: no
+edit to vLLM). Each call is forwarded unchanged and its arguments and answer are handed to
+``sink`` as a tier event (``events.TIER_EVENTS``); a sink that fails detaches the recorder
+(the manager keeps serving, the ``kvlog`` logger says so). No vLLM import: the manager and
+the request contexts are used through the attributes vLLM 0.33 gives them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable, Collection
+from typing import Any
+
+from kvlog.events import (
+    Event,
+    TierConfigured,
+    TierLoadCompleted,
+    TierLoadPrepared,
+    TierLookedUp,
+    TierRequestFinished,
+    TierRequestStarted,
+    TierReset,
+    TierStoreCompleted,
+    TierStorePrepared,
+    TierTouched,
+)
+
+__all__ = ["TierRecorder", "tier_config_of"]
+
+_log = logging.getLogger("kvlog")
+
+
+class _ContextMark:
+    """Kept in a ``ReqContext`` (by type, beside the manager's own state): the context's
+    number in the log and how many of its key positions were recorded already."""
+
+    __slots__ = ("number", "recorded")
+
+    def __init__(self, number: int) -> None:
+        self.number = number
+        self.recorded = 0
+
+
+def tier_config_of(manager: Any, blocks_per_chunk: int = 1, chunk_bytes: int = 0) -> TierConfigured:
+    """The ``TierConfigured`` of a vLLM ``CPUOffloadingManager``."""
+    policy = type(manager._policy).__name__
+    return TierConfigured(
+        num_chunks=int(manager._num_chunks),
+        eviction="arc" if policy.startswith("ARC") else "lru",
+        store_threshold=int(manager.store_threshold),
+        max_tracker_size=int(manager.max_tracker_size),
+        blocks_per_chunk=blocks_per_chunk,
+        chunk_bytes=chunk_bytes,
+    )
+
+
+class TierRecorder:
+    """Forwards every manager call and records it (see module docstring)."""
+
+    def __init__(
+        self, manager: Any, sink: Callable[[Event], object], config: TierConfigured
+    ) -> None:
+        self.manager = manager
+        self.sink: Callable[[Event], object] | None = sink
+        self._numbers = itertools.count()
+        self._emit(config)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.manager, name)
+
+    def _emit(self, event: Event) -> None:
+        sink = self.sink
+        if sink is None:
+            return
+        try:
+            sink(event)
+        except Exception as exc:  # the recorder never takes serving down
+            self.sink = None
+            _log.error("kvlog: the CPU tier recorder detached: %r", exc)
+
+    def _mark(
+        self, req_context: Any, positions_too: bool = True
+    ) -> tuple[str, int, list[bytes], list[int]]:
+        """The context's request id, number and (``positions_too``) the key positions set
+        since its last event that carried positions."""
+        mark = req_context.get_state(_ContextMark)
+        if mark is None:
+            mark = _ContextMark(next(self._numbers))
+            req_context.set_state(mark)
+        if not positions_too:
+            return str(req_context.req_id), mark.number, [], []
+        positions: dict[bytes, int] = getattr(req_context, "_offload_key_positions", {})
+        new = list(itertools.islice(positions.items(), mark.recorded, None))
+        mark.recorded = len(positions)
+        return str(req_context.req_id), mark.number, [k for k, _ in new], [p for _, p in new]
+
+    def on_new_request(self, req_context: Any) -> Any:
+        out = self.manager.on_new_request(req_context)
+        req_id, number, keys, positions = self._mark(req_context)
+        self._emit(TierRequestStarted(req_id, number, keys, positions))
+        return out
+
+    def lookup(self, key: bytes, req_context: Any) -> Any:
+        out = self.manager.lookup(key, req_context)
+        req_id, number, keys, positions = self._mark(req_context)
+        self._emit(TierLookedUp(req_id, number, bytes(key), out.name.lower(), keys, positions))
+        return out
+
+    def touch(self, keys: Collection[bytes], req_context: Any) -> None:
+        keys = list(keys)
+        self.manager.touch(keys, req_context)
+        req_id, number, pkeys, positions = self._mark(req_context)
+        self._emit(TierTouched(req_id, number, [bytes(k) for k in keys], pkeys, positions))
+
+    def prepare_load(self, keys: Collection[bytes], req_context: Any) -> Any:
+        keys = list(keys)
+        req_id, number, pkeys, positions = self._mark(req_context)
+        out = self.manager.prepare_load(keys, req_context)
+        chunk_ids = [int(c) for c in out.block_ids]
+        event = TierLoadPrepared(
+            req_id, number, [bytes(k) for k in keys], chunk_ids, pkeys, positions
+        )
+        self._emit(event)
+        return out
+
+    def complete_load(self, keys: Collection[bytes], req_context: Any) -> None:
+        keys = list(keys)
+        self.manager.complete_load(keys, req_context)
+        req_id, number, _, _ = self._mark(req_context, positions_too=False)
+        self._emit(TierLoadCompleted(req_id, number, [bytes(k) for k in keys]))
+
+    def prepare_store(self, keys: Collection[bytes], req_context: Any) -> Any:
+        keys = list(keys)
+        req_id, number, pkeys, positions = self._mark(req_context)
+        out = self.manager.prepare_store(keys, req_context)
+        stored = [] if out is None else [bytes(k) for k in out.keys_to_store]
+        chunk_ids = [] if out is None else [int(c) for c in out.store_spec.block_ids]
+        evicted = [] if out is None else [bytes(k) for k in out.evicted_keys]
+        self._emit(
+            TierStorePrepared(
+                req_id,
+                number,
+                [bytes(k) for k in keys],
+                out is not None,
+                stored,
+                chunk_ids,
+                evicted,
+                pkeys,
+                positions,
+            )
+        )
+        return out
+
+    def complete_store(
+        self, keys: Collection[bytes], req_context: Any, success: bool = True
+    ) -> None:
+        keys = list(keys)
+        self.manager.complete_store(keys, req_context, success)
+        req_id, number, _, _ = self._mark(req_context, positions_too=False)
+        self._emit(TierStoreCompleted(req_id, number, [bytes(k) for k in keys], bool(success)))
+
+    def on_request_finished(self, req_context: Any) -> None:
+        req_id, number, pkeys, positions = self._mark(req_context)
+        self.manager.on_request_finished(req_context)
+        self._emit(TierRequestFinished(req_id, number, pkeys, positions))
+
+    def reset_cache(self) -> None:
+        self.manager.reset_cache()
+        self._emit(TierReset())

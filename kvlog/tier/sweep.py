@@ -1,0 +1,187 @@
+"""``kvlog sweep LOG... --cpu-bytes 4GiB,16GiB --eviction lru,arc,opt``: the CPU tier's
+what-ifs over logs (or public traces), on Ray as the defrag policy sweep.
+
+One task per (log, variant): the log's accesses (``trace.py``) run under the variant
+(``whatif.py``). Per log, one more task draws its curves: LRU's hit rate at every capacity
+from one stack-distance pass and the optimum's at a grid of capacities
+(``optimum.py``). ``sweep.csv`` has one row per (log, variant); ``sweep.png`` one panel per
+log: hit rate against host memory, the two curves and the variants as points.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvlog.cost import CostModel
+from kvlog.errors import ConfigError
+from kvlog.synth.traces import TRACE_FORMATS, read_trace
+from kvlog.tier.optimum import belady, lru_curve
+from kvlog.tier.trace import TierAccess, accesses_from_log, accesses_from_trace
+from kvlog.tier.whatif import TierVariant, run_variant
+
+__all__ = [
+    "TierCurve",
+    "load_accesses",
+    "run_tier_sweep",
+    "tier_grid",
+    "write_tier_csv",
+    "write_tier_plot",
+]
+
+CURVE_POINTS = 16
+"""Capacities of the optimum's curve per log (log-spaced up to the largest swept)."""
+
+
+def tier_grid(
+    cpu_bytes: Sequence[int],
+    evictions: Sequence[str],
+    thresholds: Sequence[int] = (0,),
+    tokens_per_chunk: int = 512,
+    bytes_per_token: int = 131072,
+    keys_per_step: int = 16,
+) -> list[TierVariant]:
+    """Every (capacity, eviction, threshold); a capacity below one chunk is refused."""
+    chunk_bytes = tokens_per_chunk * bytes_per_token
+    out = []
+    for size in cpu_bytes:
+        if size < chunk_bytes:
+            raise ConfigError("--cpu-bytes", size, f"at least one chunk ({chunk_bytes} bytes)")
+        for eviction in evictions:
+            for threshold in thresholds:
+                out.append(
+                    TierVariant(
+                        eviction,
+                        size // chunk_bytes,
+                        threshold,
+                        tokens_per_chunk,
+                        chunk_bytes,
+                        keys_per_step,
+                    )
+                )
+    return out
+
+
+def load_accesses(
+    source: str, tokens_per_chunk: int = 512, gpu_tokens: int = 0
+) -> list[TierAccess]:
+    """A public trace (``.jsonl`` Mooncake, ``.csv`` Azure; ``gpu_tokens``: its preemption
+    model) or a kvlog log's accesses."""
+    ext = os.path.splitext(source)[1].lower()
+    if ext in (".jsonl", ".json", ".csv"):
+        fmt = "mooncake" if ext != ".csv" else "azure"
+        assert fmt in TRACE_FORMATS
+        return accesses_from_trace(read_trace(source, fmt), tokens_per_chunk, gpu_tokens)
+    return accesses_from_log(source)
+
+
+def _variant_task(
+    source: str, variant: TierVariant, prefill_s_per_token: float, cost: CostModel, gpu_tokens: int
+) -> dict[str, object]:
+    accesses = load_accesses(source, variant.tokens_per_chunk, gpu_tokens)
+    result = run_variant(accesses, variant, prefill_s_per_token, cost)
+    return {"log": source, **result.row()}
+
+
+@dataclass(frozen=True)
+class TierCurve:
+    """One log's hit rates against capacity in chunks: LRU at every one, the optimum at
+    ``opt_chunks``."""
+
+    log: str
+    chunk_bytes: int
+    lru_hit_rate: list[float]
+    opt_chunks: list[int]
+    opt_hit_rate: list[float]
+    largest_request: int = 0
+    """Chunks of the largest request: below it a request's store may be refused (all or
+    none, as vLLM does), and neither the curve's exactness nor the optimum's bound holds."""
+
+
+def _curve_task(source: str, variant: TierVariant, max_chunks: int, gpu_tokens: int) -> TierCurve:
+    accesses = load_accesses(source, variant.tokens_per_chunk, gpu_tokens)
+    asked = max(1, sum(len(a.keys) for a in accesses))
+    lru = (lru_curve(accesses, max_chunks) / asked).tolist()
+    grid = sorted({int(c) for c in np.geomspace(1, max_chunks, CURVE_POINTS)})
+    opt = []
+    for num_chunks in grid:
+        anchor = TierVariant("opt", num_chunks, 0, variant.tokens_per_chunk, variant.chunk_bytes)
+        opt.append(belady(accesses, anchor).blocks_hit / asked)
+    largest = max((len(a.keys) for a in accesses), default=0)
+    return TierCurve(source, variant.chunk_bytes, lru, grid, opt, largest)
+
+
+def run_tier_sweep(
+    logs: Sequence[str],
+    variants: Sequence[TierVariant],
+    prefill_s_per_token: float,
+    cost: CostModel,
+    use_ray: bool = True,
+    address: str | None = None,
+    num_cpus: int | None = None,
+    progress: object = None,
+    gpu_tokens: int = 0,
+) -> tuple[list[dict[str, object]], list[TierCurve]]:
+    """Rows (logs outer, variants inner) and one curve per log."""
+    from kvlog.sweep import _run_all
+
+    calls: list[tuple[object, ...]] = [
+        (log, v, prefill_s_per_token, cost, gpu_tokens) for log in logs for v in variants
+    ]
+    max_chunks = max(v.num_chunks for v in variants)
+    curve_calls: list[tuple[object, ...]] = [
+        (log, variants[0], max_chunks, gpu_tokens) for log in logs
+    ]
+    rows = _run_all(_variant_task, calls, use_ray, address, num_cpus, progress)  # type: ignore[arg-type]
+    curves = _run_all(_curve_task, curve_calls, use_ray, address, num_cpus, None)
+    return rows, curves
+
+
+def write_tier_csv(path: str, rows: Sequence[dict[str, object]]) -> None:
+    """One row per (log, variant)."""
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def write_tier_plot(
+    path: str, rows: Sequence[dict[str, object]], curves: Sequence[TierCurve]
+) -> None:
+    """Hit rate against host memory, one panel per log (see module docstring)."""
+    from kvlog.present.pictures import plt_module
+
+    plt = plt_module("kvlog sweep's sweep.png")
+    fig, axes = plt.subplots(1, len(curves), figsize=(6 * len(curves), 4.5), squeeze=False)
+    gib = float(1 << 30)
+    for ax, curve in zip(axes[0], curves, strict=True):
+        sizes = np.arange(1, len(curve.lru_hit_rate)) * curve.chunk_bytes / gib
+        ax.plot(sizes, np.array(curve.lru_hit_rate[1:]) * 100, label="LRU (one pass)")
+        opt_sizes = np.array(curve.opt_chunks) * curve.chunk_bytes / gib
+        ax.plot(opt_sizes, np.array(curve.opt_hit_rate) * 100, "k--", label="optimum (Belady)")
+        for eviction, marker in (("lru", "o"), ("arc", "s"), ("opt", "^")):
+            mine = [r for r in rows if r["log"] == curve.log and r["eviction"] == eviction]
+            if mine:
+                xs = [int(str(r["cpu_bytes"])) / gib for r in mine]
+                ys = [float(str(r["hit_rate"])) * 100 for r in mine]
+                ax.scatter(xs, ys, marker=marker, zorder=3, label=f"{eviction} (replayed)")
+        if curve.largest_request:
+            ax.axvline(
+                curve.largest_request * curve.chunk_bytes / gib,
+                color="grey",
+                linestyle=":",
+                label="largest request",
+            )
+        ax.set_xscale("log")
+        ax.set_xlabel("host memory for the CPU tier (GiB)")
+        ax.set_ylabel("chunks served from the tier (%)")
+        ax.set_title(os.path.basename(curve.log))
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -63,7 +63,8 @@ def main() -> None:
     p.add_argument("--requests", type=int)
     p.add_argument("--max-chunks", type=int, default=4096)
     args = p.parse_args()
-    accesses: Sequence[TierAccess] = accesses_from_trace(read_trace(args.trace, limit=args.requests))
+    requests = read_trace(args.trace, limit=args.requests)
+    accesses: Sequence[TierAccess] = accesses_from_trace(requests)
     asked = sum(len(a.keys) for a in accesses)
     print(f"{len(accesses)} requests, {asked} chunk asks")
     n = args.max_chunks

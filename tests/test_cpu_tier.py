@@ -111,7 +111,9 @@ def test_optimum_never_below_lru_or_arc_and_hits_grow_with_capacity(
 
 @settings(deadline=None)
 @given(
-    requests=tier_traces(), keys_per_step=st.sampled_from([1, 2, 3, 4, 16]), extra=st.integers(0, 30)
+    requests=tier_traces(),
+    keys_per_step=st.sampled_from([1, 2, 3, 4, 16]),
+    extra=st.integers(0, 30),
 )
 def test_opt_curve_equals_per_capacity_belady_and_grows_above_lru(
     requests: list[list[int]], keys_per_step: int, extra: int

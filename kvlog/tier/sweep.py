@@ -3,8 +3,9 @@ what-ifs over logs (or public traces), on Ray as the defrag policy sweep.
 
 One task per (log, variant): the log's accesses (``trace.py``) run under the variant
 (``whatif.py``). Per log, one more task draws its curves: LRU's and the optimum's (store
-threshold 0) hit rate at every capacity, each from one stack pass (``optimum.py``). ``sweep.csv`` has one row per (log, variant); ``sweep.png`` one panel per
-log: hit rate against host memory, the two curves and the variants as points.
+threshold 0) hit rate at every capacity, each from one stack pass (``optimum.py``).
+``sweep.csv`` has one row per (log, variant); ``sweep.png`` one panel per log: hit rate
+against host memory, the two curves and the variants as points.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ __all__ = [
     "write_tier_csv",
     "write_tier_plot",
 ]
+
 
 def tier_grid(
     cpu_bytes: Sequence[int],
@@ -93,7 +95,11 @@ class TierCurve:
     largest_request: int = 0
     """Chunks of the largest request: below it a request's store may be refused (all or
     none, as vLLM does), LRU's curve is not its replays' and the optimum's bound need not
-    hold (the optimum's curve stays ``belady``'s down to one store batch)."""
+    hold."""
+    largest_batch: int = 0
+    """Chunks of the largest store batch (``keys_per_step`` or the largest request, the
+    smaller): from it up the optimum's curve equals ``belady`` at every capacity; below it
+    ``belady`` refuses whole batches and the curve is not drawn."""
 
 
 def _curve_task(source: str, variant: TierVariant, max_chunks: int, gpu_tokens: int) -> TierCurve:
@@ -102,7 +108,8 @@ def _curve_task(source: str, variant: TierVariant, max_chunks: int, gpu_tokens: 
     lru = (lru_curve(accesses, max_chunks) / asked).tolist()
     opt = (opt_curve(accesses, max_chunks, variant.keys_per_step) / asked).tolist()
     largest = max((len(a.keys) for a in accesses), default=0)
-    return TierCurve(source, variant.chunk_bytes, lru, opt, largest)
+    batch = min(variant.keys_per_step, largest)
+    return TierCurve(source, variant.chunk_bytes, lru, opt, largest, batch)
 
 
 def run_tier_sweep(
@@ -151,8 +158,9 @@ def write_tier_plot(
     for ax, curve in zip(axes[0], curves, strict=True):
         sizes = np.arange(1, len(curve.lru_hit_rate)) * curve.chunk_bytes / gib
         ax.plot(sizes, np.array(curve.lru_hit_rate[1:]) * 100, label="LRU (one pass)")
-        opt = np.array(curve.opt_hit_rate[1:]) * 100
-        ax.plot(sizes, opt, "k--", label="optimum (Belady, one pass)")
+        exact = max(1, curve.largest_batch)
+        opt = np.array(curve.opt_hit_rate[exact:]) * 100
+        ax.plot(sizes[exact - 1 :], opt, "k--", label="optimum (Belady, one pass)")
         for eviction, marker in (("lru", "o"), ("arc", "s"), ("opt", "^")):
             mine = [r for r in rows if r["log"] == curve.log and r["eviction"] == eviction]
             if mine:

@@ -9,6 +9,9 @@ in one pass (stack distances, a Fenwick tree over last-ask times): vLLM's LRU af
 request holds its keys head on top, so the tier at capacity ``C`` holds the ``C`` most
 recent keys of one recency stack, and a key hits iff its depth is below ``C``. It equals
 the per-capacity replays wherever every request's keys fit in ``C`` (property test).
+:func:`opt_curve` gives the optimum's hit count at every capacity in one compiled pass
+(Mattson's OPT stack, ``opt_stack.py``), equal to :func:`belady` wherever no store batch is
+larger than ``C`` (property test).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from kvlog.events import (
     validate_event,
 )
 from kvlog.reducers.cpu_tier import reduce_tier
-from kvlog.tier.optimum import lru_curve
+from kvlog.tier.optimum import belady, lru_curve, opt_curve
 from kvlog.tier.replay import replay_tier
 from kvlog.tier.synth import synth_tier_log
 from kvlog.tier.trace import TierAccess, accesses_from_log, chunk_key
@@ -107,6 +107,42 @@ def test_optimum_never_below_lru_or_arc_and_hits_grow_with_capacity(
         for eviction in ("lru", "opt"):
             assert hits[eviction] >= previous[eviction], (eviction, num_chunks, hits)
         previous = hits
+
+
+@settings(deadline=None)
+@given(
+    requests=tier_traces(),
+    keys_per_step=st.sampled_from([1, 2, 3, 4, 16]),
+    extra=st.integers(0, 30),
+)
+def test_opt_curve_equals_per_capacity_belady_and_grows_above_lru(
+    requests: list[list[int]], keys_per_step: int, extra: int
+) -> None:
+    """The one-pass optimum equals belady() at every capacity from the largest store batch
+    up, never decreases with capacity, and is never below LRU's curve where that one is
+    exact (from the largest request up)."""
+    accesses = _accesses(requests)
+    largest = max(len(a.keys) for a in accesses)
+    curve = opt_curve(accesses, largest + extra, keys_per_step)
+    assert (curve[1:] >= curve[:-1]).all()
+    assert (curve[largest:] >= lru_curve(accesses, largest + extra)[largest:]).all()
+    for num_chunks in range(min(keys_per_step, largest), largest + extra + 1):
+        variant = TierVariant("opt", num_chunks, keys_per_step=keys_per_step)
+        assert curve[num_chunks] == belady(accesses, variant).blocks_hit, num_chunks
+
+
+def test_opt_curve_scenario_protects_the_batch_and_evicts_later_batches_first() -> None:
+    """Two chunks, one key a batch. r0 stores K0, K1. r1 hits K0; its first batch (K2) must
+    evict: K0 (next asked by r2) is in r1's later batch, so it is stored again there and
+    costs no hit (LATER, the first victim), while K1 is asked by r3: K0 goes, and the next
+    batch stores it again in place of K2 (never asked). r2 hits K0, r3 hits K1: 3 hits
+    (evicting K1, the farther next ask, would make 2). One chunk: only r2's K0 hits."""
+    accesses = _accesses([[0, 1], [2, 0], [0], [1]])
+    curve = opt_curve(accesses, 3, keys_per_step=1)
+    assert curve.tolist() == [0, 1, 3, 3]
+    for num_chunks in (1, 2, 3):
+        variant = TierVariant("opt", num_chunks, keys_per_step=1)
+        assert belady(accesses, variant).blocks_hit == curve[num_chunks]
 
 
 DATA = os.path.join(os.path.dirname(__file__), "data")

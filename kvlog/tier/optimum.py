@@ -9,6 +9,9 @@ in one pass (stack distances, a Fenwick tree over last-ask times): vLLM's LRU af
 request holds its keys head on top, so the tier at capacity ``C`` holds the ``C`` most
 recent keys of one recency stack, and a key hits iff its depth is below ``C``. It equals
 the per-capacity replays wherever every request's keys fit in ``C`` (property test).
+:func:`opt_curve` gives the optimum's hit count at every capacity in one compiled pass
+(Mattson's OPT stack, ``opt_stack.py``), equal to :func:`belady` wherever no store batch is
+larger than ``C`` (property test).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from kvlog.reducers.cpu_tier import count_offer
 from kvlog.tier.trace import TierAccess
 from kvlog.tier.whatif import TierTally, TierVariant
 
-__all__ = ["belady", "lru_curve", "next_asks"]
+__all__ = ["belady", "lru_curve", "next_asks", "opt_curve"]
 
 NEVER = 1 << 62
 """The next ask of a key asked no more."""
@@ -163,6 +166,27 @@ def lru_curve(accesses: Sequence[TierAccess], max_chunks: int) -> npt.NDArray[np
     hits = np.zeros(max_chunks + 1, dtype=np.int64)
     hits[1:] = np.cumsum(depths[: max_chunks + 1])[:max_chunks]
     return hits
+
+
+def opt_curve(
+    accesses: Sequence[TierAccess], max_chunks: int, keys_per_step: int = 16
+) -> npt.NDArray[np.int64]:
+    """``hits[c]``: the optimum's blocks hit with ``c`` chunks (store threshold 0), for
+    ``c`` in ``0..max_chunks``, from one compiled pass (``opt_stack.py``). Equal to
+    :func:`belady` at every ``c`` no smaller than the largest store batch
+    (``min(keys_per_step, largest request)``: there no store is refused); property test."""
+    from kvlog.tier.opt_stack import opt_depths
+
+    flat = [key for access in accesses for key in access.keys]
+    starts = np.zeros(len(accesses) + 1, dtype=np.int64)
+    np.cumsum([len(access.keys) for access in accesses], out=starts[1:])
+    unique, ids = np.unique(np.array(flat, dtype=bytes), return_inverse=True)
+    depths = np.empty(len(flat), dtype=np.int64)
+    cut = max(1, max_chunks)
+    opt_depths(ids.astype(np.int64), starts, len(unique), keys_per_step, cut, depths)
+    counts = np.bincount(depths, minlength=cut + 2)
+    hits = np.cumsum(counts)[: max_chunks + 1]
+    return np.asarray(hits, dtype=np.int64)
 
 
 def _prefix(tree: list[int], index: int) -> int:

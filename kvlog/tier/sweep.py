@@ -2,10 +2,10 @@
 what-ifs over logs (or public traces), on Ray as the defrag policy sweep.
 
 One task per (log, variant): the log's accesses (``trace.py``) run under the variant
-(``whatif.py``). Per log, one more task draws its curves: LRU's hit rate at every capacity
-from one stack-distance pass and the optimum's at a grid of capacities
-(``optimum.py``). ``sweep.csv`` has one row per (log, variant); ``sweep.png`` one panel per
-log: hit rate against host memory, the two curves and the variants as points.
+(``whatif.py``). Per log, one more task draws its curves: LRU's and the optimum's (store
+threshold 0) hit rate at every capacity, each from one stack pass (``optimum.py``).
+``sweep.csv`` has one row per (log, variant); ``sweep.png`` one panel per log: hit rate
+against host memory, the two curves and the variants as points.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import numpy as np
 from kvlog.cost import CostModel
 from kvlog.errors import ConfigError
 from kvlog.synth.traces import TRACE_FORMATS, read_trace
-from kvlog.tier.optimum import belady, lru_curve
+from kvlog.tier.optimum import lru_curve, opt_curve
 from kvlog.tier.trace import TierAccess, accesses_from_log, accesses_from_trace
 from kvlog.tier.whatif import TierVariant, run_variant
 
@@ -32,9 +32,6 @@ __all__ = [
     "write_tier_csv",
     "write_tier_plot",
 ]
-
-CURVE_POINTS = 16
-"""Capacities of the optimum's curve per log (log-spaced up to the largest swept)."""
 
 
 def tier_grid(
@@ -89,30 +86,30 @@ def _variant_task(
 
 @dataclass(frozen=True)
 class TierCurve:
-    """One log's hit rates against capacity in chunks: LRU at every one, the optimum at
-    ``opt_chunks``."""
+    """One log's hit rates at every capacity in chunks (index ``c``: ``c`` chunks)."""
 
     log: str
     chunk_bytes: int
     lru_hit_rate: list[float]
-    opt_chunks: list[int]
     opt_hit_rate: list[float]
     largest_request: int = 0
     """Chunks of the largest request: below it a request's store may be refused (all or
-    none, as vLLM does), and neither the curve's exactness nor the optimum's bound holds."""
+    none, as vLLM does), LRU's curve is not its replays' and the optimum's bound need not
+    hold."""
+    largest_batch: int = 0
+    """Chunks of the largest store batch (``keys_per_step`` or the largest request, the
+    smaller): from it up the optimum's curve equals ``belady`` at every capacity; below it
+    ``belady`` refuses whole batches and the curve is not drawn."""
 
 
 def _curve_task(source: str, variant: TierVariant, max_chunks: int, gpu_tokens: int) -> TierCurve:
     accesses = load_accesses(source, variant.tokens_per_chunk, gpu_tokens)
     asked = max(1, sum(len(a.keys) for a in accesses))
     lru = (lru_curve(accesses, max_chunks) / asked).tolist()
-    grid = sorted({int(c) for c in np.geomspace(1, max_chunks, CURVE_POINTS)})
-    opt = []
-    for num_chunks in grid:
-        anchor = TierVariant("opt", num_chunks, 0, variant.tokens_per_chunk, variant.chunk_bytes)
-        opt.append(belady(accesses, anchor).blocks_hit / asked)
+    opt = (opt_curve(accesses, max_chunks, variant.keys_per_step) / asked).tolist()
     largest = max((len(a.keys) for a in accesses), default=0)
-    return TierCurve(source, variant.chunk_bytes, lru, grid, opt, largest)
+    batch = min(variant.keys_per_step, largest)
+    return TierCurve(source, variant.chunk_bytes, lru, opt, largest, batch)
 
 
 def run_tier_sweep(
@@ -161,8 +158,9 @@ def write_tier_plot(
     for ax, curve in zip(axes[0], curves, strict=True):
         sizes = np.arange(1, len(curve.lru_hit_rate)) * curve.chunk_bytes / gib
         ax.plot(sizes, np.array(curve.lru_hit_rate[1:]) * 100, label="LRU (one pass)")
-        opt_sizes = np.array(curve.opt_chunks) * curve.chunk_bytes / gib
-        ax.plot(opt_sizes, np.array(curve.opt_hit_rate) * 100, "k--", label="optimum (Belady)")
+        exact = max(1, curve.largest_batch)
+        opt = np.array(curve.opt_hit_rate[exact:]) * 100
+        ax.plot(sizes[exact - 1 :], opt, "k--", label="optimum (Belady, one pass)")
         for eviction, marker in (("lru", "o"), ("arc", "s"), ("opt", "^")):
             mine = [r for r in rows if r["log"] == curve.log and r["eviction"] == eviction]
             if mine:

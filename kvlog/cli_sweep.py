@@ -18,7 +18,13 @@ from kvlog.cost import HARDWARE, cost_model
 from kvlog.errors import ConfigError
 from kvlog.events import DEFRAG_POLICIES
 from kvlog.policy import POLICY_FIELDS, parse_ratio_pct, parse_size
-from kvlog.present.text import progress_bar, render_table, segments_text, sweep_table
+from kvlog.present.text import (
+    progress_bar,
+    render_table,
+    segments_text,
+    sweep_table,
+    tier_table,
+)
 from kvlog.present.units import plural, size_label
 from kvlog.synth import SynthConfig, SynthResult, TraceConfig, read_trace, trace_geometry
 from kvlog.synth.traces import TRACE_FORMATS
@@ -315,8 +321,10 @@ def cmd_tier_sweep(args: argparse.Namespace) -> int:
             raise ConfigError("--eviction", args.eviction, f"names from {list(EVICTIONS)}")
     if args.tokens_per_chunk < 1 or 512 % args.tokens_per_chunk:
         raise ConfigError("--tokens-per-chunk", args.tokens_per_chunk, "a divisor of 512")
-    if args.prefill_us_per_token < 0 or args.bytes_per_token < 1:
+    if args.prefill_us_per_token < 0:
         raise ConfigError("--prefill-us-per-token", args.prefill_us_per_token, "a time >= 0")
+    if args.bytes_per_token < 1:
+        raise ConfigError("--bytes-per-token", args.bytes_per_token, "an integer >= 1")
     cost = cost_model(args.hardware, args.hbm_tbps, args.link_gbps)
     variants = tier_grid(
         args.cpu_bytes,
@@ -338,22 +346,7 @@ def cmd_tier_sweep(args: argparse.Namespace) -> int:
             progress=update,
             gpu_tokens=args.gpu_tokens,
         )
-    columns = (
-        "log",
-        "eviction",
-        "cpu_bytes",
-        "store_threshold",
-        "hit_rate",
-        "bytes_loaded",
-        "bytes_stored",
-        "evictions",
-        "never_read",
-        "prefill_saved_s",
-        "load_s",
-    )
-    table = [columns] + [
-        (os.path.basename(str(r["log"])), *(str(r[c]) for c in columns[1:])) for r in rows
-    ]
+    table = tier_table(rows)
     print(render_table(table, header=True))
     os.makedirs(args.out, exist_ok=True)
     csv_path, png_path = os.path.join(args.out, "sweep.csv"), os.path.join(args.out, "sweep.png")

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
-from kvlog.present.units import format_bytes, format_value, plural
+from kvlog.present.units import format_bytes, format_value, plural, size_label
 
 if TYPE_CHECKING:
     from kvlog.replay import ReplayResult, RunStats, WhatIf
@@ -306,6 +306,46 @@ def sweep_table(rows: Sequence[SweepRow]) -> list[tuple[str, ...]]:
                 f"{r.modeled_ms_per_step:,.3f}",
                 f"{r.p99_step_ms:,.2f}",
                 "",
+            )
+        )
+    return out
+
+
+TIER_COLUMNS = (
+    "log",
+    "eviction",
+    "host memory",
+    "threshold",
+    "hit rate",
+    "loaded",
+    "stored",
+    "evictions",
+    "never read",
+    "prefill saved",
+    "load time",
+)
+"""The CPU tier sweep's table (``kvlog sweep --cpu-bytes``): ``sweep.csv`` has the raw
+numbers under the CSV's own column names."""
+
+
+def tier_table(rows: Sequence[dict[str, Any]]) -> list[tuple[str, ...]]:
+    """Header and one line per (log, variant) of the CPU tier sweep, in units."""
+    out: list[tuple[str, ...]] = [TIER_COLUMNS]
+    for r in rows:
+        name = str(r["log"]).replace("\\", "/").rsplit("/", 1)[-1]
+        out.append(
+            (
+                name,
+                str(r["eviction"]),
+                size_label(int(r["cpu_bytes"])),
+                str(r["store_threshold"]),
+                f"{float(r['hit_rate']):.2%}",
+                format_bytes(int(r["bytes_loaded"])),
+                format_bytes(int(r["bytes_stored"])),
+                f"{int(r['evictions']):,}",
+                f"{int(r['never_read']):,}",
+                f"{float(r['prefill_saved_s']):,.1f} s",
+                f"{float(r['load_s']):,.2f} s",
             )
         )
     return out

@@ -30,6 +30,7 @@ from kvlog.cli_sweep import (
     add_trace_flags,
     cmd_replay_parallel,
     cmd_sweep,
+    log_options,
     policy_fields,
     run_trace_command,
     synth_geometry,
@@ -334,6 +335,7 @@ def cmd_synth(args: argparse.Namespace) -> int:
             sync=args.sync,
             checkpoint_every=args.checkpoint_every,
             snapshot_every=args.snapshot_every,
+            log_options=log_options(args),
         )
     print(synth_text(result))
     return 0 if result.canary_ok else 1

@@ -172,6 +172,21 @@ def add_trace_flags(p: argparse.ArgumentParser) -> None:
         help="checkpoints per snapshot (default: 16, fewer for pools above 64k blocks)",
     )
     p.add_argument(
+        "--segment-bytes",
+        type=size_arg,
+        help="--out DIR/: seal a segment at this size (e.g. 64MiB; default 256 MiB)",
+    )
+    p.add_argument(
+        "--retain-bytes",
+        type=size_arg,
+        help="--out DIR/: drop the oldest sealed segments beyond this size (default: keep all)",
+    )
+    p.add_argument(
+        "--compress",
+        action="store_true",
+        help="--out DIR/: zstd-compress sealed segments (the zstd extra)",
+    )
+    p.add_argument(
         "--scheduler",
         choices=("kvlog", "vllm"),
         help="--trace: kvlog's vLLM-like scheduler (default), or vLLM's own (where installed)",
@@ -214,7 +229,18 @@ def run_trace_command(args: argparse.Namespace, config: SynthConfig) -> SynthRes
         snapshot_every=args.snapshot_every,
         source=os.path.basename(args.trace),
         scheduler=flags["scheduler"],
+        log_options=log_options(args),
     )
+
+
+def log_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The Engine's log-directory options given on the command line (none: a plain log);
+    the Engine refuses them for a log that is one file (``ConfigError``)."""
+    given = {"segment_bytes": args.segment_bytes, "retain_bytes": args.retain_bytes}
+    options: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
+    if args.compress:
+        options["compress"] = True
+    return options
 
 
 def synth_geometry(args: argparse.Namespace) -> dict[str, int]:

@@ -51,6 +51,27 @@ def test_synth_prints_its_summary_and_refuses_to_overwrite(
     assert "already holds records" in capsys.readouterr().err
 
 
+def test_synth_records_a_log_directory_that_rotates_retains_and_replays(
+    log_path: str, tmp_path: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--segment-bytes``/``--retain-bytes`` with ``--out DIR/``: sealed segments, the
+    oldest dropped, and what is left replays and verifies; refused for a log file."""
+    directory = os.path.join(tmp_path, "logs") + "/"
+    flags = ["--steps", "3000", "--sync", "none", "--segment-bytes", "64KiB"]
+    assert main(["synth", "--out", directory, *flags, "--retain-bytes", "256KiB"]) == 0
+    with open(os.path.join(directory, "MANIFEST.json"), encoding="utf-8") as f:
+        manifest = json.load(f)
+    segments = [n for n in os.listdir(directory) if n.endswith(".kvlog")]
+    assert len(segments) >= 2, segments
+    assert not any(n.startswith("0000000000000000") for n in segments), "retention dropped none"
+    assert manifest
+    capsys.readouterr()
+    assert main(["replay", directory]) == 0
+    assert "verified" in capsys.readouterr().out
+    assert main(["synth", "--out", log_path, "--segment-bytes", "64KiB", *SYNTH]) == 2
+    assert "log directory" in capsys.readouterr().err
+
+
 def test_synth_execute_runs_canary_checks(
     tmp_path: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

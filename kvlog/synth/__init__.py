@@ -14,7 +14,7 @@ import dataclasses
 import json
 import os
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvlog.canary import CanaryTracker, make_canary_executor
 from kvlog.engine import Engine
@@ -69,8 +69,11 @@ def run_synth(
     checkpoint_every: int = 256,
     snapshot_every: int | None = None,
     meta: dict[str, str] | None = None,
+    log_options: dict[str, Any] | None = None,
 ) -> SynthResult:
-    """Run one synthetic workload; with ``out``, record it to that (new) log file.
+    """Run one synthetic workload; with ``out``, record it to that (new) log file or log
+    directory (``log_options``: the Engine's ``segment_bytes``, ``retain_bytes``,
+    ``retain_seconds``, ``compress``).
 
     A config that cannot run (``SynthConfig.check``) is refused before the log exists;
     ``meta`` adds entries to the log header's."""
@@ -82,6 +85,7 @@ def run_synth(
         out,
         meta,
         (execute, backend, sync, checkpoint_every, snapshot_every),
+        log_options=log_options,
     )
 
 
@@ -97,6 +101,7 @@ def run_trace(
     snapshot_every: int | None = None,
     source: str = "",
     scheduler: str = "kvlog",
+    log_options: dict[str, Any] | None = None,
 ) -> SynthResult:
     """Serve ``requests`` (a trace) until all finished; with ``out``, record the log.
 
@@ -131,6 +136,7 @@ def run_trace(
         meta,
         (execute, backend, sync, checkpoint_every, snapshot_every),
         deferrable=scheduler == "kvlog",
+        log_options=log_options,
     )
 
 
@@ -145,6 +151,7 @@ def _record(
     meta: dict[str, str],
     options: tuple[bool, str, SyncMode, int, int | None],
     deferrable: bool = True,
+    log_options: dict[str, Any] | None = None,
 ) -> SynthResult:
     """Build the Engine (and executor), run, close. ``deferrable``: the run's loop has step
     boundaries (``driver.step_boundaries``), so Ctrl-C is held off the whole Engine life
@@ -157,7 +164,9 @@ def _record(
     try:
         region = step_boundaries() if deferrable else contextlib.nullcontext()
         with region:  # a SIGINT while the Engine is built, runs or closes: at a step's end
-            result = _run_engine(cache_config, make_run, out, meta, options, executor, tracker)
+            result = _run_engine(
+                cache_config, make_run, out, meta, options, executor, tracker, log_options or {}
+            )
     finally:
         if executor is not None:
             executor.shutdown()
@@ -172,9 +181,19 @@ def _run_engine(
     options: tuple[bool, str, SyncMode, int, int | None],
     executor: Executor | None,
     tracker: CanaryTracker | None,
+    log_options: dict[str, Any],
 ) -> SynthResult:
     _, _, sync, checkpoint_every, snapshot_every = options
-    engine = Engine(cache_config, out, executor, sync, checkpoint_every, snapshot_every, meta=meta)
+    engine = Engine(
+        cache_config,
+        out,
+        executor,
+        sync,
+        checkpoint_every,
+        snapshot_every,
+        meta=meta,
+        **log_options,
+    )
     try:
         with engine:
             return make_run(engine, tracker).run()

@@ -165,6 +165,7 @@ class Fold:
         """Snapshot checkpoints known bad: not started from, not checked."""
         self.start_seq = 0
         self.start_snapshot = -1  # the snapshot checkpoint the fold started from
+        self._start_snapshot_record: Checkpoint | None = None
         self.num_records = self.num_events = self.num_checkpoints = self.num_verified = 0
         self.counts: collections.Counter[str] = collections.Counter()
         """Records read, by type name."""
@@ -221,8 +222,33 @@ class Fold:
             self._bad_snapshot(seq, checkpoint, state)
             self.stopped = True  # nothing to start from
             return
+        self._start_snapshot_record = checkpoint
         self.start_at(state, checkpoint.seq, seq + 1)
+        self._seat(self.lanes[0], state)
+        for lane in self.lanes[1:]:
+            self.add_lane(lane, append=False)
         self._checkpoint(seq, checkpoint)
+
+    def add_lane(self, lane: Lane, append: bool = True) -> None:
+        """Fold ``lane`` too from here: a fold that started from a snapshot gives it the
+        snapshot's state under its own policy (a what-if from that point on)."""
+        if append:
+            self.lanes.append(lane)
+        checkpoint = self._start_snapshot_record
+        if checkpoint is None:
+            return
+        state = restore_snapshot(
+            checkpoint.snapshot, checkpoint.digest, self.path, self.start_snapshot
+        )
+        assert not isinstance(state, str), "the start snapshot restored once: fold bug"
+        self._seat(lane, state)
+
+    @staticmethod
+    def _seat(lane: Lane, state: reducers.State) -> None:
+        """``lane`` runs on from ``state``, under its overrides."""
+        lane.machine.state = state
+        if lane.overrides and state.config is not None:
+            state.adopt_policy(lane.configured(state.config))
 
     # -- the loop ------------------------------------------------------------------------
     def run(self, progress: Progress | None = None) -> Fold:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvlog import reducers
 from kvlog.canary import CanaryReport, CanaryTracker, make_canary_executor
-from kvlog.errors import InvalidEvent, NotConfigured
+from kvlog.errors import ConfigError, InvalidEvent, NotConfigured
 from kvlog.events import (
     STEP_EVENTS,
     CacheConfigured,
@@ -305,15 +305,33 @@ class _Replayer:
     def run(self, from_snapshot: bool, progress: Progress | None) -> None:
         fold = self.fold
         retained = fold.reader.first_seq > 0  # a log directory without its oldest segments
+        if retained and self.execute:
+            raise ConfigError(
+                "execute",
+                True,
+                f"a log from its first record: {fold.path} starts at seq "
+                f"{fold.reader.first_seq} (retention removed its oldest segments), so the "
+                "canary cannot know the bytes of blocks written before",
+            )
         if from_snapshot or retained:
             fold.start_from_snapshot(first=not from_snapshot)
-            self.recorded_config = fold.state.config
-            self.recorded.summary.config = fold.state.config
-            if fold.state.config is not None:
-                self.recorded.summary.plans.page_size_bytes = fold.state.config.page_size_bytes
+            config = fold.state.config
+            self.recorded_config = config
+            if config is not None:
+                self.recorded.summary.configured(config)
+                if self.overrides:  # a what-if from the first snapshot on
+                    self._start_whatif_at_snapshot(config)
         fold.run(progress)
         if self.other is not None and not fold.stopped:
             self.other.at_end()
+
+    def _start_whatif_at_snapshot(self, config: CacheConfigured) -> None:
+        """The what-if lane of a log that starts at a snapshot: the snapshot's state under
+        the what-if's policy (its overrides checked here, so a bad one raises)."""
+        self.whatif = _Run("what-if", self.series, self.overrides)
+        whatif_config = self.whatif.lane.configured(config)
+        self.whatif.summary.configured(whatif_config)
+        self.fold.add_lane(self.whatif.lane)
 
     def _compare_step(self, seq: int, event: Event, plans: list[Plan]) -> None:
         """Count the steps where the what-if's highest used block differs."""

@@ -197,7 +197,12 @@ def whatif(
     name = log or _log_name(os.fspath(path))
     summary = RunSummary(cost=cost)
     lane = Lane(Machine(observers=[summary]), spec.as_dict())
-    fold = Fold(path, [lane], verify=False).run()
+    fold = Fold(path, [lane], verify=False)
+    if fold.reader.first_seq > 0:  # a log directory without its oldest segments: from its
+        fold.start_from_snapshot(first=True)  # first snapshot on, under the spec's policy
+        if lane.state.config is not None:
+            summary.configured(lane.state.config)
+    fold.run()
     row = SweepRow.of(name, spec, summary, lane.state)
     if fold.divergence is not None:
         row.rejected = fold.divergence.message

@@ -117,11 +117,16 @@ class RunSummary(Observer):
         """Modeled milliseconds of each step (with a cost model)."""
         self._step_defrag_s = 0.0
 
+    def configured(self, config: CacheConfigured) -> None:
+        """The run's configuration: its ``CacheConfigured``, or a snapshot's (the run
+        starts there)."""
+        self.config = config
+        self.plans.page_size_bytes = config.page_size_bytes
+
     def after(self, state: State, event: Event, plans: list[Plan]) -> None:
         self.num_events += 1
         if type(event) is CacheConfigured:
-            self.config = event
-            self.plans.page_size_bytes = event.page_size_bytes
+            self.configured(event)
         if plans:
             self.plans.add(plans)
             if self.cost is not None:

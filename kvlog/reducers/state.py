@@ -114,6 +114,20 @@ class State:
         """Scratch for the defrag walk's pairs (at most ``max_swaps``: preallocated)."""
         kernels.load()
 
+    def adopt_policy(self, config: CacheConfigured) -> None:
+        """Run on under ``config``'s policy from here: a what-if that starts at a snapshot
+        (a log directory whose oldest segments retention removed). Only policy fields may
+        differ from the configuration the state has; the pair scratch follows
+        ``max_swaps``."""
+        assert self.config is not None, "adopt_policy() on a configured state only"
+        geometry = ("num_gpu_blocks", "block_size", "num_cpu_blocks", "block_size_factor")
+        assert all(getattr(config, f) == getattr(self.config, f) for f in geometry), (
+            "adopt_policy() changes the geometry: a what-if may override policy fields only"
+        )
+        self.config = config
+        self.pair_sources = np.zeros(config.max_swaps, dtype=np.int64)
+        self.pair_destinations = np.zeros(config.max_swaps, dtype=np.int64)
+
     # -- queries (module contract) -----------------------------------------------------
     @property
     def num_gpu_blocks(self) -> int:

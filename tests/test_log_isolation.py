@@ -15,6 +15,7 @@ import errno
 import logging
 import os
 import random
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -55,10 +56,17 @@ def disk_fault(
     monkeypatch.setattr(writer_module, name, real)
 
 
-def synth(log_path: Path | None, **options: object) -> tuple[Engine, dict[str, object]]:
-    """A synthetic serving run (offload and defrag); what it decided (its counts)."""
-    config = SynthConfig(steps=400, seed=3, num_cpu_blocks=64)
-    engine = Engine(config.cache_config(), log_path, **options)  # type: ignore[arg-type]
+SYNTH = SynthConfig(steps=400, seed=3, num_cpu_blocks=64)
+
+
+def synth(
+    log_path: Path | None, engine: Engine | None = None, **options: object
+) -> tuple[Engine, dict[str, object]]:
+    """A synthetic serving run (offload and defrag), on ``engine`` if given; what it
+    decided (its counts)."""
+    config = SYNTH
+    if engine is None:
+        engine = Engine(config.cache_config(), log_path, **options)  # type: ignore[arg-type]
     run = SynthRun(config, engine, None).run()
     result = {f.name: getattr(run, f.name) for f in dataclasses.fields(run)}
     for name in ("log_path", "elapsed_s", "summary"):
@@ -128,8 +136,15 @@ def test_a_log_poisoned_by_the_background_flusher_detaches_at_the_next_call(
 ) -> None:
     baseline, expected = synth(None)
     path = tmp_path / "a.kvlog"
-    with disk_fault(monkeypatch, errno.EIO, "sync", 3, False):
-        engine, result = synth(path, sync="background", on_log_error="detach")
+    engine = Engine(
+        SYNTH.cache_config(), path, sync="background", on_log_error="detach"
+    )  # opened (its header synced) before the fault: every fsync from here on fails
+    with disk_fault(monkeypatch, errno.EIO, "sync", 0, False) as calls:
+        engine, result = synth(path, engine)
+        deadline = time.monotonic() + 30  # the flusher's next round meets the fault
+        while not calls["failed"] and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert calls["failed"], "the flusher never synced what the run wrote"
         engine.close()
     assert result == expected and engine.digest() == baseline.digest()
     assert engine.log_status().errno == errno.EIO

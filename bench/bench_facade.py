@@ -37,7 +37,7 @@ import sys
 import tempfile
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
@@ -59,20 +59,19 @@ class Step:
     tables: list[list[int]]
 
 
-def make_trace(
-    num_steps: int, seed: int = 0, num_blocks: int = NUM_BLOCKS
-) -> tuple[list[Step], list[Step]]:
-    """(warm-up steps that fill the pool, timed steps), from one FIFO-free-list scheduler."""
+def runner_steps(
+    num_blocks: int, seed: int = 0
+) -> Iterator[tuple[dict[str, list[int]], list[str], dict[str, list[int]]]]:
+    """The runner's trace, endless: ``(new_blocks, finished, live tables)`` per step (the
+    live tables are the generator's own dict: copy what you keep). A FIFO free list like
+    vLLM's; every step 8 live requests grow by one block and 0-2 requests arrive (4-8
+    while the pool fills), random requests finish while it is more than 80% used."""
     rng = random.Random(seed)
     free: deque[int] = deque(range(1, num_blocks))
     live: dict[str, list[int]] = {}
-    steps: list[Step] = []
     serial = 0
     fill = int(0.8 * num_blocks)
-    num_warm = -1
-    while num_warm < 0 or len(steps) < num_warm + num_steps:
-        if num_warm < 0 and num_blocks - len(free) >= fill:
-            num_warm = len(steps)
+    while True:
         new: dict[str, list[int]] = {}
         finished = []
         while num_blocks - len(free) > fill and live:
@@ -92,7 +91,24 @@ def make_trace(
                 req_id = f"req-{serial}"
                 live[req_id] = [free.popleft() for _ in range(n)]
                 new[req_id] = list(live[req_id])
+        yield new, finished, live
+
+
+def make_trace(
+    num_steps: int, seed: int = 0, num_blocks: int = NUM_BLOCKS
+) -> tuple[list[Step], list[Step]]:
+    """(warm-up steps that fill the pool, timed steps), from :func:`runner_steps`."""
+    fill = int(0.8 * num_blocks)
+    steps: list[Step] = []
+    num_warm = -1
+    used = 1  # block 0 is never handed out
+    for new, finished, live in runner_steps(num_blocks, seed):
+        if num_warm < 0 and used >= fill:
+            num_warm = len(steps)
+        if num_warm >= 0 and len(steps) >= num_warm + num_steps:
+            break
         steps.append(Step(new, finished, [list(t) for t in live.values()]))
+        used = 1 + sum(map(len, live.values()))
     return steps[:num_warm], steps[num_warm:]
 
 

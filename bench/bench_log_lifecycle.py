@@ -35,7 +35,6 @@ import argparse
 import contextlib
 import errno
 import os
-import random
 import shutil
 import subprocess
 import sys
@@ -45,7 +44,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # python -m or from elsewhere
 
+from bench_facade import runner_steps  # the runner's trace, one definition
 from seed_reference import make_hpu_caches
 
 from kvlog import Engine, replay
@@ -57,38 +58,6 @@ from kvlog.replay import replay_state
 
 BLOCK_SIZE = 16
 MIB = 1 << 20
-
-
-def runner_steps(
-    num_blocks: int, seed: int = 0
-) -> Iterator[tuple[dict[str, list[int]], list[str], dict[str, list[int]]]]:
-    """An endless runner trace, streamed (bench_facade.py's scheduler): FIFO free list, the
-    pool held ~80% full; yields ``(new_blocks, finished, live tables)``."""
-    rng = random.Random(seed)
-    free = list(range(1, num_blocks))
-    free.reverse()
-    live: dict[str, list[int]] = {}
-    serial, fill = 0, int(0.8 * num_blocks)
-    while True:
-        new: dict[str, list[int]] = {}
-        finished = []
-        while num_blocks - len(free) > fill and live:
-            req_id = rng.choice(list(live))
-            free[:0] = reversed(live.pop(req_id))
-            finished.append(req_id)
-        for req_id in rng.sample(list(live), min(8, len(live))):
-            if free:
-                block = free.pop()
-                live[req_id].append(block)
-                new[req_id] = [block]
-        filling = num_blocks - len(free) < fill
-        for _ in range(rng.randint(4, 8) if filling else rng.randint(0, 2)):
-            n = rng.randint(4, 64)
-            if len(free) > n:
-                serial += 1
-                live[f"req-{serial}"] = [free.pop() for _ in range(n)]
-                new[f"req-{serial}"] = list(live[f"req-{serial}"])
-        yield new, finished, live
 
 
 def facade(env: dict[str, str], num_blocks: int) -> OnlineDefragmenter:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TextIO
@@ -332,7 +333,7 @@ def tier_table(rows: Sequence[dict[str, Any]]) -> list[tuple[str, ...]]:
     """Header and one line per (log, variant) of the CPU tier sweep, in units."""
     out: list[tuple[str, ...]] = [TIER_COLUMNS]
     for r in rows:
-        name = str(r["log"]).replace("\\", "/").rsplit("/", 1)[-1]
+        name = os.path.basename(str(r["log"]))
         out.append(
             (
                 name,

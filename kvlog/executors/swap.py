@@ -16,8 +16,8 @@ disjoint sets, so the pairs are independent and may run in any order.
   ``padded_to`` entries for graph capture, with the pad block copied onto itself (the HPU
   layout's pad block ``num_gpu_blocks``, else block 0, which defrag never moves), the two
   index tensors are built and moved to the device once per plan, and each canonical tensor
-  gets one ``index_select`` and one ``index_copy_`` (two of each for ``"swap"``), queued on
-  the current (compute) stream. No negative indices are used.
+  gets one ``index_select`` and one ``index_copy_`` (for ``"swap"`` over both sides at
+  once), queued on the current (compute) stream. No negative indices are used.
 """
 
 from __future__ import annotations
@@ -94,12 +94,20 @@ class SwapExecutor:
                 indexed_copy(rows, rows, dst, src, self._chunk_rows)
 
     def _apply_device(self, plan: SwapPlan, pairs: np.ndarray) -> None:
-        padded = np.full((2, plan.padded_to), self._layout.pad_block_id, dtype=np.int64)
-        padded[:, : len(pairs)] = pairs.T
-        index = torch.from_numpy(padded).to(self._layout.device, non_blocking=True)
-        src, dst = index[0], index[1]
+        """One gather and one scatter per canonical tensor: ``"move"`` reads the sources
+        and writes the destinations; ``"swap"`` reads ``[dst, src]`` and writes ``[src,
+        dst]`` (disjoint sets, so the gathered rows are all read before any is written).
+        Pad entries copy the pad block onto itself."""
+        width = plan.padded_to
+        if plan.mode == "swap":
+            index = np.full((2, 2 * width), self._layout.pad_block_id, dtype=np.int64)
+            count = len(pairs)
+            index[0, :count], index[0, width : width + count] = pairs[:, 1], pairs[:, 0]
+            index[1, :count], index[1, width : width + count] = pairs[:, 0], pairs[:, 1]
+        else:
+            index = np.full((2, width), self._layout.pad_block_id, dtype=np.int64)
+            index[:, : len(pairs)] = pairs.T
+        on_device = torch.from_numpy(index).to(self._layout.device, non_blocking=True)
+        read, written = on_device[0], on_device[1]
         for view in self._views:
-            from_src = view.index_select(0, src)
-            if plan.mode == "swap":
-                view.index_copy_(0, src, view.index_select(0, dst))
-            view.index_copy_(0, dst, from_src)
+            view.index_copy_(0, written, view.index_select(0, read))

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Protocol
 
 from kvlog import reducers
-from kvlog.events import Event, Plan
+from kvlog.events import Event, Plan, StepScheduled, TransferFinished
 from kvlog.reducers import Checked, State
 
 if TYPE_CHECKING:
@@ -79,7 +79,8 @@ class Machine:
 
     def commit(self, checked: Checked) -> list[Plan]:
         """Change the state by a checked event, execute its plans, notify; the plans."""
-        self._checked = None
+        kept = self._checked
+        self._checked = kept if kept is not None and _survives(checked, kept) else None
         state, event = self.state, checked.event
         observers = self.observers
         if observers:
@@ -104,3 +105,17 @@ class Machine:
         if record is not None:
             record(checked.event)
         return self.commit(checked)
+
+
+def _survives(committed: Checked, kept: Checked) -> bool:
+    """Whether ``kept`` (the last check) still describes the state after ``committed``:
+    a whole step checked with every block free, unpinned and given once (its
+    ``found.bulk``) stays checked across a finished transfer, which only ends a job and
+    unpins its blocks (no table, mapping or reference changes). The facade checks a step
+    at ``update_state`` and applies it at ``defragment()``, after that call's poll."""
+    return (
+        kept is not committed
+        and type(committed.event) is TransferFinished
+        and type(kept.event) is StepScheduled
+        and kept.found.bulk is not None
+    )

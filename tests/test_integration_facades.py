@@ -154,7 +154,9 @@ def test_a_silent_preemption_is_released_when_its_blocks_are_handed_out(tmp_path
 
 def test_a_block_a_store_still_reads_is_fenced_when_reused() -> None:
     """vLLM frees a finished request's blocks at once and may hand them out in the same
-    step; the store that still reads one runs to the end before the new owner writes."""
+    step; the store that still reads one runs to the end before the new owner writes
+    (fenced when the step applies: ``defragment()``, which the runner calls right after
+    ``update_state``, before the forward)."""
     defrag = make(backend="fake")
     worker = OffloadingWorker(defrag, num_cpu_blocks=4)
     executor = defrag.engine.executor
@@ -163,7 +165,8 @@ def test_a_block_a_store_still_reads_is_fenced_when_reused() -> None:
     old = np.full(16, 0xA2, np.uint64).tobytes()
     executor.write_gpu_block(2, old)
     assert worker.submit_store(1, [1, 2], [0, 1])
-    defrag.update_state({"b": [2]}, ["a"])  # allowed: the store was fenced
+    defrag.update_state({"b": [2]}, ["a"])  # allowed: the store is fenced ...
+    defrag.defragment()  # ... when the step applies, before the forward (the runner's order)
     executor.write_gpu_block(2, np.full(16, 0xB2, np.uint64).tobytes())  # b's forward
     worker.wait(None)
     assert [r.job_id for r in worker.get_finished()] == [1]

@@ -100,13 +100,18 @@ def steps(draw: st.DrawFn) -> list[tuple[StepScheduled | Event, ...]]:
     prefix_caching=st.booleans(),
     quarantine=st.booleans(),
     threshold=st.sampled_from([0, 2, 32]),
+    checked_first=st.booleans(),
 )
 def test_a_step_is_its_fine_grained_events(
     program: list[tuple[StepScheduled | Event, ...]],
     prefix_caching: bool,
     quarantine: bool,
     threshold: int,
+    checked_first: bool,
 ) -> None:
+    """``checked_first``: the whole-step machine checks each step before the events that
+    precede it (as the facade checks at ``update_state`` and applies at ``defragment()``,
+    after a poll's ``TransferFinished``): a check kept across them must still hold."""
     config = CacheConfigured(
         num_gpu_blocks=NUM_BLOCKS, block_size=4, num_cpu_blocks=64, threshold=threshold,
         pad_sizes=(2, 4, 8), max_swaps=8, prefix_caching=prefix_caching,
@@ -117,6 +122,9 @@ def test_a_step_is_its_fine_grained_events(
     fine.apply(config)
     for events in program:
         *extras, event = events
+        if checked_first:
+            with contextlib.suppress(KvlogError):
+                whole.check(event)
         for extra in extras:
             for machine in (whole, fine):
                 with contextlib.suppress(KvlogError):

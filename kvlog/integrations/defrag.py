@@ -106,10 +106,9 @@ def _fast_step(
         if prefix_caching:
             raise
         return False
-    state = engine.state
-    if state.store_jobs and step_reducer.reads_stored(state, new):
-        return False  # the stores it reuses are fenced (flushed) now, not at defragment()
-    return not prefix_caching or not step_reducer.held_by_receiver(state, new, released)
+    # A block an unfinished store still reads is fenced when the step applies, at
+    # defragment(), before the forward writes it (the runner calls the two back to back).
+    return not prefix_caching or not step_reducer.held_by_receiver(engine.state, new, released)
 
 
 def detect_prefix_caching() -> bool:

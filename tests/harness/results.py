@@ -45,6 +45,7 @@ class RunResult:
     partial_last: int = 0  # transfers whose last chunk is partial
     kvlog_s: float = 0.0  # every kvlog call: the defragmenter's and the connector's
     copy_s: float = 0.0  # of it, the executor carrying out plans (tensor copies)
+    tier_s: float = 0.0  # of it, the scheduler's CPU tier log (inside vLLM's schedule())
     defrag_s: float = 0.0  # update_state + defragment
     sched_s: float = 0.0
     wall_s: float = 0.0
@@ -121,6 +122,7 @@ COLUMNS = [
     ("kvlog us/step", lambda r: f"{r.per_step_us(r.kvlog_s):.0f}"),
     ("of it defrag", lambda r: f"{r.per_step_us(r.defrag_s):.0f}"),
     ("of it copies", lambda r: f"{r.per_step_us(r.copy_s):.0f}"),
+    ("of it tier log", lambda r: f"{r.per_step_us(r.tier_s):.0f}"),
     ("vLLM sched us/step", lambda r: f"{r.per_step_us(r.sched_s):.0f}"),
     ("kvlog/sched", lambda r: f"{r.kvlog_s / max(r.sched_s, 1e-9):.2f}"),
     ("wall s", lambda r: f"{r.wall_s:.1f}"),

@@ -125,6 +125,27 @@ class Run(Checks):
 
         executor.execute = execute
 
+    def _time_tier_log(self) -> None:
+        """Count the scheduler side's CPU tier log (``TierRecorder``'s appends, which run
+        inside vLLM's ``schedule()`` and ``update_from_output()``) into ``tier_s``: kvlog's
+        time, not the scheduler's."""
+        from kvlog.tier.record import TierRecorder
+
+        connector = getattr(self.scheduler, "connector", None)
+        recorder = getattr(getattr(connector, "connector_scheduler", None), "manager", None)
+        if not isinstance(recorder, TierRecorder) or recorder.sink is None:
+            return
+        inner, result = recorder.sink, self.result
+
+        def sink(event: Any) -> object:
+            t0 = time.perf_counter()
+            try:
+                return inner(event)
+            finally:
+                result.tier_s += time.perf_counter() - t0
+
+        recorder.sink = sink
+
     def _conn_engine(self) -> Any:
         return self.connector.engine
 
@@ -149,8 +170,12 @@ class Run(Checks):
         try:
             self._setup()
             self._time_copies()
+            self._time_tier_log()
             self.result.kvlog_s = 0.0  # per-step cost only: start-up is not counted
             self._loop()
+            # the tier log's appends ran inside vLLM's schedule(): they are kvlog's
+            self.result.sched_s -= self.result.tier_s
+            self.result.kvlog_s += self.result.tier_s
             self._finish()
         except _Abort:
             pass

@@ -171,6 +171,7 @@ class Run(Checks):
             self._setup()
             self._time_copies()
             self._time_tier_log()
+            _freeze_gc_heap()
             self.result.kvlog_s = 0.0  # per-step cost only: start-up is not counted
             self._loop()
             # the tier log's appends ran inside vLLM's schedule(): they are kvlog's
@@ -184,6 +185,7 @@ class Run(Checks):
                 f"step {self.step}: harness/vLLM raised {exc!r}\n{traceback.format_exc(limit=12)}"
             )
         finally:
+            gc.unfreeze()  # as vLLM's engine core does at shutdown
             self.result.steps = self.step
             self.result.wall_s = time.perf_counter() - t_start
         return self.result
@@ -452,3 +454,13 @@ def run_config(cfg: RunConfig, workdir: str | None = None) -> RunResult:
         # kvlog finds a session by its tensors' storage: let the last run's objects go before
         # the next run's tensors can land at the same addresses
         gc.collect()
+
+
+def _freeze_gc_heap() -> None:
+    """What vLLM's engine core and GPU worker do once start-up is over
+    (``vllm.utils.gc_utils.freeze_gc_heap``): collect, then move every object alive to
+    the permanent generation, so that the collector no longer scans the start-up heap
+    (vLLM's modules, the model, the KV caches) during serving."""
+    from vllm.utils.gc_utils import freeze_gc_heap
+
+    freeze_gc_heap()

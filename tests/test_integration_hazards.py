@@ -105,15 +105,18 @@ class KvlogDriver:
         session = self.defrag.session
         real_poll = session.poll
 
-        def poll_then_note() -> None:  # defragment() polls, then applies StepEnded
+        def poll_then_note() -> None:  # defragment() polls (jobs in flight), then steps
             real_poll()
             self.pending_at_step.append(session.engine.state.jobs_in_flight())
 
         session.poll = poll_then_note  # type: ignore[method-assign]
+        noted = len(self.pending_at_step)
         try:
             self.defrag.defragment()
         finally:
             del session.poll
+        if len(self.pending_at_step) == noted:  # no job in flight: defragment() polls not
+            self.pending_at_step.append(session.engine.state.jobs_in_flight())
         if self.defrag.last_swap is not None:
             self.swaps.append([tuple(p) for p in self.defrag.last_swap.pairs])
 

@@ -356,9 +356,10 @@ class KvCacheSession:
     def end_step(self) -> list[Plan]:
         """Finished transfers first, then the step: the pending one as one
         ``StepScheduled`` event, else ``StepEnded``. The step's plans."""
-        self.poll()
-        pending = self._pending
         state = self.engine.state
+        if state.store_jobs or state.load_jobs:  # else the executor has nothing to report
+            self.poll()
+        pending = self._pending
         moves = state.num_moves
         if pending is None:
             plans = self.engine.apply(StepEnded(step=self.step))

@@ -22,14 +22,15 @@ pytest.importorskip(
 )
 
 from hypothesis import given, settings
+from hypothesis import strategies as st
 from strategies import tier_calls
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
-from kvlog.events import TierEvent
+from kvlog.events import TierBatch
 from kvlog.reducers.cpu_tier import TierState, reduce_tier
 from kvlog.tier.record import TierRecorder, tier_config_of
-from kvlog.tier.replay import _comparable, _recorded, replay_tier
+from kvlog.tier.replay import _comparable, _recorded, replay_tier, tier_events
 
 NUM_HASHES = 16
 TOKENS_PER_CHUNK = 16
@@ -43,10 +44,16 @@ def _key(hash_index: int, group: int) -> bytes:
 class Driver:
     """Turns abstract calls into calls the manager can take; compares each answer."""
 
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: dict[str, Any], flush_every: int = 0) -> None:
+        """``flush_every``: a batched recorder, flushed every that many calls (its log is
+        compared whole by the test, not call by call)."""
         self.manager = CPUOffloadingManager(enable_events=True, **config)
-        self.log: list[TierEvent] = []
-        self.recorder = TierRecorder(self.manager, self.log.append, tier_config_of(self.manager))
+        self.log: list[Any] = []
+        self.flush_every = flush_every
+        self.calls = self.started = 0
+        self.recorder = TierRecorder(
+            self.manager, self.log.append, tier_config_of(self.manager), batched=flush_every > 0
+        )
         self.state: TierState | None = None
         self.done = 0
         self.slots: list[tuple[ReqContext, list[bytes], bool] | None] = [None] * 4
@@ -57,6 +64,11 @@ class Driver:
 
     def _check(self) -> None:
         """Refold the calls recorded since the last check; compare answers and events."""
+        if self.flush_every:
+            self.calls += 1
+            if self.calls % self.flush_every == 0:
+                self.recorder.flush()
+            return
         changes: list[Any] = []
         for event in self.log[self.done :]:
             self.state, answer = reduce_tier(self.state, event)
@@ -73,7 +85,8 @@ class Driver:
         self.manager.events.clear()
 
     def _start(self, slot: int, a: int, b: int) -> None:
-        context = ReqContext(req_id=f"req-{len(self.log)}")
+        self.started += 1
+        context = ReqContext(req_id=f"req-{self.started}")
         group = b % 2
         keys = [_key((a + i) % NUM_HASHES, group) for i in range(b % 7 + 1)]
         for i, key in enumerate(keys[: len(keys) // 2 + 1]):
@@ -160,6 +173,28 @@ test_lru_threshold_1 = _make("lru", 1)
 test_arc_threshold_1 = _make("arc", 1)
 test_lru_threshold_2 = _make("lru", 2)
 test_arc_threshold_2 = _make("arc", 2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    case=tier_calls(eviction="arc", store_threshold=1, min_calls=40, max_calls=120),
+    flush_every=st.integers(1, 9),
+)
+def test_a_batched_recorder_logs_the_same_calls(
+    case: tuple[dict[str, Any], list[Any]], flush_every: int
+) -> None:
+    """The scheduler side's recorder keeps a step's calls and writes them as one
+    ``TierBatch``: read back one by one they are the unbatched recorder's events, and the
+    log refolds exactly."""
+    config, calls = case
+    plain, batched = Driver(config), Driver(config, flush_every=flush_every)
+    for call in calls:
+        plain.call(*call)
+        batched.call(*call)
+    batched.recorder.flush()
+    assert list(tier_events(batched.log)) == plain.log
+    assert (flush_every > 1) == any(type(e) is TierBatch for e in batched.log)
+    assert replay_tier(batched.log).mismatch is None
 
 
 def test_figures(capsys: pytest.CaptureFixture[str]) -> None:

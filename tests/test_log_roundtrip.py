@@ -30,6 +30,7 @@ from kvlog.events import (
     StepScheduled,
     StoreRequested,
     SwapPlan,
+    TierBatch,
     TierConfigured,
     TierLoadCompleted,
     TierLoadPrepared,
@@ -277,6 +278,7 @@ TIER_RECORDS: list[Record] = [  # the CPU tier's events (issue 23), keys as raw 
     TierStoreCompleted("r", 0, [OTHER], success=False),
     TierRequestFinished("r", 0),
     TierReset(),
+    TierBatch([TierLookedUp("r", 1, OTHER, "miss"), TierTouched("r", 1, [OTHER])]),
 ]
 
 

@@ -12,8 +12,10 @@ from typing import Any
 
 from kvlog.errors import InvalidEvent
 from kvlog.events.types import (
+    MAX_TIER_BATCH,
     TIER_EVICTIONS,
     TIER_LOOKUP_RESULTS,
+    TierBatch,
     TierConfigured,
     TierLoadCompleted,
     TierLoadPrepared,
@@ -144,3 +146,18 @@ TIER_VALIDATORS: dict[type, Callable[[Any], None]] = {
     TierReset: _reset,
 }
 """Each tier event type's stateless checks."""
+
+
+def _batch(e: TierBatch) -> None:
+    """Every event of the batch checked on its own; none a batch; at most MAX_TIER_BATCH."""
+    events = e.events
+    if type(events) is not list or not 0 < len(events) <= MAX_TIER_BATCH:
+        raise InvalidEvent(f"events must be a list of 1 to {MAX_TIER_BATCH} tier events", e)
+    for event in events:
+        check = TIER_VALIDATORS.get(type(event))
+        if check is None:
+            raise InvalidEvent(f"a TierBatch holds tier events, not {type(event).__name__}", e)
+        check(event)
+
+
+TIER_VALIDATORS[TierBatch] = _batch

@@ -38,6 +38,7 @@ __all__ = [
     "TransferPlan",
     "TransferSubmitted",
     "BlocksReleased",
+    "MAX_TIER_BATCH",
     "TIER_EVENTS",
     "TIER_EVICTIONS",
     "TIER_LOOKUP_RESULTS",
@@ -52,6 +53,7 @@ __all__ = [
     "TierStoreCompleted",
     "TierRequestFinished",
     "TierReset",
+    "TierBatch",
     "pair_bytes",
     "swap_mode",
 ]
@@ -397,6 +399,18 @@ TierEvent = (
 )
 TIER_EVENTS: frozenset[type] = frozenset(typing.get_args(TierEvent))
 """The CPU tier's events: the GPU books ignore them (``reducers/cpu_tier.py`` folds them)."""
+MAX_TIER_BATCH = 1024
+"""Most tier events one ``TierBatch`` holds (the recorder flushes sooner)."""
+
+
+class TierBatch(_Tagged, frozen=True):
+    """Several tier events in one record, in the order the manager was called: what the
+    scheduler side's recorder writes once per scheduler step (``TierRecorder(batched=True)``),
+    so that the scheduler's log costs one append a step instead of one a manager call.
+    Readers see its events one by one (``kvlog.tier.replay.tier_events``); the GPU books
+    ignore it. At most ``MAX_TIER_BATCH`` events, none of them a batch."""
+
+    events: list[TierEvent]
 
 
 Event = (
@@ -421,6 +435,7 @@ Event = (
     | TierStoreCompleted
     | TierRequestFinished
     | TierReset
+    | TierBatch
 )
 Record = Event | Checkpoint
 STEP_EVENTS: frozenset[type] = frozenset({StepEnded, StepScheduled})

@@ -175,7 +175,7 @@ def record_tier(scheduler: Any, vllm_config: Any, kv_cache_config: Any) -> Engin
         return None
     tier = tier_config_of(manager, blocks_per_chunk)
     tier = msgspec.structs.replace(tier, tokens_per_chunk=blocks_per_chunk * block_size)
-    scheduler.manager = TierRecorder(manager, engine.apply, tier)
+    scheduler.manager = TierRecorder(manager, engine.apply, tier, batched=True)
     return engine
 
 
@@ -201,9 +201,22 @@ class KvlogOffloadingConnector(OffloadingConnector):  # type: ignore[misc]
             assert isinstance(connector_metadata, OffloadingConnectorMetadata)
             worker.bind(connector_metadata)
 
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        """vLLM's metadata; then the CPU tier's calls of the step go to the scheduler's
+        log as one record (those of ``update_from_output`` go with the next step's)."""
+        metadata = super().build_connector_meta(scheduler_output)
+        self._flush_tier()
+        return metadata
+
+    def _flush_tier(self) -> None:
+        recorder = getattr(self.connector_scheduler, "manager", None)
+        if self.tier_engine is not None and isinstance(recorder, TierRecorder):
+            recorder.flush()
+
     def shutdown(self) -> None:
         super().shutdown()
         if self.tier_engine is not None:  # the scheduler's log of the CPU tier
+            self._flush_tier()
             engine, self.tier_engine = self.tier_engine, None
             engine.close()
 

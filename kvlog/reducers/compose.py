@@ -29,6 +29,7 @@ from kvlog.events import (
     StepScheduled,
     StoreRequested,
     SwapPlan,
+    TierBatch,
     TransferFinished,
     TransferSubmitted,
     validate_event,
@@ -70,6 +71,7 @@ _PAIRS: dict[type, tuple[_Check, _Apply]] = {
     BlocksReleased: (defrag.check_release_blocks, defrag.apply_release_blocks),
     StepScheduled: (step.check_step, step.apply_step),
     **{tier_event: (_unchecked, _no_check(_tier_only)) for tier_event in TIER_EVENTS},
+    TierBatch: (_unchecked, _no_check(_tier_only)),
 }
 """Per event type: its check against the state and its apply."""
 _STEPS: dict[type, tuple[Callable[[Any], None], _Check, _Apply]] = {

@@ -15,8 +15,11 @@ from collections.abc import Callable, Collection
 from typing import Any
 
 from kvlog.events import (
+    MAX_TIER_BATCH,
     Event,
+    TierBatch,
     TierConfigured,
+    TierEvent,
     TierLoadCompleted,
     TierLoadPrepared,
     TierLookedUp,
@@ -58,20 +61,50 @@ def tier_config_of(manager: Any, blocks_per_chunk: int = 1, chunk_bytes: int = 0
 
 
 class TierRecorder:
-    """Forwards every manager call and records it (see module docstring)."""
+    """Forwards every manager call and records it (see module docstring).
+
+    ``batched``: the calls' events are kept and handed to ``sink`` by ``flush`` as one
+    ``TierBatch`` (one event alone as itself), at most ``MAX_TIER_BATCH`` at a time; the
+    scheduler side flushes once per scheduler step, so its log costs one append a step.
+    A crash loses the calls of the step not yet flushed, never a flushed one."""
 
     def __init__(
-        self, manager: Any, sink: Callable[[Event], object], config: TierConfigured
+        self,
+        manager: Any,
+        sink: Callable[[Event], object],
+        config: TierConfigured,
+        *,
+        batched: bool = False,
     ) -> None:
         self.manager = manager
         self.sink: Callable[[Event], object] | None = sink
         self._numbers = itertools.count()
-        self._emit(config)
+        self._batch: list[TierEvent] | None = [] if batched else None
+        self._hand_over(config)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.manager, name)
 
-    def _emit(self, event: Event) -> None:
+    def flush(self) -> None:
+        """Hand the kept events to the sink (batched; nothing kept: nothing to do)."""
+        batch = self._batch
+        if not batch:
+            return
+        events = batch.copy()
+        batch.clear()
+        self._hand_over(events[0] if len(events) == 1 else TierBatch(events=events))
+
+    def _emit(self, event: TierEvent) -> None:
+        batch = self._batch
+        if batch is None:
+            self._hand_over(event)
+            return
+        if self.sink is not None:
+            batch.append(event)
+            if len(batch) >= MAX_TIER_BATCH:
+                self.flush()
+
+    def _hand_over(self, event: Event) -> None:
         sink = self.sink
         if sink is None:
             return
@@ -79,6 +112,8 @@ class TierRecorder:
             sink(event)
         except Exception as exc:  # the recorder never takes serving down
             self.sink = None
+            if self._batch is not None:
+                self._batch.clear()
             _log.error("kvlog: the CPU tier recorder detached: %r", exc)
 
     def _mark(

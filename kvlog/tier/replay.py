@@ -17,6 +17,7 @@ from kvlog.events import (
     TIER_EVENTS,
     Event,
     Record,
+    TierBatch,
     TierEvent,
     TierLoadPrepared,
     TierLookedUp,
@@ -55,7 +56,8 @@ class TierReplay(msgspec.Struct):
 
 
 def tier_events(source: str | os.PathLike[str] | Iterable[Event | Record]) -> Iterator[TierEvent]:
-    """The tier events of a log file (or of events in memory), in log order."""
+    """The tier events of a log file (or of events in memory), in log order (a
+    ``TierBatch``'s events one by one)."""
     records: Iterable[object]
     if isinstance(source, (str, os.PathLike)):
         records = (record for _, record in read_log(source))
@@ -64,6 +66,8 @@ def tier_events(source: str | os.PathLike[str] | Iterable[Event | Record]) -> It
     for record in records:
         if type(record) in TIER_EVENTS:
             yield record  # type: ignore[misc]
+        elif type(record) is TierBatch:
+            yield from record.events
 
 
 def _recorded(event: TierEvent) -> TierAnswer | None:

@@ -46,6 +46,7 @@ class Run(Checks):
         self.finished: set[str] = set()
         self.aborted: set[str] = set()
         self.defrag: Any = None
+        self.seed: Any = None  # the plugin's defragmenter, timed beside kvlog's (_shadow)
         self.cpu_reader: CpuReader | None = None
         self.log_path = os.path.join(workdir, f"{cfg.name}.kvlog")
 
@@ -95,6 +96,7 @@ class Run(Checks):
             self.defrag = self._kvlog(
                 "OnlineDefragmenter()", make_defragmenter, self.kv, cfg, self.log_path
             )
+            self.seed = _shadow_seed(self.kv, cfg)
         if cfg.connector == "kvlog":
             ours = self._kvlog("defrag.engine", self._engine, timed=False)
             theirs = self._kvlog("connector.engine", self._conn_engine, timed=False)
@@ -162,7 +164,28 @@ class Run(Checks):
         """``resolve_all``: timed only for the forward's call (the runner's one per step)."""
         if self.defrag is None:
             return [list(t) for t in tables]
-        return self._kvlog("resolve_all", self.defrag.resolve_all, tables, timed=timed)
+        t0 = time.perf_counter()
+        out = self._kvlog("resolve_all", self.defrag.resolve_all, tables, timed=timed)
+        if timed:
+            self.result.defrag_s += time.perf_counter() - t0
+            self._shadow(lambda seed: seed.resolve_all(tables))
+        return out  # type: ignore[no-any-return]
+
+    def _shadow(self, call: Any) -> None:
+        """The same defragmenter call on the plugin's algorithm (``seed_s``), in the same
+        loop: what the runner's step cost before kvlog. Its decisions are not checked (it
+        keeps its own copy of the KV tensors); a failure only ends the shadow."""
+        if self.seed is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            call(self.seed)
+        except Exception as exc:  # the seed's own limits: the comparison stops there
+            self.seed = None
+            self.result.seed_s = 0.0
+            self.result.note("seed shadow", f"stopped: {exc!r}")
+            return
+        self.result.seed_s += time.perf_counter() - t0
 
     # -- the loop ----------------------------------------------------------------------------
     def execute(self) -> RunResult:
@@ -359,6 +382,11 @@ class Run(Checks):
             )
             self._kvlog("defragment", self.defrag.defragment)
         self.result.defrag_s += time.perf_counter() - t0
+        if self.seed is not None:  # the plugin raises KeyError for a request it never saw
+            finished = [r for r in so.finished_req_ids if r in self.seed.req_blocks]
+            self._shadow(
+                lambda seed: (seed.update_state(new | cached, finished), seed.defragment())
+            )
         plan = getattr(self.defrag, "last_swap", None)
         if plan is not None and plan.pairs:
             self.result.swaps += len(plan.pairs)
@@ -464,3 +492,15 @@ def _freeze_gc_heap() -> None:
     from vllm.utils.gc_utils import freeze_gc_heap
 
     freeze_gc_heap()
+
+
+def _shadow_seed(kv: KvCache, cfg: RunConfig) -> Any:
+    """The plugin's defragmenter (``tests/seed_reference.py``) over a copy of the KV
+    tensors, fed the runner's calls beside kvlog's; None with defrag off."""
+    if not cfg.defrag:
+        return None
+    from seed_reference import SeedDefragmenter
+
+    seed = SeedDefragmenter(threshold=cfg.threshold, prefix_caching=cfg.prefix_caching)
+    seed.initialize([(k.clone(), v.clone()) for k, v in kv.layers], cfg.block_size)
+    return seed

@@ -40,6 +40,7 @@ from kvlog.events import (
     RequestFinished,
     RequestPreempted,
     StepScheduled,
+    TransferBatch,
     TransferFinished,
     TransferPlan,
 )
@@ -241,6 +242,10 @@ class CanaryTracker:
             self._release(event.block_ids)
         elif isinstance(event, TransferFinished):
             self.finished(event.job_id, event.success)
+        elif isinstance(event, TransferBatch):  # its finishes, in order
+            for fine in event.events:
+                if isinstance(fine, TransferFinished):
+                    self.finished(fine.job_id, fine.success)
 
     def _release(self, block_ids: list[int]) -> None:
         for b in block_ids:

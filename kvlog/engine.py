@@ -88,6 +88,7 @@ from kvlog.events import (
     Event,
     Plan,
     StepScheduled,
+    TransferBatch,
     TransferFinished,
     encode,
 )
@@ -383,7 +384,8 @@ class Engine:
             return self._drain("wait", ids)
 
     def _drain(self, call: str, ids: list[int] | None) -> list[TransferCompletion]:
-        """The executor's finished transfers, each applied as ``TransferFinished``. From the
+        """The executor's finished transfers, applied as one ``TransferFinished`` or one
+        ``TransferBatch`` of them (``_finished_event``). From the
         executor's call to the last one applied the engine is busy: completions the
         executor handed over and the log lacks would be lost to a cut-short call."""
         executor = self.executor
@@ -391,8 +393,8 @@ class Engine:
         self._busy = call
         try:
             results = executor.poll() if call == "poll" else executor.wait(ids)
-            for result in results:
-                self._apply(TransferFinished(job_id=result.job_id, success=result.success))
+            if results:  # one event a call: a TransferBatch of several (reducers/transfer_batch)
+                self._apply(_finished_event(results))
         except BaseException:
             self._broken = True
             raise
@@ -925,3 +927,11 @@ def _last_event_seq(path: str | os.PathLike[str]) -> int:
         if not isinstance(record, Checkpoint):
             last = seq
     return last
+
+
+def _finished_event(results: list[TransferCompletion]) -> TransferFinished | TransferBatch:
+    """One ``TransferFinished`` for one finished transfer, a ``TransferBatch`` of them for
+    several (split at ``MAX_TRANSFER_BATCH`` would need more than one event: not reachable,
+    as at most ``MAX_JOBS_IN_FLIGHT`` jobs are in flight)."""
+    events = [TransferFinished(job_id=r.job_id, success=r.success) for r in results]
+    return events[0] if len(events) == 1 else TransferBatch(events=list(events))

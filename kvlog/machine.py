@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Protocol
 
 from kvlog import reducers
-from kvlog.events import Event, Plan, StepScheduled, TransferFinished
+from kvlog.events import Event, Plan, StepScheduled, TransferBatch, TransferFinished
 from kvlog.reducers import Checked, State
 
 if TYPE_CHECKING:
@@ -115,7 +115,14 @@ def _survives(committed: Checked, kept: Checked) -> bool:
     at ``update_state`` and applies it at ``defragment()``, after that call's poll."""
     return (
         kept is not committed
-        and type(committed.event) is TransferFinished
+        and _only_finishes(committed.event)
         and type(kept.event) is StepScheduled
         and kept.found.bulk is not None
     )
+
+
+def _only_finishes(event: Event) -> bool:
+    """A ``TransferFinished``, or a ``TransferBatch`` of them (one poll's finishes)."""
+    if type(event) is TransferBatch:
+        return all(type(e) is TransferFinished for e in event.events)
+    return type(event) is TransferFinished

@@ -37,6 +37,7 @@ from kvlog.events import (
     Checkpoint,
     Event,
     Plan,
+    TransferBatch,
     TransferFinished,
     to_dict,
 )
@@ -164,6 +165,10 @@ class _FinishedInLog(Observer):
     def before(self, state: reducers.State, event: Event) -> None:
         if type(event) is TransferFinished:
             self.executor.wait([event.job_id])
+        elif type(event) is TransferBatch:  # the finishes of one poll (reducers/transfer_batch)
+            finished = [e.job_id for e in event.events if type(e) is TransferFinished]
+            if finished:
+                self.executor.wait(finished)
 
 
 class _Run:

@@ -1020,3 +1020,44 @@ def tier_traces(draw: st.DrawFn, max_requests: int = 30, max_keys: int = 24) -> 
         if keys:
             requests.append(keys)
     return requests or [[0]]
+
+
+# -- transfer batches (issue 19: the connector's one event a call) -------------------------
+_TRANSFER_TYPES = (StoreRequested, LoadRequested, TransferSubmitted, TransferFinished)
+
+
+@st.composite
+def transfer_batch_programs(draw: st.DrawFn, max_events: int = 120) -> list[list[Event] | Event]:
+    """A realistic program (``reducer_programs``) whose runs of transfer events are cut into
+    batches at random (a ``list`` stands for one ``TransferBatch``), now and then with a
+    stray transfer event (any job id, blocks out of range: refusals), the order inside a
+    batch shuffled (ids out of order, a submit before its request) or a job finished twice."""
+    program = draw(reducer_programs(max_gpu_blocks=48, max_events=max_events))
+    out: list[list[Event] | Event] = [program[0]]
+    run: list[Event] = []
+
+    def cut() -> None:
+        while run:
+            size = draw(st.integers(1, max(1, len(run))))
+            batch = run[:size]
+            del run[:size]
+            if draw(st.integers(0, 9)) == 0:
+                batch.append(draw(st.one_of(any_event.filter(_is_transfer))))
+            if len(batch) > 1 and draw(st.integers(0, 9)) == 0:
+                batch = draw(st.permutations(batch))
+            if draw(st.integers(0, 14)) == 0:
+                batch.append(batch[0])  # the same event twice
+            out.append(list(batch))
+
+    for event in program[1:]:
+        if type(event) in _TRANSFER_TYPES:
+            run.append(event)
+        else:
+            cut()
+            out.append(event)
+    cut()
+    return out
+
+
+def _is_transfer(event: Event) -> bool:
+    return type(event) in _TRANSFER_TYPES

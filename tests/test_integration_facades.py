@@ -26,6 +26,7 @@ from kvlog.events import (
     RequestPreempted,
     StepEnded,
     StepScheduled,
+    unbatched,
 )
 from kvlog.integrations import (
     OffloadingHandlers,
@@ -48,7 +49,8 @@ def make(num_blocks: int = 64, **kwargs: object) -> OnlineDefragmenter:
 
 
 def events(path: Path) -> list[object]:
-    return [r for _, r in LogReader(path).records() if type(r).__name__ != "Checkpoint"]
+    records = (r for _, r in LogReader(path).records() if type(r).__name__ != "Checkpoint")
+    return list(unbatched(records))  # the connector's batches, event by event
 
 
 def test_num_gpu_blocks_comes_from_the_hpu_layout() -> None:

@@ -41,6 +41,7 @@ from kvlog.events import (
     TierStoreCompleted,
     TierStorePrepared,
     TierTouched,
+    TransferBatch,
     TransferFinished,
     TransferSubmitted,
 )
@@ -302,6 +303,7 @@ def test_every_record_type_round_trips(tmp_path: Path) -> None:
         StepEnded(2**63 - 1),
         StepScheduled(3, {"b": [3, 4], "c": []}, ["a"], preempted=["d"], resumed=["b"]),
         *TIER_RECORDS,
+        TransferBatch([StoreRequested(10, [1], [0], deferred=True), TransferSubmitted(10)]),
     ]
     assert {type(record) for record in records} == set(typing.get_args(Record))
     with LogWriter(path) as writer:

@@ -21,6 +21,7 @@ from kvlog.events import (
     StepEnded,
     StoreRequested,
     TransferFinished,
+    unbatched,
 )
 from kvlog.log import LogReader
 from kvlog.synth import BlockPool, CpuCache, SynthConfig, run_synth
@@ -62,7 +63,8 @@ def test_synth_config_takes_cache_configured_fields_and_defaults() -> None:
 
 
 def events(path: str) -> list[object]:
-    return [r for _, r in LogReader(path).records() if not isinstance(r, Checkpoint)]
+    records = (r for _, r in LogReader(path).records() if not isinstance(r, Checkpoint))
+    return list(unbatched(records))  # a poll's finishes are one TransferBatch
 
 
 # -- pools ---------------------------------------------------------------------------------

@@ -176,7 +176,7 @@ def test_replay_execute_checks_every_stored_and_loaded_block(name: str, tmp_path
     a check after every load, every block a load filled holds the bytes it was stored with."""
     from kvlog import replay
     from kvlog.canary import make_canary_executor
-    from kvlog.events import TransferFinished, TransferPlan
+    from kvlog.events import TransferBatch, TransferFinished, TransferPlan
     from kvlog.fold import Fold
     from kvlog.machine import Observer
 
@@ -206,8 +206,12 @@ def test_replay_execute_checks_every_stored_and_loaded_block(name: str, tmp_path
             for plan in plans:
                 if isinstance(plan, TransferPlan):
                     self.planned[plan.job_id] = plan
-            if not isinstance(event, TransferFinished) or not event.success:
-                return
+            fine = event.events if isinstance(event, TransferBatch) else [event]
+            for finished in fine:  # a poll's finishes are one batch
+                if isinstance(finished, TransferFinished) and finished.success:
+                    self.finished(state, finished)
+
+        def finished(self, state: object, event: TransferFinished) -> None:
             plan = self.planned.pop(event.job_id)
             if plan.kind == "store":
                 self.stored.update(dst for _, dst in plan.pairs)

@@ -1,11 +1,13 @@
 """Events, plans and their codec: the schema of the kvlog log (version 1)."""
 
+from kvlog.events.batches import unbatched
 from kvlog.events.codec import decode, decode_plan, encode, to_dict, to_json
 from kvlog.events.types import (
     CONFIG_DEFAULTS,
     DEFAULT_PAD_SIZES,
     DEFRAG_POLICIES,
     MAX_TIER_BATCH,
+    MAX_TRANSFER_BATCH,
     SCHEMA_VERSION,
     STEP_EVENTS,
     TIER_EVENTS,
@@ -38,6 +40,8 @@ from kvlog.events.types import (
     TierStoreCompleted,
     TierStorePrepared,
     TierTouched,
+    TransferBatch,
+    TransferEvent,
     TransferFinished,
     TransferPlan,
     TransferSubmitted,
@@ -51,6 +55,7 @@ __all__ = [
     "DEFAULT_PAD_SIZES",
     "DEFRAG_POLICIES",
     "MAX_TIER_BATCH",
+    "MAX_TRANSFER_BATCH",
     "SCHEMA_VERSION",
     "STEP_EVENTS",
     "BlocksAllocated",
@@ -83,6 +88,9 @@ __all__ = [
     "TIER_EVICTIONS",
     "TIER_LOOKUP_RESULTS",
     "TierBatch",
+    "TransferBatch",
+    "TransferEvent",
+    "unbatched",
     "TierConfigured",
     "TierEvent",
     "TierLoadCompleted",

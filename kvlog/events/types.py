@@ -413,6 +413,27 @@ class TierBatch(_Tagged, frozen=True):
     events: list[TierEvent]
 
 
+MAX_TRANSFER_BATCH = 1 << 16
+"""Most events in one ``TransferBatch`` (as many as ``MAX_JOBS_IN_FLIGHT``)."""
+TransferEvent = StoreRequested | LoadRequested | TransferSubmitted | TransferFinished
+"""The transfer events a ``TransferBatch`` holds."""
+
+
+class TransferBatch(_Tagged, frozen=True):
+    """Several transfer events as one, in order: what the vLLM connector logs once per
+    call instead of one event a job (a step's job declarations at ``bind_connector_metadata``,
+    their submissions at ``start_load_kv``; the Engine's finished transfers of one poll).
+
+    Applying it is exactly applying its events one after another (``StoreRequested``,
+    ``LoadRequested``, ``TransferSubmitted``, ``TransferFinished``): the same state, plans
+    (concatenated) and digest. All or nothing: a batch is refused with the error of the
+    first of its events that the fine-grained history would refuse, and then nothing of it
+    is applied or logged. 1 to ``MAX_TRANSFER_BATCH`` events, none of them a batch.
+    """
+
+    events: list[TransferEvent]
+
+
 Event = (
     CacheConfigured
     | BlocksAllocated
@@ -436,6 +457,7 @@ Event = (
     | TierRequestFinished
     | TierReset
     | TierBatch
+    | TransferBatch
 )
 Record = Event | Checkpoint
 STEP_EVENTS: frozenset[type] = frozenset({StepEnded, StepScheduled})

@@ -21,6 +21,7 @@ from kvlog.errors import BlockOutOfRange, DuplicateBlock, InvalidEvent
 from kvlog.events.tier_checks import TIER_VALIDATORS
 from kvlog.events.types import (
     DEFRAG_POLICIES,
+    MAX_TRANSFER_BATCH,
     BlocksAllocated,
     BlocksReleased,
     CacheConfigured,
@@ -31,6 +32,7 @@ from kvlog.events.types import (
     StepEnded,
     StepScheduled,
     StoreRequested,
+    TransferBatch,
     TransferFinished,
     TransferSubmitted,
 )
@@ -244,6 +246,22 @@ VALIDATORS: dict[type, Callable[[Any], None]] = {  # each event type's stateless
     StepScheduled: _validate_step_scheduled,
 }
 VALIDATORS.update(TIER_VALIDATORS)  # the CPU tier's events (events/tier_checks.py)
+
+
+def _validate_transfer_batch(e: TransferBatch) -> None:
+    """1 to MAX_TRANSFER_BATCH transfer events, none a batch. Each event is validated on its
+    own in order with its check against the state (``reducers/transfer_batch.py``), so that
+    a batch is refused with the error of its first refused event."""
+    events = e.events
+    if type(events) is not list or not 0 < len(events) <= MAX_TRANSFER_BATCH:
+        raise InvalidEvent(f"events must be a list of 1 to {MAX_TRANSFER_BATCH} events", e)
+    for event in events:
+        if type(event) not in _TRANSFER_TYPES:
+            raise InvalidEvent(f"a TransferBatch holds transfer events, not {event!r}", e)
+
+
+_TRANSFER_TYPES = (StoreRequested, LoadRequested, TransferSubmitted, TransferFinished)
+VALIDATORS[TransferBatch] = _validate_transfer_batch
 assert set(VALIDATORS) == _EVENT_TYPES, "every event type has exactly one validator"
 
 

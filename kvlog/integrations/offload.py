@@ -20,15 +20,22 @@ pins the physical blocks until the transfer finishes, which the seed handler doe
 
 from __future__ import annotations
 
+import contextlib
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Literal
 
 import msgspec
 import numpy as np
 
 from kvlog.errors import DuplicateJob, TransferSpecError
-from kvlog.events import LoadRequested, StoreRequested, TransferSubmitted
+from kvlog.events import (
+    LoadRequested,
+    StoreRequested,
+    TransferBatch,
+    TransferEvent,
+    TransferSubmitted,
+)
 from kvlog.executors import TransferCompletion
 from kvlog.integrations.defrag import OnlineDefragmenter
 from kvlog.integrations.session import JobKind, KvCacheSession
@@ -167,7 +174,42 @@ class OffloadingWorker:
         self.session = _session_of(defragmenter)
         self.session.attach_offload(num_cpu_blocks, block_size_factor, quarantine=quarantine)
         self._shut_down = False
-        self._declared: set[int] = set()  # declared, their submit_* not called yet
+        self._declared: dict[int, JobKind] = {}  # declared, their submit_* not called yet
+        self._batch: list[TransferEvent] | None = None
+        """Inside ``batched()``: the events its calls made, applied as one at its end."""
+
+    @contextlib.contextmanager
+    def batched(self) -> Iterator[None]:
+        """Within this block, declarations and submissions of declared jobs are kept and
+        applied at its end as one ``TransferBatch`` (a load's hold still comes right before
+        its declaration: what was kept is applied first). A refused batch raises and
+        applies nothing of it; an exception inside the block applies what was kept before
+        it, as the calls one by one would have."""
+        if self._batch is not None:  # nested: the outer block applies
+            yield
+            return
+        self._batch = []
+        try:
+            yield
+        finally:
+            try:
+                self.flush()
+            finally:
+                self._batch = None
+
+    def flush(self) -> None:
+        """Apply what ``batched()`` kept so far: one event, or a ``TransferBatch``."""
+        events = self._batch
+        if not events:
+            return
+        self._batch = []
+        try:
+            self.session.apply(events[0] if len(events) == 1 else TransferBatch(events=events))
+        except BaseException:  # refused: none of its jobs was declared
+            for event in events:
+                if type(event) is not TransferSubmitted:
+                    self._declared.pop(event.job_id, None)
+            raise
 
     def declare(
         self,
@@ -182,7 +224,7 @@ class OffloadingWorker:
         request runs this step), before its ``submit_*`` runs it."""
         event = transfer_event(kind, _job_id(job_id), src_spec, dst_spec, deferred=True)
         self._submit(event, req_id, sync)
-        self._declared.add(event.job_id)
+        self._declared[event.job_id] = kind
 
     def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
         """GPU (logical ids) -> CPU; True once submitted."""
@@ -202,6 +244,7 @@ class OffloadingWorker:
             raise TransferSpecError("the offloading worker was shut down")
         job_id = _job_id(job_id)
         if job_id not in self._declared:
+            self.flush()
             if self.session.known(job_id) or job_id < 0:
                 last = self.session.engine.state.last_job_id
                 raise DuplicateJob(
@@ -211,13 +254,17 @@ class OffloadingWorker:
                 )
             self._submit(transfer_event(kind, job_id, src_spec, dst_spec))
             return True
-        engine = self.session.engine
-        job = engine.state.job(job_id)
-        if job is not None and job.kind != kind:
-            raise TransferSpecError(f"job {job_id} was declared as a {job.kind}, not a {kind}")
-        self._declared.discard(job_id)
-        if job is not None and not job.submitted:
-            self.session.apply(TransferSubmitted(job_id=job_id))  # after a pending step
+        declared = self._declared[job_id]
+        if declared != kind:
+            raise TransferSpecError(f"job {job_id} was declared as a {declared}, not a {kind}")
+        del self._declared[job_id]
+        state = self.session.engine.state
+        job = state.job(job_id)
+        if job is None and job_id > state.last_job_id:  # declared in this batch, kept
+            assert self._batch, "a declared job not applied is kept in the batch"
+            self._batch.append(TransferSubmitted(job_id=job_id))
+        elif job is not None and not job.submitted:
+            self._apply(TransferSubmitted(job_id=job_id))  # after a pending step
         # else: a declared store already flushed (running or done): nothing to do
         return True
 
@@ -231,24 +278,35 @@ class OffloadingWorker:
             raise TransferSpecError("the offloading worker was shut down")
         kind: JobKind = "store" if isinstance(event, StoreRequested) else "load"
         if kind == "load":
+            self.flush()  # the hold comes after what came before it
             self.session.hold(event.job_id, event.gpu_block_ids, req_id, sync)
-        self.session.apply(event)
+        self._apply(event)
         self.session.submitted(event.job_id, kind)
+
+    def _apply(self, event: TransferEvent) -> None:
+        """Keep ``event`` for the batch (inside ``batched()``), else apply it now."""
+        if self._batch is not None:
+            self._batch.append(event)
+        else:
+            self.session.apply(event)
 
     def get_finished(self) -> list[TransferResult]:
         """Transfers finished since the last call (logged as ``TransferFinished``)."""
         return self.finished_of(("store", "load"))
 
     def finished_of(self, kinds: Sequence[JobKind]) -> list[TransferResult]:
+        self.flush()
         finished = self.session.take_finished(kinds)  # one poll of the executor
         return [_result(kind, r) for kind, r in finished]
 
     def wait(self, job_ids: Iterable[int] | None) -> None:
         """Block until these jobs (None: all) finish; results still come from ``get_finished``."""
+        self.flush()
         self.session.wait(job_ids)
 
     def shutdown(self) -> None:
         """Wait for every transfer; later submits raise."""
+        self.flush()
         self.session.wait(None)
         self._shut_down = True
 

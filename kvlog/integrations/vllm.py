@@ -35,6 +35,7 @@ This module is the only one in kvlog that imports vLLM.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Mapping
@@ -127,22 +128,36 @@ class KvlogConnectorWorker(OffloadingConnectorWorker):  # type: ignore[misc]
         if self._is_store_writer:  # other ranks never submit stores
             jobs += [(job_id, "store", entry) for job_id, entry in metadata.store_jobs.items()]
         assert self.session is not None, "register_kv_caches() first"
-        for job_id, kind, entry in sorted(jobs, key=lambda job: job[0]):
-            if not self.session.known(job_id):
-                req_id, sync = str(entry.req_id), bool(getattr(entry, "sync", False))
-                worker.declare(kind, job_id, entry.src_spec, entry.dst_spec, req_id, sync)
+        with worker.batched():  # one TransferBatch for the step's declarations
+            for job_id, kind, entry in sorted(jobs, key=lambda job: job[0]):
+                if not self.session.known(job_id):
+                    req_id, sync = str(entry.req_id), bool(getattr(entry, "sync", False))
+                    worker.declare(kind, job_id, entry.src_spec, entry.dst_spec, req_id, sync)
 
     def handle_preemptions(self, kv_connector_metadata: OffloadingConnectorMetadata) -> None:
         """vLLM's fence of ``jobs_to_flush``, after declaring the step's jobs."""
         self.declare(kv_connector_metadata)
-        super().handle_preemptions(kv_connector_metadata)
+        with self._batched():
+            super().handle_preemptions(kv_connector_metadata)
+
+    def start_kv_transfers(self, metadata: OffloadingConnectorMetadata) -> None:
+        """vLLM's submissions of the step, applied as one ``TransferBatch`` (before a
+        sync load's wait, which needs them)."""
+        with self._batched():
+            super().start_kv_transfers(metadata)
+
+    def _batched(self) -> contextlib.AbstractContextManager[None]:
+        worker = self.worker
+        assert isinstance(worker, OffloadingWorker), "register_kv_caches() first"
+        return worker.batched()
 
     def bind(self, metadata: OffloadingConnectorMetadata) -> None:
         """Declare the step's jobs, and fence ``jobs_to_flush`` (again, if the runner called
         ``handle_preemptions``: then the jobs are done and this costs nothing)."""
         self.declare(metadata)
         if metadata.jobs_to_flush:
-            super().handle_preemptions(metadata)
+            with self._batched():
+                super().handle_preemptions(metadata)
 
 
 def scheduler_log_path(log_path: str) -> str:

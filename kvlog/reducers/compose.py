@@ -30,12 +30,13 @@ from kvlog.events import (
     StoreRequested,
     SwapPlan,
     TierBatch,
+    TransferBatch,
     TransferFinished,
     TransferSubmitted,
     validate_event,
 )
 from kvlog.events.validate import VALIDATORS
-from kvlog.reducers import defrag, step, transfers
+from kvlog.reducers import defrag, step, transfer_batch, transfers
 from kvlog.reducers.state import State
 
 __all__ = ["Checked", "check", "commit", "reduce"]
@@ -72,6 +73,7 @@ _PAIRS: dict[type, tuple[_Check, _Apply]] = {
     StepScheduled: (step.check_step, step.apply_step),
     **{tier_event: (_unchecked, _no_check(_tier_only)) for tier_event in TIER_EVENTS},
     TierBatch: (_unchecked, _no_check(_tier_only)),
+    TransferBatch: (transfer_batch.check_batch, transfer_batch.apply_batch),
 }
 """Per event type: its check against the state and its apply."""
 _STEPS: dict[type, tuple[Callable[[Any], None], _Check, _Apply]] = {

@@ -153,18 +153,16 @@ class TransferExecutor:
         if len(pairs) == 0:
             return
         store = plan.kind == "store"
-        gpu, cpu = (pairs[:, 0], pairs[:, 1]) if store else (pairs[:, 1], pairs[:, 0])
+        src, dst = zip(*plan.pairs, strict=True)  # a job's few pairs: Python beats numpy
+        gpu, cpu = (src, dst) if store else (dst, src)
         num_gpu, num_cpu = self._layout.num_gpu_blocks, self._num_cpu_rows
-        assert gpu.min() >= 0 and gpu.max() < num_gpu, (
+        assert min(gpu) >= 0 and max(gpu) < num_gpu, (
             f"job {plan.job_id}: GPU block id outside [0, {num_gpu})"
         )
-        assert cpu.min() >= 0 and cpu.max() < num_cpu, (
+        assert min(cpu) >= 0 and max(cpu) < num_cpu, (
             f"job {plan.job_id}: CPU sub-block id outside [0, {num_cpu})"
         )
-        written = cpu if store else gpu
-        assert len(np.unique(written)) == len(written), (
-            f"job {plan.job_id}: a destination block appears twice"
-        )
+        assert len(set(dst)) == len(dst), f"job {plan.job_id}: a destination block appears twice"
 
     def _dependencies(self, plan: TransferPlan, direction: _Direction) -> list[_Job]:
         jobs = [direction.jobs[-1]] if direction.jobs else []

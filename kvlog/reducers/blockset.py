@@ -55,12 +55,21 @@ SCALAR_LIMIT = 16
 
 
 def set_bits(words: WordArray, ids: IdArray) -> None:
-    """Set the bits of ``ids`` in a plain bitmap (ids may share words)."""
+    """Set the bits of ``ids`` in a plain bitmap (ids may share words); a few ids (a
+    transfer job's pins) one by one, as ``ufunc.at``'s set-up costs more than they do."""
+    if len(ids) <= SCALAR_LIMIT:
+        for i in ids.tolist():
+            words[i >> 6] |= BIT[i & 63]
+        return
     np.bitwise_or.at(words, ids >> 6, BIT[ids & 63])
 
 
 def clear_bits(words: WordArray, ids: IdArray) -> None:
-    """Clear the bits of ``ids`` in a plain bitmap (ids may share words)."""
+    """Clear the bits of ``ids`` in a plain bitmap (ids may share words; a few one by one)."""
+    if len(ids) <= SCALAR_LIMIT:
+        for i in ids.tolist():
+            words[i >> 6] &= ~BIT[i & 63]
+        return
     np.bitwise_and.at(words, ids >> 6, ~BIT[ids & 63])
 
 

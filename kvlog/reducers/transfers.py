@@ -184,15 +184,28 @@ def _busy_cpu(state: State, event: Transfer, subs: IdArray) -> None:
     for job in others.values():
         assert job.pairs is not None, "every job keeps its pairs"
         theirs = job.pairs[0] if store else job.pairs[1]
-        clash = np.isin(subs, theirs)
-        if clash.any():
-            sub = int(subs[int(np.argmax(clash))])
+        sub = _first_shared(subs, theirs)
+        if sub is not None:
             verb = "reads" if store else "writes"
             raise BlockInUse(
                 f"{'store' if store else 'load'} job {event.job_id} uses CPU sub-block {sub} "
                 f"that unfinished {job.kind} job {job.job_id} {verb}",
                 event,
             )
+
+
+_SMALL = 64
+"""Up to this many ids on both sides, overlaps are found with Python sets: ``np.isin``'s
+set-up costs more than a transfer job's few blocks."""
+
+
+def _first_shared(ids: IdArray, others: IdArray) -> int | None:
+    """The first of ``ids`` (in order) that ``others`` holds, or None."""
+    if len(ids) + len(others) <= _SMALL:
+        held = set(others.tolist())
+        return next((i for i in ids.tolist() if i in held), None)
+    clash = np.isin(ids, others)
+    return int(ids[int(np.argmax(clash))]) if clash.any() else None
 
 
 def check_submit(state: State, event: Transfer) -> tuple[IdArray, IdArray]:
@@ -221,7 +234,7 @@ def _plan(state: State, job: Job) -> list[Plan]:
     earlier = [
         j.job_id
         for j in others.values()
-        if j.submitted and np.isin(j.gpu_block_ids, job.gpu_block_ids).any()
+        if j.submitted and _first_shared(j.gpu_block_ids, job.gpu_block_ids) is not None
     ]
     plans: list[Plan] = [FencePlan(job_ids=earlier)] if earlier else []
     plans.append(_transfer_plan(state, job))
@@ -276,7 +289,9 @@ def flush(state: State, physical: IdArray | list[int]) -> list[Plan]:
     """Plans that make it safe to hand ``physical`` (store-pinned) blocks to a new request:
     submit the deferred stores that read them, then fence every store that reads them."""
     wanted = np.asarray(physical, dtype=np.int64)
-    readers = [j for j in state.store_jobs.values() if np.isin(j.gpu_block_ids, wanted).any()]
+    readers = [
+        j for j in state.store_jobs.values() if _first_shared(j.gpu_block_ids, wanted) is not None
+    ]
     plans: list[Plan] = [p for j in readers if not j.submitted for p in _plan(state, j)]
     plans.append(FencePlan(job_ids=[j.job_id for j in readers]))
     return plans

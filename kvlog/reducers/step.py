@@ -224,9 +224,12 @@ def apply_step(state: State, event: StepScheduled, found: StepFound) -> list[Pla
         releases = found.releases + [a[0] for a in found.allocations if a[2]]
         logical, physical = found.bulk
         extensions = [(a[0], a[1]) for a in found.allocations]
-        freed = state.commit_step(releases, extensions, logical, physical)
+        walk = defrag.walks_in_step(state)
+        freed, num_pairs = state.commit_step(releases, extensions, logical, physical, walk)
         if len(freed):
             defrag.quarantine_freed(state, freed)
+        if walk:
+            return defrag.end_step_moved(state, event.step, num_pairs)
         return defrag.end_step_at(state, event.step)
     for req_id in found.releases:
         defrag.release_request(state, req_id)

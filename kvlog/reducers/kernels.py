@@ -358,11 +358,17 @@ def _step_commit(
     offset = 0
     for i in range(k):
         slot, count = rows[num_released + i], rows[num_released + 2 * k + i]
-        term = _table_terms(keys[slot], rows[num_released + k + i], logical[offset : offset + count])
+        term = _table_terms(
+            keys[slot], rows[num_released + k + i], logical[offset : offset + count]
+        )
         sums[slot] += term
         change += term
         offset += count
-    if num_freed and max_used >= 0 and not (words[max_used >> 6] >> np.uint64(max_used & 63)) & _ONE:
+    if (
+        num_freed
+        and max_used >= 0
+        and not (words[max_used >> 6] >> np.uint64(max_used & 63)) & _ONE
+    ):
         max_used = _highest_member(words, nonempty, max_used)
     max_used = max(max_used, top)
     num_used += len(physical) - num_freed

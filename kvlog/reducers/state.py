@@ -21,7 +21,9 @@ here, so the bitmaps never disagree with the counts; each costs O(blocks it is g
 
 from __future__ import annotations
 
+import collections
 import itertools
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -207,44 +209,38 @@ class State:
     def commit_step(
         self,
         releases: list[str],
-        extensions: list[tuple[str, list[int]]],
-        logical: IdArray,
-        physical: IdArray,
+        req_ids: list[str],
+        block_lists: list[list[int]],
+        ids: tuple[IdArray, IdArray],
         walk: bool,
     ) -> tuple[IdArray, int]:
         """A checked step's bookkeeping in one compiled call: ``releases`` (distinct, each
-        holding a table) drop their tables, then each of ``extensions`` (distinct requests,
-        non-empty lists, released ones getting a fresh table) is appended; ``logical`` /
-        ``physical``: all the extensions' ids, concatenated, whose physical blocks the
-        check found distinct, free and unpinned. The running digest follows. ``walk``: the
-        same call then takes the seed rule's defrag decision and moves (only for the seed
-        policy without a byte cap, quarantine or quarantined blocks: ``defrag.walks_in_step``);
-        the pairs are the first ones of ``pair_sources`` / ``pair_destinations``. Returns
-        the blocks the releases freed and the number of pairs moved."""
+        holding a table) drop their tables, then each of ``req_ids`` (distinct, released
+        ones getting a fresh table) gets its non-empty list of ``block_lists`` appended;
+        ``ids``: all of those ids, concatenated, logical and physical, whose physical
+        blocks the check found distinct, free and unpinned. The running digest follows.
+        ``walk``: the same call then takes the seed rule's defrag decision and moves (only
+        where ``defrag.walks_in_step``); the pairs are the first of ``pair_sources`` /
+        ``pair_destinations``. Returns the blocks the releases freed and the number of
+        pairs moved. The per-request work is C-level passes (``map``) over the step's
+        lists: one dict lookup a request, its table extended in place."""
         tables, digest = self.tables, self.running
-        slots, table_at = digest.slots, digest.table_at
-        dropped: list[list[int]] = []
-        rows: list[int] = []
-        for req_id in releases:
-            dropped.append(tables.pop(req_id))
-            rows.append(slots.pop(req_id))
+        slots = digest.slots
+        dropped = [tables.pop(req_id) for req_id in releases]
+        rows = [slots.pop(req_id) for req_id in releases]
         num_released = len(rows)
-        starts, counts = [], []
-        for req_id, ids in extensions:
-            slot = slots.get(req_id)
-            if slot is None:
-                table = tables[req_id] = list(ids)
-                slot = digest.add_request(req_id, table)
-                starts.append(0)
-            else:
-                table = table_at[slot]
-                assert table is not None, "a live request's slot holds its table"
-                starts.append(len(table))
-                table.extend(ids)
-            rows.append(slot)
-            counts.append(len(ids))
-        rows += starts
-        rows += counts
+        found: list[Any] = list(map(slots.get, req_ids))
+        if None in found:  # new tables (a new request, or one released by this step)
+            for i, slot in enumerate(found):
+                if slot is None:
+                    table: list[int] = []
+                    tables[req_ids[i]] = table
+                    found[i] = digest.add_request(req_ids[i], table)
+        held = list(map(digest.table_at.__getitem__, found))
+        rows += found
+        rows += map(len, held)  # where each table's new ids start
+        rows += map(len, block_lists)
+        collections.deque(map(list.extend, held, block_lists), maxlen=0)
         released = np.fromiter(
             itertools.chain.from_iterable(dropped), np.int64, sum(map(len, dropped))
         )
@@ -253,12 +249,12 @@ class State:
         assert config is not None, "a step commits to a configured state only"
         num_freed, self._max_used, change, num_pairs, delta = kernels.step_commit(
             used.words, used.nonempty, used.notfull, self.pinned, self.refs, self.fwd,
-            self.bwd, released, physical, logical, np.array(rows, dtype=np.int64),
+            self.bwd, released, ids[1], ids[0], np.array(rows, dtype=np.int64),
             num_released, digest.keys, digest.sums, freed, self.pair_sources,
             self.pair_destinations, self._max_used, used.count, config.threshold,
             config.max_swaps if walk else 0,
         )  # fmt: skip
-        used.count += physical.size - num_freed
+        used.count += ids[1].size - num_freed
         digest.tables_changed(int(change))
         if num_released:
             digest.release_slots(rows[:num_released])

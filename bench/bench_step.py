@@ -71,14 +71,40 @@ class Run(NamedTuple):
     pairs: list[list[tuple[int, int]]]
 
 
+HAND_OVER = True
+"""Whether each step's events are handed over fresh, untimed, just before the step is
+timed (``--prebuilt`` turns it off)."""
+
+
+def handed_over(event: Event) -> Event:
+    """``event`` as a runner hands it over: new containers built from the scheduler's
+    ids just now (the ids and request names are the same objects, touched while copied),
+    not ones built hundreds of steps earlier, whose memory a large pool's step has long
+    evicted from the caches."""
+    if type(event) is StepScheduled:
+        return StepScheduled(
+            step=event.step,
+            allocated={req_id: list(ids) for req_id, ids in event.allocated.items()},
+            finished=list(event.finished),
+            preempted=list(event.preempted),
+            resumed=list(event.resumed),
+        )
+    if type(event) is BlocksAllocated:
+        return BlocksAllocated(req_id=event.req_id, block_ids=list(event.block_ids))
+    return event
+
+
 def timed(
     steps: list[list[Event]],
     apply: Callable[[Event], list[Any]],
     pairs_of: Callable[[list[Any]], list[tuple[int, int]]],
 ) -> Run:
-    """Each step's events through ``apply``, each step timed alone."""
+    """Each step's events through ``apply``, each step timed alone (its events handed
+    over just before, untimed: ``handed_over``)."""
     clock, times, pairs = time.perf_counter_ns, [], []
     for events in steps:
+        if HAND_OVER:
+            events = [handed_over(event) for event in events]
         t0 = clock()
         out = [item for event in events for item in apply(event)]
         times.append(clock() - t0)
@@ -291,10 +317,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="600 steps; 4k, 32k and 1M")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per size")
     parser.add_argument("--repeat", type=int, default=3, help="rounds (best kept per side)")
+    parser.add_argument(
+        "--prebuilt",
+        action="store_true",
+        help="time the events as built before the run (cold in a large pool's caches), "
+        "not handed over fresh per step",
+    )
     args = parser.parse_args(argv)
+    global HAND_OVER
+    HAND_OVER = not args.prebuilt
     num_steps = args.steps or (600 if args.quick else 4200)
     sizes = (4096, 32768, 1 << 20) if args.quick else SIZES
-    print(f"{num_steps} steps per size, best of {args.repeat} rounds, log on, default checkpoints")
+    handed = "prebuilt events" if args.prebuilt else "events handed over fresh per step"
+    print(
+        f"{num_steps} steps per size, best of {args.repeat} rounds, log on, default "
+        f"checkpoints, {handed}"
+    )
     with tempfile.TemporaryDirectory() as directory:
         best, events = measure(sizes, num_steps, args.repeat, directory)
     Console(width=180).print(results_table(sizes, best, events, num_steps))

@@ -340,8 +340,9 @@ def _step_commit(
     ``num_released``), then per allocation in order its slot, then their table starts, then
     their counts (``logical``: all the allocations' ids, concatenated); each allocation's
     terms are added to ``sums[slot]`` (its key ``keys[slot]``), the released slots' sums
-    leave the total. ``max_used`` and ``num_used``: before the step; with ``max_swaps > 0`` the step then ends with the seed rule's trigger, walk and
-    move (``pairing.walk`` and ``_move``; the pairs go to ``sources`` / ``destinations``).
+    leave the total. ``max_used`` and ``num_used``: before the step. With ``max_swaps > 0``
+    the step then ends with the seed rule's trigger, walk and move (``pairing.walk`` and
+    ``_move``; the pairs go to ``sources`` / ``destinations``).
     Returns (blocks freed, highest used block after the step, the change of the tables'
     sum, pairs moved, the change of the mapping sum), sums as wrapping uint64."""
     num_freed = _drop_refs_inline(words, nonempty, notfull, refs, fwd, released, freed)

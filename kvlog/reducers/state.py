@@ -230,12 +230,12 @@ class State:
         rows = [slots.pop(req_id) for req_id in releases]
         num_released = len(rows)
         found: list[Any] = list(map(slots.get, req_ids))
-        if None in found:  # new tables (a new request, or one released by this step)
-            for i, slot in enumerate(found):
-                if slot is None:
-                    table: list[int] = []
-                    tables[req_ids[i]] = table
-                    found[i] = digest.add_request(req_ids[i], table)
+        i = -1
+        for _ in range(found.count(None)):  # new tables (new, or released by this step)
+            i = found.index(None, i + 1)
+            table: list[int] = []
+            tables[req_ids[i]] = table
+            found[i] = digest.add_request(req_ids[i], table)
         held = list(map(digest.table_at.__getitem__, found))
         rows += found
         rows += map(len, held)  # where each table's new ids start

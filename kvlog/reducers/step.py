@@ -19,7 +19,9 @@ buffers for small allocations and numpy for large ones; never O(pool).
 
 from __future__ import annotations
 
+import functools
 import itertools
+from collections.abc import Callable
 from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
@@ -60,6 +62,10 @@ class StepFound(NamedTuple):
     bulk: tuple[np.ndarray, np.ndarray] | None
 
 
+_found: Callable[[tuple[Any, Any, Any]], StepFound] = functools.partial(tuple.__new__, StepFound)
+"""``StepFound`` from a plain tuple without the NamedTuple constructor's Python frame."""
+
+
 def check_step(state: State, event: StepScheduled) -> StepFound:
     """Refuse the step if any of its events would be refused where it stands; else what
     the apply needs. One compiled pass over all of the step's blocks settles the usual
@@ -88,7 +94,7 @@ def check_step(state: State, event: StepScheduled) -> StepFound:
     )
     if status == 0:
         allocations = _allocations(event, tables, released) if event.resumed else None
-        return StepFound(releases, allocations, (logical, physical))
+        return _found((releases, allocations, (logical, physical)))
     allocations = _allocations(event, tables, released)
     if status == 2:
         _refuse_range(allocations, config.num_gpu_blocks)

@@ -27,8 +27,10 @@ per-event cost at each size over the smallest size's.
 from __future__ import annotations
 
 import argparse
+import array
 import collections
 import gc
+import itertools
 import os
 import random
 import statistics
@@ -64,11 +66,12 @@ ARRIVALS, GROWTHS, TARGET, THRESHOLD = (0, 0, 1, 1, 2), 8, 0.8, 32
 
 
 class Run(NamedTuple):
-    """One side's run: mean and median us per step, and the swap pairs of each step."""
+    """One side's run: mean and median us per step, and the swap pairs of each step (as
+    ``packed``: bytes, which the garbage collector does not track)."""
 
     mean_us: float
     median_us: float
-    pairs: list[list[tuple[int, int]]]
+    pairs: list[bytes]
 
 
 HAND_OVER = True
@@ -94,6 +97,12 @@ def handed_over(event: Event) -> Event:
     return event
 
 
+def packed(pairs: list[tuple[int, int]]) -> bytes:
+    """A step's pairs as int64 bytes: kept for the comparison of the sides without
+    keeping a tuple per pair alive, whose collection the next steps would be timed with."""
+    return array.array("q", itertools.chain.from_iterable(pairs)).tobytes()
+
+
 def timed(
     steps: list[list[Event]],
     apply: Callable[[Event], list[Any]],
@@ -108,7 +117,7 @@ def timed(
         t0 = clock()
         out = [item for event in events for item in apply(event)]
         times.append(clock() - t0)
-        pairs.append(pairs_of(out))
+        pairs.append(packed(pairs_of(out)))
     return Run(sum(times) / 1e3 / len(steps), statistics.median(times) / 1e3, pairs)
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import collections
 import itertools
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -201,10 +201,10 @@ class State:
             table = self.tables[req_id] = list(block_ids)
             digest.table_extended(digest.add_request(req_id, table), 0, block_ids)
         else:
-            table = digest.table_at[slot]
-            assert table is not None, "a live request's slot holds its table"
-            digest.table_extended(slot, len(table), block_ids)
-            table.extend(block_ids)
+            held = digest.table_at[slot]
+            assert held is not None, "a live request's slot holds its table"
+            digest.table_extended(slot, len(held), block_ids)
+            held.extend(block_ids)
 
     def commit_step(
         self,
@@ -236,7 +236,7 @@ class State:
             table: list[int] = []
             tables[req_ids[i]] = table
             found[i] = digest.add_request(req_ids[i], table)
-        held = list(map(digest.table_at.__getitem__, found))
+        held = cast("list[list[int]]", list(map(digest.table_at.__getitem__, found)))
         rows += found
         rows += map(len, held)  # where each table's new ids start
         rows += map(len, block_lists)

@@ -16,6 +16,11 @@ randomness; results go to caller-owned, preallocated output arrays. The move als
 what it changed in the running digest's mapping sum (``running.py``: the same splitmix64
 terms, in wrapping uint64 arithmetic), so a checkpoint has nothing left to hash for it.
 
+A whole scheduler step (``StepScheduled``) is two calls: ``step_allocation`` checks all of
+its blocks, ``step_commit`` does its reference counting, its running-digest rows, and the
+seed rule's walk and move, so that a numba call's fixed cost (about a microsecond with
+this many arrays) is paid twice a step, not once per loop.
+
 The defrag rule (``defrag.py``): sources are the used, unpinned blocks from ``max_used`` down,
 destinations the free, unpinned blocks from 1 up; pair source ``i`` with destination ``i``
 while the destination is below the source, for at most ``limit`` pairs. Cost: O(pairs +

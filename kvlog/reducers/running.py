@@ -8,8 +8,8 @@ in three running sums that every primitive of ``State`` updates with what it cha
 - the mapping: one term per logical block whose physical block is not itself
   (``fwd[L] != L``); the identity contributes nothing, so a fresh pool costs nothing;
 - the tables: one term per ``(request, position, block)``, hashed as the block is
-  appended and kept per request as well, so a request that finishes subtracts its sum in
-  O(1);
+  appended and kept per request as well (a row of uint64 arrays, see ``RunningDigest``),
+  so a request that finishes subtracts its sum in O(1);
 - the jobs: one term per unfinished job (a hash of its id, kind, GPU, CPU and sub-block
   ids), and one more once its plan is submitted.
 

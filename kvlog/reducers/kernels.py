@@ -364,9 +364,11 @@ def _step_commit(
     offset = 0
     for i in range(k):
         slot, count = rows[num_released + i], rows[num_released + 2 * k + i]
-        term = _table_terms(
-            keys[slot], rows[num_released + k + i], logical[offset : offset + count]
-        )
+        start = rows[num_released + k + i]
+        key, term = keys[slot], _ZERO
+        for j in range(count):
+            item = (np.uint64(start + j) << np.uint64(32)) | np.uint64(logical[offset + j])
+            term += _mix(key + item * _GOLDEN)
         sums[slot] += term
         change += term
         offset += count

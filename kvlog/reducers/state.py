@@ -226,8 +226,8 @@ class State:
         lists: one dict lookup a request, its table extended in place."""
         tables, digest = self.tables, self.running
         slots = digest.slots
-        dropped = [tables.pop(req_id) for req_id in releases]
-        rows = [slots.pop(req_id) for req_id in releases]
+        dropped = list(map(tables.pop, releases))
+        rows: list[int] = list(map(slots.pop, releases))
         num_released = len(rows)
         found: list[Any] = list(map(slots.get, req_ids))
         i = -1

@@ -27,8 +27,10 @@ per-event cost at each size over the smallest size's.
 from __future__ import annotations
 
 import argparse
+import array
 import collections
 import gc
+import itertools
 import os
 import random
 import statistics
@@ -64,11 +66,41 @@ ARRIVALS, GROWTHS, TARGET, THRESHOLD = (0, 0, 1, 1, 2), 8, 0.8, 32
 
 
 class Run(NamedTuple):
-    """One side's run: mean and median us per step, and the swap pairs of each step."""
+    """One side's run: mean and median us per step, and the swap pairs of each step (as
+    ``packed``: bytes, which the garbage collector does not track)."""
 
     mean_us: float
     median_us: float
-    pairs: list[list[tuple[int, int]]]
+    pairs: list[bytes]
+
+
+HAND_OVER = True
+"""Whether each step's events are handed over fresh, untimed, just before the step is
+timed (``--prebuilt`` turns it off)."""
+
+
+def handed_over(event: Event) -> Event:
+    """``event`` as a runner hands it over: new containers built from the scheduler's
+    ids just now (the ids and request names are the same objects, touched while copied),
+    not ones built hundreds of steps earlier, whose memory a large pool's step has long
+    evicted from the caches."""
+    if type(event) is StepScheduled:
+        return StepScheduled(
+            step=event.step,
+            allocated={req_id: list(ids) for req_id, ids in event.allocated.items()},
+            finished=list(event.finished),
+            preempted=list(event.preempted),
+            resumed=list(event.resumed),
+        )
+    if type(event) is BlocksAllocated:
+        return BlocksAllocated(req_id=event.req_id, block_ids=list(event.block_ids))
+    return event
+
+
+def packed(pairs: list[tuple[int, int]]) -> bytes:
+    """A step's pairs as int64 bytes: kept for the comparison of the sides without
+    keeping a tuple per pair alive, whose collection the next steps would be timed with."""
+    return array.array("q", itertools.chain.from_iterable(pairs)).tobytes()
 
 
 def timed(
@@ -76,13 +108,16 @@ def timed(
     apply: Callable[[Event], list[Any]],
     pairs_of: Callable[[list[Any]], list[tuple[int, int]]],
 ) -> Run:
-    """Each step's events through ``apply``, each step timed alone."""
+    """Each step's events through ``apply``, each step timed alone (its events handed
+    over just before, untimed: ``handed_over``)."""
     clock, times, pairs = time.perf_counter_ns, [], []
     for events in steps:
+        if HAND_OVER:
+            events = [handed_over(event) for event in events]
         t0 = clock()
         out = [item for event in events for item in apply(event)]
         times.append(clock() - t0)
-        pairs.append(pairs_of(out))
+        pairs.append(packed(pairs_of(out)))
     return Run(sum(times) / 1e3 / len(steps), statistics.median(times) / 1e3, pairs)
 
 
@@ -291,10 +326,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="600 steps; 4k, 32k and 1M")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per size")
     parser.add_argument("--repeat", type=int, default=3, help="rounds (best kept per side)")
+    parser.add_argument(
+        "--prebuilt",
+        action="store_true",
+        help="time the events as built before the run (cold in a large pool's caches), "
+        "not handed over fresh per step",
+    )
     args = parser.parse_args(argv)
+    global HAND_OVER
+    HAND_OVER = not args.prebuilt
     num_steps = args.steps or (600 if args.quick else 4200)
     sizes = (4096, 32768, 1 << 20) if args.quick else SIZES
-    print(f"{num_steps} steps per size, best of {args.repeat} rounds, log on, default checkpoints")
+    handed = "prebuilt events" if args.prebuilt else "events handed over fresh per step"
+    print(
+        f"{num_steps} steps per size, best of {args.repeat} rounds, log on, default "
+        f"checkpoints, {handed}"
+    )
     with tempfile.TemporaryDirectory() as directory:
         best, events = measure(sizes, num_steps, args.repeat, directory)
     Console(width=180).print(results_table(sizes, best, events, num_steps))

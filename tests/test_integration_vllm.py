@@ -71,10 +71,16 @@ def test_connector_is_vllms_offloading_connector_and_overrides_keep_signatures()
         for n in vars(KvlogOffloadingConnector)
         if inspect.isfunction(getattr(KvlogOffloadingConnector, n)) and not n.startswith("_")
     ]
-    # shutdown closes the tier log; log_status is kvlog's own (no vLLM method)
-    assert sorted(own) == ["bind_connector_metadata", "log_status", "shutdown"]
+    # build_connector_meta writes the step's tier calls, shutdown closes the tier log;
+    # log_status is kvlog's own (no vLLM method)
+    assert sorted(own) == [
+        "bind_connector_metadata",
+        "build_connector_meta",
+        "log_status",
+        "shutdown",
+    ]
     assert not hasattr(KVConnectorBase_V1, "log_status")
-    for name in ("bind_connector_metadata", "shutdown"):
+    for name in ("bind_connector_metadata", "build_connector_meta", "shutdown"):
         assert _params(KvlogOffloadingConnector, name) == _params(KVConnectorBase_V1, name)
     assert _params(KvlogOffloadingConnector, "__init__") == _params(OffloadingConnector, "__init__")
 

@@ -75,10 +75,12 @@ __all__ = [
     "check_configure",
     "end_step",
     "end_step_at",
+    "end_step_moved",
     "pad_bucket",
     "release",
     "quarantine_freed",
     "release_request",
+    "walks_in_step",
 ]
 
 
@@ -285,6 +287,35 @@ def end_step_at(state: State, step: int) -> list[Plan]:
     state.move_blocks(sources, destinations)
     pairs = list(zip(sources.tolist(), destinations.tolist(), strict=True))
     padded_to = pad_bucket(len(pairs), config.pad_sizes)
+    return [SwapPlan(step=step, pairs=pairs, padded_to=padded_to, mode=swap_mode(config))]
+
+
+def walks_in_step(state: State) -> bool:
+    """Whether a step's one compiled commit takes the defrag decision as well
+    (``State.commit_step``): under the seed rule without a byte cap, and with no quarantine
+    (where ``end_step_at`` lifts it between the walk and the move)."""
+    config = state.config
+    assert config is not None, "reduce() dispatches only configured states here"
+    return (
+        config.defrag
+        and config.policy == "seed"
+        and not config.max_bytes_per_step
+        and not config.quarantine_released
+        and not state.quarantined
+    )
+
+
+def end_step_moved(state: State, step: int, num_pairs: int) -> list[Plan]:
+    """``end_step_at`` once ``State.commit_step`` has walked and moved ``num_pairs`` pairs
+    (in the state's pair scratch): record the step, the plan of the pairs."""
+    state.step = step
+    if not num_pairs:
+        return []
+    config = state.config
+    assert config is not None, "reduce() dispatches only configured states here"
+    sources = state.pair_sources[:num_pairs].tolist()
+    pairs = list(zip(sources, state.pair_destinations[:num_pairs].tolist(), strict=True))
+    padded_to = pad_bucket(num_pairs, config.pad_sizes)
     return [SwapPlan(step=step, pairs=pairs, padded_to=padded_to, mode=swap_mode(config))]
 
 

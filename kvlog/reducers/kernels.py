@@ -16,6 +16,11 @@ randomness; results go to caller-owned, preallocated output arrays. The move als
 what it changed in the running digest's mapping sum (``running.py``: the same splitmix64
 terms, in wrapping uint64 arithmetic), so a checkpoint has nothing left to hash for it.
 
+A whole scheduler step (``StepScheduled``) is two calls: ``step_allocation`` checks all of
+its blocks, ``step_commit`` does its reference counting, its running-digest rows, and the
+seed rule's walk and move, so that a numba call's fixed cost (about a microsecond with
+this many arrays) is paid twice a step, not once per loop.
+
 The defrag rule (``defrag.py``): sources are the used, unpinned blocks from ``max_used`` down,
 destinations the free, unpinned blocks from 1 up; pair source ``i`` with destination ``i``
 while the destination is below the source, for at most ``limit`` pairs. Cost: O(pairs +
@@ -85,21 +90,6 @@ def _table_terms(key: Any, start: int, block_ids: Any) -> Any:
     for i in range(len(block_ids)):
         item = (np.uint64(start + i) << np.uint64(32)) | np.uint64(block_ids[i])
         total += _mix(base + item * _GOLDEN)
-    return total
-
-
-def _tables_terms(keys: Any, starts: Any, counts: Any, block_ids: Any, sums: Any) -> Any:
-    """``_table_terms`` of several tables at once: table ``i`` gets the next ``counts[i]``
-    of ``block_ids`` at positions ``starts[i], ...``; its sum goes to ``sums[i]``. Returns
-    the total of the sums."""
-    total = _ZERO
-    offset = 0
-    for i in range(len(keys)):
-        n = counts[i]
-        term = _table_terms(keys[i], starts[i], block_ids[offset : offset + n])
-        sums[i] = term
-        total += term
-        offset += n
     return total
 
 
@@ -328,22 +318,38 @@ def _step_commit(
     words: Any,
     nonempty: Any,
     notfull: Any,
+    pinned: Any,
     refs: Any,
     fwd: Any,
+    bwd: Any,
     released: Any,
     physical: Any,
-    keys: Any,
-    starts: Any,
-    counts: Any,
     logical: Any,
-    freed: Any,
+    rows: Any,
+    num_released: int,
+    keys: Any,
     sums: Any,
+    freed: Any,
+    sources: Any,
+    destinations: Any,
+    max_used: int,
+    num_used: int,
+    threshold: int,
+    max_swaps: int,
 ) -> Any:
-    """A whole step's reference counting and table hashing in one call: drop one
-    reference per logical id of ``released`` (the freed blocks go to ``freed``), add one
-    to each of ``physical`` (distinct, all free: the step's check found them so), and hash
-    the allocations' table entries (``_tables_terms`` into ``sums``). Returns (blocks
-    freed, highest block taken or -1, the sum of ``sums``)."""
+    """A whole checked step's bookkeeping and, when asked, its seed-rule defrag, in one call.
+
+    Drop one reference per logical id of ``released`` (the freed blocks go to ``freed``),
+    add one to each of ``physical`` (distinct, all free: the step's check found them so);
+    then the running digest's rows: ``rows`` holds the released requests' slots (the first
+    ``num_released``), then per allocation in order its slot, then their table starts, then
+    their counts (``logical``: all the allocations' ids, concatenated); each allocation's
+    terms are added to ``sums[slot]`` (its key ``keys[slot]``), the released slots' sums
+    leave the total. ``max_used`` and ``num_used``: before the step. With ``max_swaps > 0``
+    the step then ends with the seed rule's trigger, walk and move (``pairing.walk`` and
+    ``_move``; the pairs go to ``sources`` / ``destinations``).
+    Returns (blocks freed, highest used block after the step, the change of the tables'
+    sum, pairs moved, the change of the mapping sum), sums as wrapping uint64."""
     num_freed = _drop_refs_inline(words, nonempty, notfull, refs, fwd, released, freed)
     top = -1
     for i in range(len(physical)):
@@ -351,7 +357,40 @@ def _step_commit(
         refs[p] = 1
         _add_member(words, nonempty, notfull, p)
         top = max(top, p)
-    return num_freed, top, _tables_terms_inline(keys, starts, counts, logical, sums)
+    change = _ZERO
+    for i in range(num_released):
+        change -= sums[rows[i]]
+    k = (len(rows) - num_released) // 3
+    offset = 0
+    for i in range(k):
+        slot, count = rows[num_released + i], rows[num_released + 2 * k + i]
+        start = rows[num_released + k + i]
+        key, term = keys[slot], _ZERO
+        for j in range(count):
+            item = (np.uint64(start + j) << np.uint64(32)) | np.uint64(logical[offset + j])
+            term += _mix(key + item * _GOLDEN)
+        sums[slot] += term
+        change += term
+        offset += count
+    if (
+        num_freed
+        and max_used >= 0
+        and not (words[max_used >> 6] >> np.uint64(max_used & 63)) & _ONE
+    ):
+        max_used = _highest_member(words, nonempty, max_used)
+    max_used = max(max_used, top)
+    num_used += len(physical) - num_freed
+    num_pairs, delta = 0, _ZERO
+    if max_swaps > 0 and max_used >= 0 and max_used - threshold > num_used:
+        num_pairs = _seed_walk_inline(
+            words, nonempty, notfull, pinned, max_used, max_swaps, sources, destinations
+        )
+        if num_pairs:
+            delta, max_used = _move_inline(
+                words, nonempty, notfull, refs, fwd, bwd, sources[:num_pairs],
+                destinations[:num_pairs], max_used,
+            )  # fmt: skip
+    return num_freed, max_used, change, num_pairs, delta
 
 
 def _compiled(function: Any, inline: bool = False) -> Any:
@@ -380,7 +419,6 @@ _mix = _inline(_mix)
 _fwd_term = _inline(_fwd_term)
 table_terms = _jit(_table_terms)
 _table_terms = _inline(_table_terms)
-_tables_terms_inline = _inline(_tables_terms)
 _add_member = _inline(_add_member)
 _remove_member = _inline(_remove_member)
 _lowest_bit = _inline(_lowest_bit)
@@ -389,7 +427,9 @@ _highest_member = _inline(_highest_member)
 _prev_word = _inline(_prev_word)
 _next_word = _inline(_next_word)
 seed_walk = _jit(_seed_walk)
+_seed_walk_inline = _inline(_seed_walk)
 move = _jit(_move)
+_move_inline = _inline(_move)
 add_refs = _jit(_add_refs)
 drop_refs = _jit(_drop_refs)
 _drop_refs_inline = _inline(_drop_refs)
@@ -420,6 +460,7 @@ def load() -> None:
     step_allocation(blocks, blocks, blocks, blocks, none, ids)
     table_terms(np.uint64(GOLDEN), 0, none)
     step_commit(
-        words, words, words, blocks, blocks, none, none, words[:0], none, none, none, ids, words[:0]
-    )
+        words, words, words, words, blocks, blocks, blocks, none, none, none, none, 0, words,
+        words, ids, ids, ids, -1, 0, 0, 0,
+    )  # fmt: skip
     _loaded = True

@@ -8,8 +8,8 @@ in three running sums that every primitive of ``State`` updates with what it cha
 - the mapping: one term per logical block whose physical block is not itself
   (``fwd[L] != L``); the identity contributes nothing, so a fresh pool costs nothing;
 - the tables: one term per ``(request, position, block)``, hashed as the block is
-  appended and kept per request as well, so a request that finishes subtracts its sum in
-  O(1);
+  appended and kept per request as well (a row of uint64 arrays, see ``RunningDigest``),
+  so a request that finishes subtracts its sum in O(1);
 - the jobs: one term per unfinished job (a hash of its id, kind, GPU, CPU and sub-block
   ids), and one more once its plan is submitted.
 
@@ -32,6 +32,7 @@ import numpy as np
 
 from kvlog.events import CacheConfigured
 from kvlog.reducers import kernels
+from kvlog.reducers.buffers import uint64_buffer
 from kvlog.reducers.kernels import FWD_KEY, GOLDEN
 from kvlog.splitmix import mix64, mix64_array
 
@@ -57,6 +58,8 @@ MASK = (1 << 64) - 1
 _SUBMITTED_KEY = 0x13198A2E03707344
 _LOOP_LIMIT = 16
 """Up to this many table entries, ``table_terms`` hashes them in a Python loop."""
+_FIRST_ROWS = 64
+"""Request rows a fresh ``RunningDigest`` holds before it first doubles them."""
 
 
 mix = mix64
@@ -147,38 +150,94 @@ class RunningDigest:
     each change as it happens and it is hashed then, at a cost proportional to the change
     (a block appended to a table: one mix; a defrag move: its pairs, summed by
     ``kernels.move``; a job: one blake2b), never to the pool or to the time since the last
-    checkpoint."""
+    checkpoint.
 
-    __slots__ = ("fwd", "jobs", "per_request", "tables")
+    Per live request it keeps a row: the request's id is interned to a dense slot
+    (``slots``), whose key and table sum sit in two uint64 arrays (``keys`` / ``sums``,
+    views of ``array.array`` buffers, grown by doubling) and whose table list (the State's
+    own list object) in ``table_at``. A scheduler step then reaches a request's table and
+    sums with one dict lookup, and the compiled step kernel updates the sums in place."""
+
+    __slots__ = (
+        "free_slots",
+        "fwd",
+        "jobs",
+        "keys",
+        "keys_buffer",
+        "slots",
+        "sums",
+        "sums_buffer",
+        "table_at",
+        "tables",
+    )
 
     def __init__(self) -> None:
         self.fwd = 0
         self.tables = 0
         self.jobs = 0
-        self.per_request: dict[str, list[int]] = {}
-        """Per live request: ``[key, sum of its table's terms]``."""
+        self.slots: dict[str, int] = {}
+        """Live request -> its slot (rows of ``keys``, ``sums`` and ``table_at``)."""
+        self.free_slots: list[int] = []
+        self.table_at: list[list[int] | None] = []
+        """Per slot: the State's table list of its request (None: a free slot)."""
+        self.keys_buffer, self.keys = uint64_buffer(_FIRST_ROWS)
+        self.sums_buffer, self.sums = uint64_buffer(_FIRST_ROWS)
+
+    @property
+    def per_request(self) -> dict[str, list[int]]:
+        """Per live request: ``[key, sum of its table's terms]`` (built on demand)."""
+        keys, sums = self.keys_buffer, self.sums_buffer
+        return {req_id: [keys[slot], sums[slot]] for req_id, slot in self.slots.items()}
+
+    # -- rows ----------------------------------------------------------------------------
+    def add_request(self, req_id: str, table: list[int]) -> int:
+        """A row for a request without one, holding ``table`` (its State list); its slot."""
+        if self.free_slots:
+            slot = self.free_slots.pop()
+            self.table_at[slot] = table
+        else:
+            slot = len(self.table_at)
+            if slot == len(self.keys_buffer):
+                self._grow()
+            self.table_at.append(table)
+        self.keys_buffer[slot] = request_key(req_id)
+        self.sums_buffer[slot] = 0
+        self.slots[req_id] = slot
+        return slot
+
+    def _grow(self) -> None:
+        """Twice the rows (the old arrays are left to their holders: copied, not resized)."""
+        size = 2 * len(self.keys_buffer)
+        for name in ("keys", "sums"):
+            buffer, view = uint64_buffer(size)
+            view[: size // 2] = getattr(self, name)
+            setattr(self, name + "_buffer", buffer)
+            setattr(self, name, view)
+
+    def release_slots(self, slots: list[int]) -> None:
+        """Rows whose requests left ``slots`` (and their sums) already: free to reuse."""
+        table_at = self.table_at
+        for slot in slots:
+            table_at[slot] = None
+        self.free_slots += slots
 
     # -- changes (called by State's primitives) ------------------------------------------
-    def table_extended(self, req_id: str, start: int, block_ids: list[int]) -> None:
-        """``block_ids`` were appended to a table at position ``start``: hashed now, O(len)."""
-        entry = self.per_request.get(req_id)
-        if entry is None:
-            entry = self.per_request[req_id] = [request_key(req_id), 0]
-        delta = table_terms(entry[0], start, block_ids)
-        entry[1] = (entry[1] + delta) & MASK
+    def table_extended(self, slot: int, start: int, block_ids: list[int]) -> None:
+        """``block_ids`` were appended to the table of ``slot`` at position ``start``:
+        hashed now, O(len)."""
+        delta = table_terms(self.keys_buffer[slot], start, block_ids)
+        self.sums_buffer[slot] = (self.sums_buffer[slot] + delta) & MASK
         self.tables = (self.tables + delta) & MASK
 
-    def tables_changed(self, entries: list[list[int]], sums: Any, delta: int) -> None:
-        """``State.commit_step`` hashed ``sums[i]`` into ``entries[i]`` (``per_request``'s
-        ``[key, sum]``) and changed the tables' sum by ``delta`` in all."""
-        for entry, term in zip(entries, sums.tolist(), strict=True):
-            entry[1] = (entry[1] + term) & MASK
+    def tables_changed(self, delta: int) -> None:
+        """``State.commit_step``'s kernel changed rows' sums: the tables' sum by ``delta``."""
         self.tables = (self.tables + delta) & MASK
 
     def table_removed(self, req_id: str) -> None:
-        entry = self.per_request.pop(req_id, None)
-        if entry is not None:
-            self.tables = (self.tables - entry[1]) & MASK
+        slot = self.slots.pop(req_id, None)
+        if slot is not None:
+            self.tables = (self.tables - self.sums_buffer[slot]) & MASK
+            self.release_slots([slot])
 
     def mapping_moved(self, delta: int) -> None:
         """The mapping sum changed by ``delta`` (the defrag move computes it as it moves)."""
@@ -198,8 +257,14 @@ class RunningDigest:
 
     # -- from scratch --------------------------------------------------------------------
     def recompute(self, state: State) -> None:
-        """All sums from scratch (after a restore), each job's term kept."""
-        self.fwd, self.tables, self.per_request, self.jobs = recompute(state, keep_terms=True)
+        """All sums and rows from scratch (after a restore), each job's term kept."""
+        self.fwd, self.tables, per_request, self.jobs = recompute(state, keep_terms=True)
+        self.slots, self.free_slots, self.table_at = {}, [], []
+        self.keys_buffer, self.keys = uint64_buffer(_FIRST_ROWS)
+        self.sums_buffer, self.sums = uint64_buffer(_FIRST_ROWS)
+        for req_id, (_, total) in per_request.items():
+            slot = self.add_request(req_id, state.tables[req_id])
+            self.sums_buffer[slot] = total
 
 
 def recompute(

@@ -21,7 +21,9 @@ here, so the bitmaps never disagree with the counts; each costs O(blocks it is g
 
 from __future__ import annotations
 
+import collections
 import itertools
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -193,66 +195,73 @@ class State:
     # -- primitives (keep arrays, bitmaps, max_used and the running digest consistent) ----
     def extend_table(self, req_id: str, block_ids: list[int]) -> None:
         """Append logical ids to a request's table (a new table if it has none)."""
-        table = self.tables.get(req_id)
-        if table is None:
-            self.tables[req_id] = list(block_ids)
-            self.running.table_extended(req_id, 0, block_ids)
+        digest = self.running
+        slot = digest.slots.get(req_id)
+        if slot is None:
+            table = self.tables[req_id] = list(block_ids)
+            digest.table_extended(digest.add_request(req_id, table), 0, block_ids)
         else:
-            self.running.table_extended(req_id, len(table), block_ids)
-            table.extend(block_ids)
+            held = digest.table_at[slot]
+            assert held is not None, "a live request's slot holds its table"
+            digest.table_extended(slot, len(held), block_ids)
+            held.extend(block_ids)
 
     def commit_step(
         self,
         releases: list[str],
-        extensions: list[tuple[str, list[int]]],
-        logical: IdArray,
-        physical: IdArray,
-    ) -> IdArray:
+        req_ids: list[str],
+        block_lists: list[list[int]],
+        ids: tuple[IdArray, IdArray],
+        walk: bool,
+    ) -> tuple[IdArray, int]:
         """A checked step's bookkeeping in one compiled call: ``releases`` (distinct, each
-        holding a table) drop their tables, then each of ``extensions`` (distinct requests,
-        non-empty lists, released ones getting a fresh table) is appended; ``logical`` /
-        ``physical``: all the extensions' ids, concatenated, whose physical blocks the
-        check found distinct, free and unpinned. The running digest follows. Returns the
-        blocks the releases freed."""
-        tables, running_digest = self.tables, self.running
-        per_request = running_digest.per_request
-        dropped: list[list[int]] = []
-        removed = 0
-        for req_id in releases:
-            dropped.append(tables.pop(req_id))
-            removed += per_request.pop(req_id)[1]
-        entries, keys, starts, counts = [], [], [], []
-        for req_id, ids in extensions:
-            table = tables.get(req_id)
-            if table is None:
-                tables[req_id] = list(ids)
-                starts.append(0)
-                entry = per_request[req_id] = [running.request_key(req_id), 0]
-            else:
-                starts.append(len(table))
-                table.extend(ids)
-                entry = per_request[req_id]
-            entries.append(entry)
-            keys.append(entry[0])
-            counts.append(len(ids))
+        holding a table) drop their tables, then each of ``req_ids`` (distinct, released
+        ones getting a fresh table) gets its non-empty list of ``block_lists`` appended;
+        ``ids``: all of those ids, concatenated, logical and physical, whose physical
+        blocks the check found distinct, free and unpinned. The running digest follows.
+        ``walk``: the same call then takes the seed rule's defrag decision and moves (only
+        where ``defrag.walks_in_step``); the pairs are the first of ``pair_sources`` /
+        ``pair_destinations``. Returns the blocks the releases freed and the number of
+        pairs moved. The per-request work is C-level passes (``map``) over the step's
+        lists: one dict lookup a request, its table extended in place."""
+        tables, digest = self.tables, self.running
+        slots = digest.slots
+        dropped = list(map(tables.pop, releases))
+        rows: list[int] = list(map(slots.pop, releases))
+        num_released = len(rows)
+        found: list[Any] = list(map(slots.get, req_ids))
+        i = -1
+        for _ in range(found.count(None)):  # new tables (new, or released by this step)
+            i = found.index(None, i + 1)
+            table: list[int] = []
+            tables[req_ids[i]] = table
+            found[i] = digest.add_request(req_ids[i], table)
+        held = cast("list[list[int]]", list(map(digest.table_at.__getitem__, found)))
+        rows += found
+        rows += map(len, held)  # where each table's new ids start
+        rows += map(len, block_lists)
+        collections.deque(map(list.extend, held, block_lists), maxlen=0)
         released = np.fromiter(
             itertools.chain.from_iterable(dropped), np.int64, sum(map(len, dropped))
         )
         freed = np.empty(released.size, dtype=np.int64)
-        sums = np.empty(len(entries), dtype=np.uint64)
-        used = self.used
-        num_freed, top, total = kernels.step_commit(
-            used.words, used.nonempty, used.notfull, self.refs, self.fwd, released, physical,
-            np.array(keys, dtype=np.uint64), np.array(starts, dtype=np.int64),
-            np.array(counts, dtype=np.int64), logical, freed, sums,
+        config, used = self.config, self.used
+        assert config is not None, "a step commits to a configured state only"
+        num_freed, self._max_used, change, num_pairs, delta = kernels.step_commit(
+            used.words, used.nonempty, used.notfull, self.pinned, self.refs, self.fwd,
+            self.bwd, released, ids[1], ids[0], np.array(rows, dtype=np.int64),
+            num_released, digest.keys, digest.sums, freed, self.pair_sources,
+            self.pair_destinations, self._max_used, used.count, config.threshold,
+            config.max_swaps if walk else 0,
         )  # fmt: skip
-        used.count += physical.size - num_freed
-        running_digest.tables_changed(entries, sums, int(total) - removed)
-        if num_freed:
-            self._refresh_max_used()
-        if top > self._max_used:
-            self._max_used = int(top)
-        return freed[:num_freed]
+        used.count += ids[1].size - num_freed
+        digest.tables_changed(int(change))
+        if num_released:
+            digest.release_slots(rows[:num_released])
+        if num_pairs:
+            self.num_moves += 1
+            digest.mapping_moved(int(delta))
+        return freed[:num_freed], num_pairs
 
     def pop_table(self, req_id: str) -> list[int] | None:
         """Remove and return a request's table (None if it has none)."""

@@ -19,7 +19,9 @@ buffers for small allocations and numpy for large ones; never O(pool).
 
 from __future__ import annotations
 
+import functools
 import itertools
+from collections.abc import Callable
 from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
@@ -56,8 +58,12 @@ class StepFound(NamedTuple):
     once, all of their logical and physical ids in two arrays (``bulk``, else None)."""
 
     releases: list[str]
-    allocations: list[tuple[str, list[int], bool, list[int] | None, bool]]
+    allocations: list[tuple[str, list[int], bool, list[int] | None, bool]] | None
     bulk: tuple[np.ndarray, np.ndarray] | None
+
+
+_found: Callable[[tuple[Any, Any, Any]], StepFound] = functools.partial(tuple.__new__, StepFound)
+"""``StepFound`` from a plain tuple without the NamedTuple constructor's Python frame."""
 
 
 def check_step(state: State, event: StepScheduled) -> StepFound:
@@ -69,38 +75,50 @@ def check_step(state: State, event: StepScheduled) -> StepFound:
     tables = state.tables
     releases: list[str] = []
     released: set[str] = set()
-    for req_id in (*event.finished, *event.preempted):
+    for req_id in (*event.finished, *event.preempted) if event.preempted else event.finished:
         if req_id in tables and req_id not in released:
             releases.append(req_id)
             released.add(req_id)
-    resumed = event.resumed
-    allocations: list[tuple[str, list[int], bool, list[int] | None, bool]] = []
-    count = 0
-    again_released = set(released)  # grows in the step's order, for the resumed rule only
-    for req_id, block_ids in event.allocated.items():
-        if block_ids:
-            again = bool(resumed) and _resumed_again(req_id, resumed, tables, again_released)
-            allocations.append((req_id, block_ids, again, None, True))
-            count += len(block_ids)
-    if not allocations:
+    allocated = event.allocated
+    count = sum(map(len, allocated.values()))
+    if not count:
         none = np.zeros(0, dtype=np.int64)
-        return StepFound(releases, allocations, (none, none))
-    size = config.num_gpu_blocks
+        return StepFound(releases, [], (none, none))
     try:
-        logical = np.fromiter(
-            itertools.chain.from_iterable(a[1] for a in allocations), np.int64, count
-        )
+        logical = np.fromiter(itertools.chain.from_iterable(allocated.values()), np.int64, count)
     except OverflowError:  # an int beyond int64
-        _refuse_range(allocations, size)
+        _refuse_range(_allocations(event, tables, released), config.num_gpu_blocks)
     physical = np.empty(count, dtype=np.int64)
     status = kernels.step_allocation(
         state.fwd, state.refs, state.store_pins, state.load_pins, logical, physical
     )
     if status == 0:
-        return StepFound(releases, allocations, (logical, physical))
+        allocations = _allocations(event, tables, released) if event.resumed else None
+        return _found((releases, allocations, (logical, physical)))
+    allocations = _allocations(event, tables, released)
     if status == 2:
-        _refuse_range(allocations, size)
+        _refuse_range(allocations, config.num_gpu_blocks)
     return StepFound(releases, _scan(state, allocations, released), None)
+
+
+def _allocations(
+    event: StepScheduled, tables: Any, released: set[str]
+) -> list[tuple[str, list[int], bool, list[int] | None, bool]]:
+    """Per non-empty allocation in order: its request, ids, and whether the request is
+    released just before it (resumed while holding a table)."""
+    resumed = event.resumed
+    again_released = set(released)  # grows in the step's order, for the resumed rule only
+    return [
+        (
+            req_id,
+            block_ids,
+            bool(resumed) and _resumed_again(req_id, resumed, tables, again_released),
+            None,
+            True,
+        )
+        for req_id, block_ids in event.allocated.items()
+        if block_ids
+    ]
 
 
 def _resumed_again(req_id: str, resumed: list[str], tables: Any, released: set[str]) -> bool:
@@ -221,16 +239,29 @@ class _Scan:
 def apply_step(state: State, event: StepScheduled, found: StepFound) -> list[Plan]:
     """The step's releases, allocations and defrag decision, in order; their plans."""
     if found.bulk is not None:  # every block free, unpinned, given once
-        releases = found.releases + [a[0] for a in found.allocations if a[2]]
-        logical, physical = found.bulk
-        extensions = [(a[0], a[1]) for a in found.allocations]
-        freed = state.commit_step(releases, extensions, logical, physical)
+        allocated = event.allocated
+        if found.allocations is None:  # nothing resumed: the step's lists as they are
+            releases = found.releases
+            if all(allocated.values()):
+                req_ids, block_lists = list(allocated), list(allocated.values())
+            else:
+                req_ids = [r for r, block_ids in allocated.items() if block_ids]
+                block_lists = [block_ids for block_ids in allocated.values() if block_ids]
+        else:
+            releases = found.releases + [a[0] for a in found.allocations if a[2]]
+            req_ids = [a[0] for a in found.allocations]
+            block_lists = [a[1] for a in found.allocations]
+        walk = defrag.walks_in_step(state)
+        freed, num_pairs = state.commit_step(releases, req_ids, block_lists, found.bulk, walk)
         if len(freed):
             defrag.quarantine_freed(state, freed)
+        if walk:
+            return defrag.end_step_moved(state, event.step, num_pairs)
         return defrag.end_step_at(state, event.step)
     for req_id in found.releases:
         defrag.release_request(state, req_id)
     plans: list[Plan] = []
+    assert found.allocations is not None, "check_step lists the allocations it scans"
     for req_id, block_ids, again, found_ids, free in found.allocations:
         if again:
             defrag.release_request(state, req_id)

@@ -97,6 +97,7 @@ from kvlog.log.format import (
     read_header_info,
     record_seed,
 )
+from kvlog.log.manifest import fsync_directory
 from kvlog.log.scan import FrameScanner
 
 try:
@@ -615,7 +616,7 @@ def _create(path: str, header: LogHeader) -> None:
             os.close(fd)
         with contextlib.suppress(FileExistsError):
             os.link(tmp_path, path)  # never replaces anything
-        _fsync_directory(directory)
+        fsync_directory(directory)
     except OSError as exc:
         raise path_error(path, "cannot create the log", exc) from exc
     finally:
@@ -649,17 +650,6 @@ def _datasync(fd: int) -> None:
         os.fdatasync(fd)
     else:  # pragma: no cover - macOS, Windows
         os.fsync(fd)
-
-
-def _fsync_directory(directory: str) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _lock(fd: int, path: str) -> None:

@@ -27,6 +27,7 @@ import os
 import re
 import threading
 import time
+from collections.abc import Callable
 
 import msgspec
 
@@ -327,23 +328,20 @@ class SegmentedWriter:
     def close(self) -> None:
         """Close the open segment cleanly (it stays open for ``Engine.resume``), wait for
         the sealer, release the directory. Idempotent."""
-        if self._lock_fd < 0:
-            return
-        try:
-            if self._current is not None:
-                self._current.close()
-        finally:
-            self._closed = True
-            self._join_sealer()
-            self._release()
+        self._end(LogWriter.close)
 
     def abandon(self) -> None:
         """Leave the open segment as a crash would (``LogWriter.abandon``); idempotent."""
+        self._end(LogWriter.abandon)
+
+    def _end(self, end_segment: Callable[[LogWriter], None]) -> None:
+        """End the open segment by ``end_segment``, then wait for the sealer and release
+        the directory, whatever the segment's end raised; nothing once released."""
         if self._lock_fd < 0:
             return
         try:
             if self._current is not None:
-                self._current.abandon()
+                end_segment(self._current)
         finally:
             self._closed = True
             self._join_sealer()

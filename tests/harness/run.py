@@ -9,7 +9,7 @@ import random
 import tempfile
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -114,18 +114,8 @@ class Run(Checks):
         swaps and transfers on the harness's tensors) into ``copy_s``."""
         engine = self._engine()
         executor = None if engine is None else engine.executor
-        if executor is None:
-            return
-        inner, result = executor.execute, self.result
-
-        def execute(plan: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return inner(plan)
-            finally:
-                result.copy_s += time.perf_counter() - t0
-
-        executor.execute = execute
+        if executor is not None:
+            executor.execute = _timed(executor.execute, self.result, "copy_s")
 
     def _time_tier_log(self) -> None:
         """Count the scheduler side's CPU tier log (``TierRecorder``'s appends, which run
@@ -135,18 +125,8 @@ class Run(Checks):
 
         connector = getattr(self.scheduler, "connector", None)
         recorder = getattr(getattr(connector, "connector_scheduler", None), "manager", None)
-        if not isinstance(recorder, TierRecorder) or recorder.sink is None:
-            return
-        inner, result = recorder.sink, self.result
-
-        def sink(event: Any) -> object:
-            t0 = time.perf_counter()
-            try:
-                return inner(event)
-            finally:
-                result.tier_s += time.perf_counter() - t0
-
-        recorder.sink = sink
+        if isinstance(recorder, TierRecorder) and recorder.sink is not None:
+            recorder.sink = _timed(recorder.sink, self.result, "tier_s")
 
     def _conn_engine(self) -> Any:
         return self.connector.engine
@@ -504,3 +484,16 @@ def _shadow_seed(kv: KvCache, cfg: RunConfig) -> Any:
     seed = SeedDefragmenter(threshold=cfg.threshold, prefix_caching=cfg.prefix_caching)
     seed.initialize([(k.clone(), v.clone()) for k, v in kv.layers], cfg.block_size)
     return seed
+
+
+def _timed(inner: Callable[[Any], Any], result: RunResult, field: str) -> Callable[[Any], Any]:
+    """``inner`` with the time of each call added to ``result``'s ``field`` (seconds)."""
+
+    def timed(arg: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return inner(arg)
+        finally:
+            setattr(result, field, getattr(result, field) + time.perf_counter() - t0)
+
+    return timed

@@ -46,7 +46,6 @@ __all__ = [
     "check_step",
     "expand",
     "held_by_receiver",
-    "reads_stored",
 ]
 
 
@@ -271,12 +270,6 @@ def apply_step(state: State, event: StepScheduled, found: StepFound) -> list[Pla
             plans += flushed
     plans += defrag.end_step_at(state, event.step)
     return plans
-
-
-def reads_stored(state: State, allocated: dict[str, list[int]]) -> bool:
-    """Whether an unfinished store reads a block (in range) the step gives out."""
-    fwd, stores = state.fwd_buffer, state.store_pins_buffer
-    return any(stores[fwd[b]] for block_ids in allocated.values() for b in block_ids)
 
 
 def held_by_receiver(state: State, allocated: dict[str, list[int]], released: set[str]) -> bool:

@@ -17,11 +17,11 @@ from kvlog.events import (
     TIER_EVENTS,
     Event,
     Record,
-    TierBatch,
     TierEvent,
     TierLoadPrepared,
     TierLookedUp,
     TierStorePrepared,
+    unbatched,
 )
 from kvlog.log import read_log
 from kvlog.reducers.cpu_tier import TierAnswer, TierState, reduce_tier
@@ -63,11 +63,9 @@ def tier_events(source: str | os.PathLike[str] | Iterable[Event | Record]) -> It
         records = (record for _, record in read_log(source))
     else:
         records = source
-    for record in records:
+    for record in unbatched(records):
         if type(record) in TIER_EVENTS:
-            yield record  # type: ignore[misc]
-        elif type(record) is TierBatch:
-            yield from record.events
+            yield record
 
 
 def _recorded(event: TierEvent) -> TierAnswer | None:

@@ -2,6 +2,7 @@
 
     python bench/bench_transfer.py            # every case (about a minute or two)
     python bench/bench_transfer.py --quick    # three small cases (seconds)
+    python bench/bench_transfer.py --backend cuda   # GPU caches, pinned CPU tier (needs CUDA)
 
 For each case (page bytes per tensor, number of tensors, blocks per job, how the GPU
 blocks are laid out) and each direction, three ways move the same bytes in the same run:
@@ -9,7 +10,8 @@ blocks are laid out) and each direction, three ways move the same bytes in the s
 - ``plain``: one contiguous ``copy_`` per tensor of ``blocks * page`` bytes (the ceiling);
 - ``seed``: the seed's ``dst.index_put_((dst_idx,), src.index_select(0, src_idx))`` per
   tensor, index tensors moved per layer (``kv_offload/worker/cpu_hpu.py``);
-- ``kvlog``: ``Executor.execute(TransferPlan)`` then ``wait()`` on the ``cpu`` backend,
+- ``kvlog``: ``Executor.execute(TransferPlan)`` then ``wait()`` on the chosen backend
+  (``cpu`` by default; ``cuda`` puts the caches on the GPU and the CPU tier in pinned memory),
   program compile included.
 
 ``vllm`` jobs have GPU blocks in runs of 1..16 consecutive ids (as vLLM allocates them) and
@@ -17,7 +19,8 @@ consecutive CPU blocks; ``scattered`` jobs have every GPU block and CPU block at
 ``defrag`` rows time a swap plan (highest used into lowest free, ``"move"``) against the
 seed's ``CacheSwapUtils`` (``index_select`` + ``index_copy_`` over slots). The best of
 several interleaved repetitions (two for the slow seed way) is reported, as GB/s and as
-ratios measured in this run.
+ratios measured in this run. On ``cuda`` every way ends with ``torch.cuda.synchronize()``,
+so each time is the bytes landed, not the copies queued.
 Memory stays under about 2 GiB.
 """
 
@@ -95,6 +98,12 @@ def cpu_blocks(case: Case, num_cpu_blocks: int, rng: np.random.Generator) -> lis
     return list(range(first, first + case.num_blocks))
 
 
+def synchronize() -> None:
+    """Wait for queued device work (a no-op on CPU), so a timing covers the bytes landed."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def best_times(ways: dict[str, Callable[[], None]], reps: int) -> dict[str, float]:
     """Interleave the ways, ``reps`` times each after one warm-up; best times in seconds.
 
@@ -103,25 +112,29 @@ def best_times(ways: dict[str, Callable[[], None]], reps: int) -> dict[str, floa
     times: dict[str, list[float]] = {name: [] for name in ways}
     for run in ways.values():
         run()
+    synchronize()
     for rep in range(reps):
         for name, run in ways.items():
             if name == "seed" and rep >= SEED_REPS:
                 continue  # the slow way: fewer repetitions keep the run short
             start = time.perf_counter()
             run()
+            synchronize()
             times[name].append(time.perf_counter() - start)
     return {name: min(values) for name, values in times.items()}
 
 
-def bench_case(case: Case, reps: int, rng: np.random.Generator) -> list[str]:
+def bench_case(case: Case, reps: int, rng: np.random.Generator, backend: str) -> list[str]:
     """Store, load and defrag rows of one case; the tensors are freed afterwards."""
     num_gpu = 2 * case.num_blocks + 32
     num_cpu = case.num_blocks + 16
+    device = torch.device("cuda" if backend == "cuda" else "cpu")
     caches = [
-        torch.ones(num_gpu, case.page_bytes, dtype=torch.int8) for _ in range(case.num_tensors)
+        torch.ones(num_gpu, case.page_bytes, dtype=torch.int8, device=device)
+        for _ in range(case.num_tensors)
     ]
     config = CacheConfigured(num_gpu_blocks=num_gpu, block_size=16, num_cpu_blocks=num_cpu)
-    executor = make_executor([(t,) for t in caches], config, backend="cpu")
+    executor = make_executor([(t,) for t in caches], config, backend=backend)
     for cpu_tensor in executor.cpu_tensors:
         cpu_tensor.fill_(2)  # touch every page before timing
     gpu = gpu_blocks(case, num_gpu, rng)
@@ -179,6 +192,7 @@ def _defrag_row(case: Case, caches: list[torch.Tensor], executor: Executor, reps
     slots = torch.arange(block_size)
     srcs = ((torch.tensor([s for s, _ in pairs]) * block_size).unsqueeze(-1) + slots).flatten()
     dsts = ((torch.tensor([d for _, d in pairs]) * block_size).unsqueeze(-1) + slots).flatten()
+    srcs, dsts = srcs.to(caches[0].device), dsts.to(caches[0].device)
     slot_views = [t.view(num_gpu * block_size, -1) for t in caches]
 
     def seed() -> None:
@@ -213,13 +227,18 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="three small cases, few repetitions")
     parser.add_argument("--reps", type=int, default=0, help="repetitions per way (default 3/5)")
+    parser.add_argument("--backend", choices=["cpu", "cuda"], default="cpu", help="executor")
     args = parser.parse_args(argv)
     cases = QUICK if args.quick else FULL
     reps = args.reps or (3 if args.quick else 5)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {reps} repetitions")
+    where = torch.cuda.get_device_name() if args.backend == "cuda" else "CPU"
+    print(
+        f"torch {torch.__version__}, {args.backend} backend on {where}, "
+        f"{torch.get_num_threads()} threads, {reps} repetitions"
+    )
     rng = np.random.default_rng(0)
     for case in cases:
-        for row in bench_case(case, reps, rng):
+        for row in bench_case(case, reps, rng, args.backend):
             print(row, flush=True)
 
 

@@ -169,9 +169,8 @@ def _transfer_row(
 
     def seed() -> None:  # index tensors moved per layer, gather then index_put_
         for src, dst in zip(sources, destinations, strict=True):
-            dst.index_put_(
-                (dst_index.to(dst.device),), src.index_select(0, src_index.to(src.device))
-            )
+            rows = src.index_select(0, src_index.to(src.device))
+            dst.index_put_((dst_index.to(dst.device),), rows.to(dst.device))
 
     def kvlog() -> None:
         job = TransferPlan(job_id=next(job_ids), kind=kind, pairs=pairs, num_bytes=0)

@@ -12,15 +12,17 @@ import contextlib
 import os
 import tempfile
 import typing
+from pathlib import Path
 
 import msgspec
+import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 from strategies import any_record
 
 from kvlog import replay
 from kvlog.errors import CorruptLogError, KvlogError
-from kvlog.events import Record, decode, encode
+from kvlog.events import Record, RequestFinished, decode, decode_plan, encode
 from kvlog.log import MAGIC, LogReader, LogWriter, read_header
 from kvlog.log.format import FRAME, frame_crc, record_seed
 
@@ -47,6 +49,7 @@ def _decode_or_refuse(data: bytes) -> object | None:
 @example(b"\xdf\xff\xff\xff\xff")  # a map that claims 2**32-1 entries
 @example(b"\xdd\xff\xff\xff\xff")  # an array that claims 2**32-1 entries
 @example(b"\x91" * 5000)  # deep nesting
+@example(b"\x82\xa4type\xafequestFinished\xa6req_id\xa10")  # a tag that is not UTF-8
 def test_arbitrary_bytes_decode_or_raise_decode_error(data: bytes) -> None:
     _decode_or_refuse(data)
 
@@ -80,6 +83,34 @@ def test_mutated_encodings_decode_or_raise_decode_error(case: tuple[bytes, bytes
     record = _decode_or_refuse(mutated)
     if mutated == original:
         assert record == decode(original)
+
+
+class _OldMsgspecDecoder:
+    """Stands in for a msgspec decoder before 0.23, which raised a bare UnicodeDecodeError
+    for a string that is not UTF-8 (``msgspec>=0.18`` admits those versions)."""
+
+    def decode(self, data: object) -> object:
+        raise UnicodeDecodeError("utf-8", b"\xa6", 0, 1, "invalid start byte")
+
+
+def test_decoders_of_old_msgspec_still_raise_the_documented_errors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kvlog.events.codec
+    import kvlog.log.reader
+
+    log_path = str(tmp_path / "a.kvlog")
+    with LogWriter(log_path, sync="none") as writer:
+        writer.append(RequestFinished(req_id="0"))
+    monkeypatch.setattr(kvlog.events.codec, "_decoder", _OldMsgspecDecoder())
+    monkeypatch.setattr(kvlog.events.codec, "_plan_decoder", _OldMsgspecDecoder())
+    monkeypatch.setattr(kvlog.log.reader, "_decoder", _OldMsgspecDecoder())
+    with pytest.raises(msgspec.DecodeError):
+        decode(b"\xa1a")
+    with pytest.raises(msgspec.DecodeError):
+        decode_plan(b"\xa1a")
+    with pytest.raises(CorruptLogError, match="does not decode"):
+        list(LogReader(log_path))
 
 
 @given(any_record)

@@ -1,7 +1,7 @@
 """Events, plans and their codec: the schema of the kvlog log (version 1)."""
 
 from kvlog.events.batches import unbatched
-from kvlog.events.codec import decode, decode_plan, encode, to_dict, to_json
+from kvlog.events.codec import DECODE_ERRORS, decode, decode_plan, encode, to_dict, to_json
 from kvlog.events.types import (
     CONFIG_DEFAULTS,
     DEFAULT_PAD_SIZES,
@@ -51,6 +51,7 @@ from kvlog.events.types import (
 from kvlog.events.validate import validate_event
 
 __all__ = [
+    "DECODE_ERRORS",
     "CONFIG_DEFAULTS",
     "DEFAULT_PAD_SIZES",
     "DEFRAG_POLICIES",

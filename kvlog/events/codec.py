@@ -1,7 +1,10 @@
 """One msgpack encoder and decoder for every record type, built once.
 
 ``decode`` raises :class:`msgspec.DecodeError` (or ``ValidationError``) on bytes that are
-not a record of this schema; the log turns that into ``CorruptLogError``.
+not a record of this schema; the log turns that into ``CorruptLogError``. Callers that run a
+msgspec decoder themselves catch :data:`DECODE_ERRORS`: msgspec before 0.23 raises a bare
+``UnicodeDecodeError`` for a string that is not UTF-8, and its ``DecodeError`` is a
+``ValueError`` only from 0.21 on (both seen on msgspec 0.19, which ``msgspec>=0.18`` admits).
 """
 
 from __future__ import annotations
@@ -12,7 +15,10 @@ import msgspec
 
 from kvlog.events.types import Event, Plan, Record
 
-__all__ = ["decode", "decode_plan", "encode", "to_dict", "to_json"]
+__all__ = ["DECODE_ERRORS", "decode", "decode_plan", "encode", "to_dict", "to_json"]
+
+DECODE_ERRORS: tuple[type[Exception], ...] = (msgspec.DecodeError, UnicodeDecodeError)
+"""What a msgspec decoder raises on bytes that are not what it decodes, on every version."""
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder: msgspec.msgpack.Decoder[Record] = msgspec.msgpack.Decoder(Record)
@@ -26,13 +32,19 @@ def encode(record: Record | Plan) -> bytes:
 
 
 def decode(data: bytes | memoryview) -> Record:
-    """Decode one record (an event or a checkpoint)."""
-    return _decoder.decode(data)
+    """Decode one record (an event or a checkpoint); ``msgspec.DecodeError`` if not one."""
+    try:
+        return _decoder.decode(data)
+    except UnicodeDecodeError as exc:  # msgspec < 0.23
+        raise msgspec.DecodeError(f"MessagePack data is malformed: {exc}") from exc
 
 
 def decode_plan(data: bytes | memoryview) -> Plan:
-    """Decode one plan."""
-    return _plan_decoder.decode(data)
+    """Decode one plan; ``msgspec.DecodeError`` if the bytes are not one."""
+    try:
+        return _plan_decoder.decode(data)
+    except UnicodeDecodeError as exc:  # msgspec < 0.23
+        raise msgspec.DecodeError(f"MessagePack data is malformed: {exc}") from exc
 
 
 def to_dict(record: Event | Record | Plan) -> dict[str, Any]:

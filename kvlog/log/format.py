@@ -47,7 +47,7 @@ import msgspec
 
 from kvlog import crc32c as _crc32c
 from kvlog.errors import CorruptLogError, SchemaVersionError
-from kvlog.events import SCHEMA_VERSION, Record
+from kvlog.events import DECODE_ERRORS, SCHEMA_VERSION, Record
 
 __all__ = [
     "FLAGS_OFFSET",
@@ -276,7 +276,7 @@ def read_header_info(file: BinaryIO, path: str) -> HeaderRead:
 def _decode_header_body(body: bytes, path: str) -> LogHeader:
     try:
         header = _header_decoder.decode(body)
-    except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
+    except DECODE_ERRORS as exc:  # ValidationError is a DecodeError
         raise CorruptLogError(f"undecodable log header: {exc}", path=path, offset=0) from exc
     if not 1 <= header.schema_version <= SCHEMA_VERSION:
         raise SchemaVersionError(

@@ -32,6 +32,7 @@ from typing import Any
 import msgspec
 
 from kvlog.errors import CorruptLogError, MissingExtra
+from kvlog.events.codec import DECODE_ERRORS
 
 __all__ = [
     "MANIFEST_NAME",
@@ -98,12 +99,15 @@ def is_log_directory(path: str | os.PathLike[str]) -> bool:
     return os.path.isdir(text) or text.endswith(os.sep) or text.endswith("/")
 
 
+_UNREADABLE: tuple[type[Exception], ...] = (OSError, *DECODE_ERRORS)
+
+
 def read_manifest(directory: str) -> Manifest | None:
     """The manifest of ``directory``, or None when it has none or an unreadable one."""
     try:
         with open(os.path.join(directory, MANIFEST_NAME), "rb") as file:
             manifest = _decoder.decode(file.read())
-    except (OSError, msgspec.DecodeError):
+    except _UNREADABLE:
         return None
     return manifest if manifest.version == MANIFEST_VERSION else None
 

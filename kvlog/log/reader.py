@@ -25,7 +25,7 @@ from typing import BinaryIO
 import msgspec
 
 from kvlog.errors import CorruptLogError, LogNotFound, SchemaVersionError
-from kvlog.events import Checkpoint, Record
+from kvlog.events import DECODE_ERRORS, Checkpoint, Record
 from kvlog.log.format import (
     FLAG_CLOSED,
     PART,
@@ -268,7 +268,7 @@ class _Assembler:
                 record = self._record(offset, seq, _decoder.decode(payload))
                 if record is not None:
                     yield seq, record
-        except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
+        except DECODE_ERRORS as exc:  # ValidationError is a DecodeError
             message = f"record with a valid checksum does not decode: {exc}"
             raise self._corrupt(message, offset, seq) from exc
         if self.parts and self.scanner.tail is None:  # the scanner cuts pending parts

@@ -30,7 +30,14 @@ import numpy as np
 
 from kvlog import crc32c as _crc32c
 from kvlog.errors import CorruptLogError
-from kvlog.events import CONFIG_DEFAULTS, CacheConfigured, SwapPlan, decode_plan, encode
+from kvlog.events import (
+    CONFIG_DEFAULTS,
+    DECODE_ERRORS,
+    CacheConfigured,
+    SwapPlan,
+    decode_plan,
+    encode,
+)
 from kvlog.reducers.blockset import BlockSet, pack_words
 from kvlog.reducers.consistency import check_consistent
 from kvlog.reducers.state import Job, State
@@ -200,6 +207,12 @@ def _unpack_array(name: str, packed: list[Any], size: int) -> np.ndarray:
     return array + np.arange(size, dtype=np.int32) if name in _MAPPINGS else array
 
 
+_NOT_A_SNAPSHOT: tuple[type[Exception], ...] = (
+    *DECODE_ERRORS,
+    *(ValueError, TypeError, KeyError, IndexError, OverflowError, zlib.error),
+)
+
+
 def restore(blob: bytes) -> State:
     """A State from ``snapshot`` bytes; ``CorruptLogError`` if they are not one (a checksum
     or digest that does not match, or a state that breaks an invariant)."""
@@ -212,7 +225,7 @@ def restore(blob: bytes) -> State:
         return _finish(_rebuild(canonical), last_swap)
     except CorruptLogError:
         raise
-    except (ValueError, TypeError, KeyError, IndexError, OverflowError, zlib.error) as error:
+    except _NOT_A_SNAPSHOT as error:
         raise CorruptLogError(f"bad state snapshot: {error}") from error
 
 

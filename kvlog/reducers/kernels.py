@@ -211,8 +211,12 @@ def _move(
     for i in range(len(sources)):
         s, d = sources[i], destinations[i]
         logical_source, logical_destination = bwd[s], bwd[d]
-        delta += _fwd_term(logical_source, d) - _fwd_term(logical_source, s)
-        delta += _fwd_term(logical_destination, s) - _fwd_term(logical_destination, d)
+        # uint64 on both sides: run as Python, a compiled helper returns a Python int,
+        # whose difference numpy 1.x would not wrap (NUMBA_DISABLE_JIT, the tests)
+        delta += np.uint64(_fwd_term(logical_source, d)) - np.uint64(_fwd_term(logical_source, s))
+        delta += np.uint64(_fwd_term(logical_destination, s)) - np.uint64(
+            _fwd_term(logical_destination, d)
+        )
         refs[d], refs[s] = refs[s], 0
         fwd[logical_source], fwd[logical_destination] = d, s
         bwd[d], bwd[s] = logical_source, logical_destination

@@ -160,7 +160,7 @@ def cost_summary(results: Iterable[RunResult]) -> str:
     if inline:
         line += f" (with an fsync a step, {len(inline)}: max {inline[-1]:.2f})"
     line += f"; {100 * copies:.0f}% of kvlog's time in tensor copies"
-    shadowed = [r for r in main if r.seed_s]
+    shadowed = [r for r in default if r.seed_s]
     if shadowed:
         seed = sorted(r.defrag_s / r.seed_s for r in shadowed)
         alone = sorted(r.seed_s / max(r.sched_s, 1e-9) for r in shadowed)

@@ -427,6 +427,16 @@ def test_replay_execute_of_a_log_with_no_events_does_not_pass(
     assert kvlog("replay", str(out)) == 0  # verifying it is fine: no checkpoint disagrees
 
 
+def test_scheduler_vllm_without_vllm_is_refused_before_the_log(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "vllm.config", None)  # as where vLLM is not installed
+    out = str(tmp_path / "t.kvlog")
+    argv = ["synth", "--out", out, "--trace", MOONCAKE, "--requests", "3", "--scheduler", "vllm"]
+    refused(capsys, argv, "kvlog[vllm]")
+    assert entries(tmp_path) == []
+
+
 def test_demo_does_not_delete_an_unrelated_demo_kvlog(
     log: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import io
 import os
 import signal
 import sys
@@ -42,7 +43,7 @@ from kvlog.log import FORMAT_VERSION, SYNC_MODES, LogReader
 from kvlog.log.manifest import log_num_bytes
 from kvlog.policy import POLICY_FIELDS, check_tail_only, policy_field
 from kvlog.present.text import describe_overrides, progress_bar, replay_text, synth_text
-from kvlog.present.units import format_bytes
+from kvlog.present.units import format_bytes, printable
 from kvlog.replay import ReplayResult, replay
 from kvlog.report import Series, report_path, write_report
 from kvlog.synth import SynthConfig, read_meta, run_synth
@@ -248,7 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "sweep": cmd_sweep,
         "ranks": cmd_ranks,
     }
-    with _interruptible():
+    with _interruptible(), _paths_on_stdout():
         try:
             return commands[args.command](args)
         except KeyboardInterrupt:
@@ -295,6 +296,22 @@ def _interruptible() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+@contextlib.contextmanager
+def _paths_on_stdout() -> Iterator[None]:
+    """Any path the user gave prints: a file name that is not UTF-8 reaches Python as lone
+    surrogates, which a strict stdout (a UTF-8 locale other than C) refuses after the work
+    is done, so for one command stdout escapes them (``\\udcff``) as stderr always does."""
+    out = sys.stdout
+    if not isinstance(out, io.TextIOWrapper) or out.errors != "strict":
+        yield
+        return
+    out.reconfigure(errors="backslashreplace")
+    try:
+        yield
+    finally:
+        out.reconfigure(errors="strict")
 
 
 # -- synth -------------------------------------------------------------------------------
@@ -425,10 +442,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
         print(f"kvlog replay: salvaged the intact prefix: {result.salvaged}", file=sys.stderr)
         return 1
     if args.report:
-        title = f"kvlog replay {os.path.basename(args.log)}"
+        title = f"kvlog replay {printable(os.path.basename(args.log))}"
         config = result.recorded_config
         print(write_report(args.report, _series(result), title, config=config))
-    if result.canary is not None and result.canary.num_checked == 0:
+    if args.execute and (result.canary is None or result.canary.num_checked == 0):
         print("kvlog replay: --execute read no block: nothing was checked", file=sys.stderr)
         return 1
     return 0 if result.ok else 1

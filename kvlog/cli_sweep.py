@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -340,17 +341,8 @@ def add_tier_flags(p: argparse.ArgumentParser) -> None:
 def cmd_tier_sweep(args: argparse.Namespace) -> int:
     """``kvlog sweep --cpu-bytes``: the CPU tier's what-ifs (``kvlog/tier/sweep.py``)."""
     from kvlog.tier.sweep import run_tier_sweep, tier_grid, write_tier_csv, write_tier_plot
-    from kvlog.tier.whatif import EVICTIONS
 
-    for name in args.eviction:
-        if name not in EVICTIONS:
-            raise ConfigError("--eviction", args.eviction, f"names from {list(EVICTIONS)}")
-    if args.tokens_per_chunk < 1 or 512 % args.tokens_per_chunk:
-        raise ConfigError("--tokens-per-chunk", args.tokens_per_chunk, "a divisor of 512")
-    if args.prefill_us_per_token < 0:
-        raise ConfigError("--prefill-us-per-token", args.prefill_us_per_token, "a time >= 0")
-    if args.bytes_per_token < 1:
-        raise ConfigError("--bytes-per-token", args.bytes_per_token, "an integer >= 1")
+    check_tier_flags(args)
     cost = cost_model(args.hardware, args.hbm_tbps, args.link_gbps)
     variants = tier_grid(
         args.cpu_bytes,
@@ -380,6 +372,27 @@ def cmd_tier_sweep(args: argparse.Namespace) -> int:
     write_tier_plot(png_path, rows, curves)
     print(f"\nwrote {csv_path} and {png_path} ({time.perf_counter() - started:.1f} s)")
     return 0
+
+
+def check_tier_flags(args: argparse.Namespace) -> None:
+    """The CPU tier flags no what-if can use, refused (ConfigError naming the flag) before
+    any work: a NaN or infinite prefill price would fill the table with ``nan s``, and a
+    negative store threshold or GPU token count would run as if it were 0."""
+    from kvlog.tier.whatif import EVICTIONS
+
+    for name in args.eviction:
+        if name not in EVICTIONS:
+            raise ConfigError("--eviction", args.eviction, f"names from {list(EVICTIONS)}")
+    if args.tokens_per_chunk < 1 or 512 % args.tokens_per_chunk:
+        raise ConfigError("--tokens-per-chunk", args.tokens_per_chunk, "a divisor of 512")
+    if not 0 <= args.prefill_us_per_token < math.inf:  # False for NaN too
+        raise ConfigError("--prefill-us-per-token", args.prefill_us_per_token, "a time >= 0")
+    if args.bytes_per_token < 1:
+        raise ConfigError("--bytes-per-token", args.bytes_per_token, "an integer >= 1")
+    if any(t < 0 for t in args.store_threshold):
+        raise ConfigError("--store-threshold", args.store_threshold, "ints >= 0")
+    if args.gpu_tokens < 0:
+        raise ConfigError("--gpu-tokens", args.gpu_tokens, "an int >= 0 (0: no preemption)")
 
 
 def add_cost_flags(p: argparse.ArgumentParser) -> None:

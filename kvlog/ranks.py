@@ -17,7 +17,10 @@ lockstep and checks, record by record, that
 
 The first event where one rank differs from rank 0 is named: its sequence number (rank 0's;
 the other rank's when they differ), the scheduler step it falls in, and both events. A rank
-whose log ends early differs there too. Every log may be a file or a directory of segments.
+whose log ends early differs there too. Every log may be a file or a directory of segments;
+directories whose retention removed different oldest segments (the logs start at different
+sequence numbers) cannot be read in lockstep and are refused (ConfigError), not reported as
+ranks that differ.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvlog import reducers
-from kvlog.errors import InvalidEvent
+from kvlog.errors import ConfigError, InvalidEvent
 from kvlog.events import STEP_EVENTS, CacheConfigured, Checkpoint, Event, Record, to_dict
 from kvlog.log import LogReader
 from kvlog.machine import Machine
@@ -103,7 +106,10 @@ class _Rank:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self.records: Iterator[tuple[int, Record]] = LogReader(path).records()
+        reader = LogReader(path)
+        self.first_seq = reader.first_seq
+        """The sequence number of its first record (above 0: retention removed segments)."""
+        self.records: Iterator[tuple[int, Record]] = reader.records()
         self.machine: Machine | None = None
         self.num_events = 0
         self.num_checkpoints = 0
@@ -137,6 +143,7 @@ class _Rank:
 def compare_ranks(paths: Sequence[str | os.PathLike[str]]) -> RanksResult:
     """Compare the logs of the ranks of one server (see the module docstring)."""
     ranks = [_Rank(os.fspath(p)) for p in paths]
+    _check_same_start(ranks)
     result = RanksResult([r.path for r in ranks])
     identical = True  # every rank's events byte-identical so far
     step = 0
@@ -164,6 +171,21 @@ def compare_ranks(paths: Sequence[str | os.PathLike[str]]) -> RanksResult:
     result.num_records = result.num_events + result.num_checkpoints
     result.num_steps = step
     return result
+
+
+def _check_same_start(ranks: Sequence[_Rank]) -> None:
+    """Lockstep pairs the ranks' events from their logs' first records: a log that lost its
+    oldest segments to retention while another kept them would differ at its first event
+    though the ranks agreed, so it is refused (naming it) instead."""
+    for rank in ranks[1:]:
+        if rank.first_seq != ranks[0].first_seq:
+            raise ConfigError(
+                "LOG",
+                rank.path,
+                f"a log that starts where {ranks[0].path!r} does (sequence number "
+                f"{ranks[0].first_seq:,}), not at {rank.first_seq:,}: retention removed one "
+                "log's oldest segments, so the ranks cannot be read in lockstep",
+            )
 
 
 def _ranked(rank: int, difference: RankDifference) -> RankDifference:

@@ -39,7 +39,7 @@ from kvlog.events import CONFIG_DEFAULTS, Checkpoint
 from kvlog.fold import Fold, Lane, restore_snapshot
 from kvlog.log import LogReader, list_segments
 from kvlog.machine import Machine
-from kvlog.present.units import size_label
+from kvlog.present.units import printable, size_label
 from kvlog.tally import RunSummary
 
 __all__ = [
@@ -210,7 +210,8 @@ def whatif(
 
 
 def _log_name(path: str) -> str:
-    return os.path.splitext(os.path.basename(path.rstrip("/")))[0]
+    """The log's label in tables, CSVs and figures: its file name as text."""
+    return printable(os.path.splitext(os.path.basename(path.rstrip("/")))[0])
 
 
 def _whatif_task(source: str | bytes, log: str, spec: PolicySpec, cost: CostModel) -> SweepRow:
@@ -319,7 +320,7 @@ def run_sweep(
 
 def _unique_names(paths: Sequence[str]) -> list[str]:
     names = [_log_name(p) for p in paths]
-    return [p if names.count(n) > 1 else n for n, p in zip(names, paths, strict=True)]
+    return [printable(p) if names.count(n) > 1 else n for n, p in zip(names, paths, strict=True)]
 
 
 def _read_bytes(path: str) -> bytes:

@@ -16,6 +16,7 @@ from seed_reference import make_hpu_caches
 from kvlog.cli import main
 from kvlog.errors import DuplicateJob, TransferSpecError
 from kvlog.integrations import OffloadingWorker, OnlineDefragmenter
+from kvlog.log import LogWriter
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data"
@@ -411,6 +412,29 @@ def test_replay_execute_that_checked_nothing_does_not_pass(
     assert kvlog("replay", out, "--execute") == 1
     captured = capsys.readouterr()
     assert "0 blocks read" in captured.out and "nothing was checked" in captured.err
+
+
+def test_replay_execute_of_a_log_with_no_events_does_not_pass(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A log with its header only (the recorder opened it, no configuration came): no
+    canary executor was ever made, so nothing was read."""
+    out = tmp_path / "empty.kvlog"
+    with LogWriter(out):
+        pass
+    assert kvlog("replay", str(out), "--execute") == 1
+    assert "nothing was checked" in capsys.readouterr().err
+    assert kvlog("replay", str(out)) == 0  # verifying it is fine: no checkpoint disagrees
+
+
+def test_scheduler_vllm_without_vllm_is_refused_before_the_log(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "vllm.config", None)  # as where vLLM is not installed
+    out = str(tmp_path / "t.kvlog")
+    argv = ["synth", "--out", out, "--trace", MOONCAKE, "--requests", "3", "--scheduler", "vllm"]
+    refused(capsys, argv, "kvlog[vllm]")
+    assert entries(tmp_path) == []
 
 
 def test_demo_does_not_delete_an_unrelated_demo_kvlog(

@@ -127,3 +127,20 @@ def test_a_rank_whose_state_is_not_its_events_and_a_short_log_differ(tmp_path: P
             writer.append(r)
     result = compare_ranks([tmp_path / "rank0.kvlog", tmp_path / "short.kvlog"])
     assert result.difference is not None and result.difference.what == "the log ends here"
+
+
+def test_logs_that_retention_cut_at_different_places_are_refused_not_called_different(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    small = ["--steps", "300", "--segment-bytes", "20000", "--sync", "none"]
+    kept, cut = str(tmp_path / "kept"), str(tmp_path / "cut")
+    assert main(["synth", "--out", kept, *small]) == 0
+    assert main(["synth", "--out", cut, *small, "--retain-bytes", "60000"]) == 0
+    assert LogReader(cut).first_seq > 0 == LogReader(kept).first_seq
+    capsys.readouterr()
+    assert main(["ranks", kept, cut]) == 2
+    captured = capsys.readouterr()
+    assert "RANKS DIFFER" not in captured.out
+    assert "retention" in captured.err and repr(cut) in captured.err
+    assert len(captured.err.splitlines()) == 1
+    assert main(["ranks", cut, cut]) == 0  # cut at the same place: read in lockstep

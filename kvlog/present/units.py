@@ -1,6 +1,6 @@
 """Numbers as people read them: byte sizes (one formatter, one parser), counts with their
-noun, and the p99 of a series. Pure functions with no kvlog imports, so every layer may
-use them."""
+noun, the p99 of a series, and file names as text. Pure functions with no kvlog imports,
+so every layer may use them."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ __all__ = [
     "p99",
     "parse_size",
     "plural",
+    "printable",
     "size_label",
 ]
 
@@ -66,6 +67,17 @@ def parse_size(text: str) -> int:
 def plural(count: int, noun: str, nouns: str | None = None) -> str:
     """``1 log``, ``2 logs``, ``1,024 blocks`` (``nouns``: an irregular plural)."""
     return f"{count:,} {noun if count == 1 else nouns or noun + 's'}"
+
+
+def printable(text: str) -> str:
+    """``text`` that encodes as UTF-8: a file name's undecodable bytes (which Python hands
+    over as lone surrogates) written as ``\\xff`` escapes, so a figure's title or a CSV cell
+    can name any log, two names stay two, and nothing raises UnicodeEncodeError."""
+    try:
+        raw = text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a surrogate no file name decodes to
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return raw.decode("utf-8", "backslashreplace")
 
 
 def format_value(value: object) -> str:

@@ -122,9 +122,12 @@ def run_trace(
     if scheduler == "vllm":
         if execute or config.synth.num_cpu_blocks:
             raise ConfigError("scheduler", scheduler, "no --execute and no offload with vllm")
-        from kvlog.synth.vllm_scheduler import VllmTraceRun
+        from kvlog.synth.vllm_scheduler import VllmTraceRun, trace_scheduler
 
-        make_run = lambda engine, tracker: VllmTraceRun(config, requests, engine)  # noqa: E731
+        vllm_scheduler = trace_scheduler(config)  # no vLLM: refused before the log exists
+        make_run = lambda engine, tracker: VllmTraceRun(  # noqa: E731
+            config, requests, engine, vllm_scheduler
+        )
     elif scheduler == "kvlog":
         make_run = lambda engine, tracker: TraceRun(config, requests, engine, tracker)  # noqa: E731
     else:

@@ -35,7 +35,7 @@ from kvlog.synth.serving import TraceConfig
 from kvlog.synth.traces import HASH_BLOCK_TOKENS, TraceRequest
 from kvlog.synth.vllm_stubs import VOCAB, build_scheduler, make_request
 
-__all__ = ["VllmTraceRun", "prompt_tokens"]
+__all__ = ["VllmTraceRun", "prompt_tokens", "trace_scheduler"]
 
 
 def prompt_tokens(request: TraceRequest, serial: int, length: int) -> list[int]:
@@ -51,8 +51,9 @@ def prompt_tokens(request: TraceRequest, serial: int, length: int) -> list[int]:
     return [splitmix64((serial << 32) | t) % VOCAB for t in range(length)]
 
 
-def _build_scheduler(config: TraceConfig) -> Any:
-    """vLLM's ``Scheduler`` for the trace's pool and limits (no connector, no model)."""
+def trace_scheduler(config: TraceConfig) -> Any:
+    """vLLM's ``Scheduler`` for the trace's pool and limits (no connector, no model); built
+    before the log is created, so a missing vLLM leaves no log behind."""
     c = config.synth
     try:
         return build_scheduler(
@@ -72,11 +73,15 @@ class VllmTraceRun:
     """One trace through vLLM's scheduler, recorded on ``engine`` (see the module docstring)."""
 
     def __init__(
-        self, config: TraceConfig, requests: Sequence[TraceRequest], engine: Engine
+        self,
+        config: TraceConfig,
+        requests: Sequence[TraceRequest],
+        engine: Engine,
+        scheduler: Any = None,
     ) -> None:
         self.config = config
         self.engine = engine
-        self.scheduler = _build_scheduler(config)
+        self.scheduler = trace_scheduler(config) if scheduler is None else scheduler
         self.pending: deque[tuple[int, TraceRequest]] = deque(enumerate(requests))
         self.result = SynthResult(config.synth, engine.log_path)
         self.result.watch(engine)

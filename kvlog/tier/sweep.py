@@ -19,6 +19,7 @@ import numpy as np
 
 from kvlog.cost import CostModel
 from kvlog.errors import ConfigError
+from kvlog.present.units import printable
 from kvlog.synth.traces import TRACE_FORMATS, read_trace
 from kvlog.tier.optimum import lru_curve, opt_curve
 from kvlog.tier.trace import TierAccess, accesses_from_log, accesses_from_trace
@@ -139,11 +140,11 @@ def run_tier_sweep(
 
 
 def write_tier_csv(path: str, rows: Sequence[dict[str, object]]) -> None:
-    """One row per (log, variant)."""
+    """One row per (log, variant); the log named as text (:func:`printable`)."""
     with open(path, "w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
-        writer.writerows(rows)
+        writer.writerows({**row, "log": printable(str(row["log"]))} for row in rows)
 
 
 def write_tier_plot(
@@ -177,7 +178,7 @@ def write_tier_plot(
         ax.set_xscale("log")
         ax.set_xlabel("host memory for the CPU tier (GiB)")
         ax.set_ylabel("chunks served from the tier (%)")
-        ax.set_title(os.path.basename(curve.log))
+        ax.set_title(printable(os.path.basename(curve.log)))
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()

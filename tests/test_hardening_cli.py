@@ -178,6 +178,26 @@ def test_trace_runs_that_cannot_progress_are_refused_before_the_log(
     assert entries(tmp_path) == []
 
 
+@pytest.mark.parametrize("kind", ["empty trace", "--requests 0"])
+def test_a_trace_run_of_no_requests_is_refused_before_the_log(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str
+) -> None:
+    """A trace with no rows, or ``--requests 0``, used to record a log of one event and
+    exit 0: a run that serves nothing is refused, and no log is left."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    out = str(logs / "t.kvlog")
+    if kind == "empty trace":
+        empty = tmp_path / "empty.jsonl"
+        empty.write_text("\n")
+        refused(capsys, ["synth", "--out", out, "--trace", str(empty)], "no requests")
+    else:
+        refused(
+            capsys, ["synth", "--out", out, "--trace", MOONCAKE, "--requests", "0"], "--requests"
+        )
+    assert entries(logs) == []
+
+
 def _trace(
     max_steps: int = 1_000_000, blocks: int = 512, **changes: object
 ) -> tuple[object, list[object]]:

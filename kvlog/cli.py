@@ -476,6 +476,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         header = msgspec.structs.asdict(reader.header)
         header["meta"] = read_meta(reader.header.meta)
         write(msgspec.json.encode(header).decode() + "\n")
+    if reader.first_seq > args.start:  # a directory whose retention dropped the oldest
+        print(
+            f"kvlog inspect: the log starts at seq {reader.first_seq:,}: retention removed "
+            "the records before it",
+            file=sys.stderr,
+        )
     wanted = set(args.type or ())
     encoder = msgspec.json.Encoder()
     for seq, record in reader.records(args.start):
@@ -486,8 +492,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         if wanted and type(record).__name__ not in wanted:
             continue
         fields = to_dict(record)
-        if type(record) is Checkpoint and record.snapshot and not args.snapshots:
-            fields["snapshot"] = f"<{format_bytes(len(record.snapshot))}: --snapshots shows it>"
+        if type(record) is Checkpoint:  # its own ``seq`` field names the event it covers
+            fields["covers_seq"] = fields.pop("seq")
+            if record.snapshot and not args.snapshots:
+                size = format_bytes(len(record.snapshot))
+                fields["snapshot"] = f"<{size}: --snapshots shows it>"
         write(encoder.encode({"seq": seq, **fields}).decode() + "\n")
     if reader.tail is not None:
         print(f"kvlog inspect: torn tail (not modified): {reader.tail}", file=sys.stderr)

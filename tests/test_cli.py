@@ -240,6 +240,21 @@ def test_inspect_summarises_snapshots_and_shows_them_when_asked(
     assert max(len(r["snapshot"]) for r in whole) > 1000
 
 
+def test_inspect_numbers_every_record_by_its_own_seq(
+    log_path: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A checkpoint's own ``seq`` field (the event it digests) used to overwrite the line's
+    ``seq``: the line showed the event before it, and its own number went missing."""
+    assert main(["inspect", log_path]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    records = list(LogReader(log_path).records())
+    assert [line["seq"] for line in lines] == [seq for seq, _ in records]
+    checkpoints = [line for line in lines if line["type"] == "Checkpoint"]
+    events = {line["seq"] for line in lines if line["type"] != "Checkpoint"}
+    assert checkpoints and all(c["covers_seq"] < c["seq"] for c in checkpoints)
+    assert all(c["covers_seq"] in events or c["covers_seq"] == -1 for c in checkpoints)
+
+
 def test_inspect_header_reads_settings_of_new_and_old_logs(
     log_path: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

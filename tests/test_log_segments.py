@@ -150,6 +150,23 @@ def test_inspect_reads_a_directory_with_dense_sequence_numbers(
     assert len(seqs) == len(events_of(recorded[0]))
 
 
+def test_inspect_says_where_a_retained_directory_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``inspect --to N`` below the first retained record printed nothing, silently."""
+    log = tmp_path / "dir"
+    record(log, segment_bytes=SEGMENT_BYTES, retain_bytes=3 * SEGMENT_BYTES)
+    first = list_segments(str(log))[0].first_seq
+    assert first > 0
+    assert main(["inspect", str(log), "--to", "0"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert f"the log starts at seq {first:,}" in captured.err
+    assert main(["inspect", str(log), "--from", str(first), "--to", str(first)]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == "" and json.loads(captured.out)["seq"] == first
+
+
 def test_retention_by_bytes_keeps_a_replayable_rest(tmp_path: Path) -> None:
     log = tmp_path / "dir"
     engine = record(log, segment_bytes=SEGMENT_BYTES, retain_bytes=3 * SEGMENT_BYTES)

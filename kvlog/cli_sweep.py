@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 from kvlog.cost import HARDWARE, cost_model
-from kvlog.errors import ConfigError, TraceError
+from kvlog.errors import ConfigError
 from kvlog.events import DEFRAG_POLICIES
 from kvlog.policy import POLICY_FIELDS, parse_ratio_pct, parse_size
 from kvlog.present.text import (
@@ -211,8 +211,6 @@ def run_trace_command(args: argparse.Namespace, config: SynthConfig) -> SynthRes
 
     flags = trace_flags(args)
     requests = read_trace(args.trace, flags["trace_format"], limit=flags["requests"])
-    if not requests:  # refused before the log exists: a log of no traffic records nothing
-        raise TraceError(f"{args.trace}: the trace holds no requests")
     trace_config = TraceConfig(
         config,
         trace_format=flags["trace_format"] or "",

@@ -9,7 +9,7 @@ msgspec decoder themselves catch :data:`DECODE_ERRORS`: msgspec before 0.23 rais
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -20,6 +20,7 @@ __all__ = ["DECODE_ERRORS", "decode", "decode_plan", "encode", "to_dict", "to_js
 DECODE_ERRORS: tuple[type[Exception], ...] = (msgspec.DecodeError, UnicodeDecodeError)
 """What a msgspec decoder raises on bytes that are not what it decodes, on every version."""
 
+_T = TypeVar("_T")
 _encoder = msgspec.msgpack.Encoder()
 _decoder: msgspec.msgpack.Decoder[Record] = msgspec.msgpack.Decoder(Record)
 _plan_decoder: msgspec.msgpack.Decoder[Plan] = msgspec.msgpack.Decoder(Plan)
@@ -33,17 +34,20 @@ def encode(record: Record | Plan) -> bytes:
 
 def decode(data: bytes | memoryview) -> Record:
     """Decode one record (an event or a checkpoint); ``msgspec.DecodeError`` if not one."""
-    try:
-        return _decoder.decode(data)
-    except UnicodeDecodeError as exc:  # msgspec < 0.23
-        raise msgspec.DecodeError(f"MessagePack data is malformed: {exc}") from exc
+    return _decoded(_decoder, data)
 
 
 def decode_plan(data: bytes | memoryview) -> Plan:
     """Decode one plan; ``msgspec.DecodeError`` if the bytes are not one."""
+    return _decoded(_plan_decoder, data)
+
+
+def _decoded(decoder: msgspec.msgpack.Decoder[_T], data: bytes | memoryview) -> _T:
+    """``decoder.decode(data)``, refusing bad bytes with ``msgspec.DecodeError`` on every
+    msgspec version (before 0.23 a string that is not UTF-8 raised ``UnicodeDecodeError``)."""
     try:
-        return _plan_decoder.decode(data)
-    except UnicodeDecodeError as exc:  # msgspec < 0.23
+        return decoder.decode(data)
+    except UnicodeDecodeError as exc:
         raise msgspec.DecodeError(f"MessagePack data is malformed: {exc}") from exc
 
 

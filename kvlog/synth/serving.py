@@ -112,7 +112,10 @@ class TraceConfig:
         progress or cannot end within ``max_steps``, before anything is logged: a clock that
         is not a finite positive number, no token budget, a model length no request fits in
         or whose blocks the pool cannot hold, a trace whose last arrival is past the limit,
-        ``hash_ids`` with a block size that does not divide their 512 tokens."""
+        ``hash_ids`` with a block size that does not divide their 512 tokens, a trace of
+        no requests (a log of no traffic records nothing: ``TraceError``)."""
+        if not requests:
+            raise TraceError("the trace holds no requests")
         self.synth.check()
         c = self.synth
         if requests and requests[0].hash_ids and HASH_BLOCK_TOKENS % c.block_size:

@@ -3,6 +3,7 @@
     python bench/bench_facade.py            # 1000 timed steps per variant, best of 3 rounds
     python bench/bench_facade.py --quick    # 300 timed steps, one pass
     python bench/bench_facade.py --blocks 4096   # one pool size (default: 4096 and 32768)
+    python bench/bench_facade.py --backend cuda  # the KV tensors on the GPU (needs CUDA)
 
 One pre-generated runner trace per pool size (untimed): 4096 or 32768 blocks on tiny
 HPU-layout CPU tensors (2 layers, key and value, block_size 16), ~80% full; every step 0-2
@@ -24,6 +25,12 @@ on every variant, with the same KV tensors (swaps really run):
 
 Printed: mean and p99 microseconds per step, the ratio to the seed and to the facade without
 a log, and the log's bytes per step. The fsync figure depends on the disk under the temp dir.
+
+With ``--backend cuda`` the KV tensors live on the GPU, the seed builds its swap indices there
+(as the plugin does on the HPU) and kvlog's facade runs its CUDA executor. A step is then
+timed until its swaps have landed (``torch.cuda.synchronize()`` inside the clock): the
+forward that follows reads those blocks. The host's share alone (the clock stopped before
+the synchronize) is printed beside it.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from dataclasses import dataclass
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
+import torch
 from seed_reference import SeedDefragmenter, make_hpu_caches
 
 from kvlog.integrations import OnlineDefragmenter
@@ -115,9 +123,11 @@ def make_trace(
 Runner = Callable[[Step], None]
 
 
-def seed_runner(threshold: int, num_blocks: int) -> tuple[Runner, Callable[[], None]]:
+def seed_runner(
+    threshold: int, num_blocks: int, backend: str = "cpu"
+) -> tuple[Runner, Callable[[], None]]:
     defrag = SeedDefragmenter(threshold=threshold)
-    defrag.initialize(make_hpu_caches(num_blocks, BLOCK_SIZE), BLOCK_SIZE)
+    defrag.initialize(make_hpu_caches(num_blocks, BLOCK_SIZE, device=backend), BLOCK_SIZE)
 
     def step(s: Step) -> None:
         defrag.update_state(s.new_blocks, s.finished)
@@ -128,13 +138,13 @@ def seed_runner(threshold: int, num_blocks: int) -> tuple[Runner, Callable[[], N
 
 
 def facade_runner(
-    threshold: int, num_blocks: int, log_path: str | None, sync: str
+    threshold: int, num_blocks: int, log_path: str | None, sync: str, backend: str = "cpu"
 ) -> tuple[Runner, Callable[[], None]]:
     env = {"VLLM_DEFRAG_THRESHOLD": str(threshold), "KVLOG_SYNC": sync}
     if log_path is not None:
         env["KVLOG_PATH"] = log_path
-    defrag = OnlineDefragmenter(environ=env, backend="cpu")
-    defrag.initialize(make_hpu_caches(num_blocks, BLOCK_SIZE), BLOCK_SIZE)
+    defrag = OnlineDefragmenter(environ=env, backend=backend)  # type: ignore[arg-type]
+    defrag.initialize(make_hpu_caches(num_blocks, BLOCK_SIZE, device=backend), BLOCK_SIZE)
 
     def step(s: Step) -> None:
         defrag.update_state(s.new_blocks, s.finished)
@@ -148,18 +158,27 @@ def measure(
     make: Callable[[], tuple[Runner, Callable[[], None]]],
     warm: list[Step],
     timed: list[Step],
-) -> list[float]:
+    synchronize: Callable[[], None] | None = None,
+) -> tuple[list[float], list[float]]:
+    """Seconds per timed step: until its swaps landed (``synchronize`` inside the clock,
+    where given), and the host's calls alone."""
     step, close = make()
     for s in warm:
         step(s)
-    times = []
+    if synchronize is not None:
+        synchronize()
+    times, host = [], []
     gc.collect()
     for s in timed:
         start = time.perf_counter()
         step(s)
+        called = time.perf_counter()
+        if synchronize is not None:
+            synchronize()
         times.append(time.perf_counter() - start)
+        host.append(called - start)
     close()
-    return times
+    return times, host
 
 
 def p99(values: list[float]) -> float:
@@ -172,8 +191,17 @@ def main() -> None:
     parser.add_argument(
         "--blocks", default="4096,32768", help="pool sizes, comma-separated (default 4096,32768)"
     )
+    parser.add_argument(
+        "--backend", choices=["cpu", "cuda"], default="cpu", help="where the KV tensors live"
+    )
     args = parser.parse_args()
+    if args.backend == "cuda" and not torch.cuda.is_available():
+        parser.error("--backend cuda needs a CUDA device")
     num_steps, repeats = (300, 1) if args.quick else (1000, 3)
+    if args.backend == "cuda":
+        print(
+            f"KV tensors on {torch.cuda.get_device_name()}; a step is timed until its swaps landed"
+        )
     for num_blocks in (int(n) for n in args.blocks.split(",")):
         warm, timed = make_trace(num_steps, num_blocks=num_blocks)
         gc.collect()
@@ -181,58 +209,88 @@ def main() -> None:
         for threshold in (THRESHOLD, num_blocks):
             what = "defrag fires" if threshold == THRESHOLD else "defrag idle (never fires)"
             print(f"\n{num_blocks} blocks, threshold {threshold} ({what}):")
-            run_variants(threshold, num_blocks, warm, timed, repeats)
+            run_variants(threshold, num_blocks, warm, timed, repeats, args.backend)
         gc.unfreeze()
 
 
-def run_variants(
-    threshold: int, num_blocks: int, warm: list[Step], timed: list[Step], repeats: int
-) -> None:
-    """Every variant once per round (rounds interleave them against machine noise)."""
+Make = Callable[[], tuple[Runner, Callable[[], None]]]
+
+
+def variants_of(
+    threshold: int, num_blocks: int, backend: str
+) -> list[tuple[str, Make, str | None]]:
+    """(name, how to build its runner, its log path) per variant, the seed first."""
     tmp = tempfile.mkdtemp(prefix="kvlog-bench-facade-")
-    variants: list[tuple[str, Callable[[], tuple[Runner, Callable[[], None]]], str | None]] = [
-        ("seed (baseline)", lambda: seed_runner(threshold, num_blocks), None),
-        ("kvlog, no log", lambda: facade_runner(threshold, num_blocks, None, "none"), None),
+    variants: list[tuple[str, Make, str | None]] = [
+        ("seed (baseline)", lambda: seed_runner(threshold, num_blocks, backend), None),
+        (
+            "kvlog, no log",
+            lambda: facade_runner(threshold, num_blocks, None, "none", backend),
+            None,
+        ),
     ]
     for sync in [m for m in ("background", "none", "step") if m in SYNC_MODES]:
         path = os.path.join(tmp, f"{sync}.kvlog")
-        variants.append(
-            (
-                f"kvlog, log sync={sync}",
-                lambda path=path, sync=sync: facade_runner(threshold, num_blocks, path, sync),  # type: ignore[misc]
-                path,
-            )
-        )
-    runs: dict[str, list[list[float]]] = {name: [] for name, _, _ in variants}
+
+        def make(path: str = path, sync: str = sync) -> tuple[Runner, Callable[[], None]]:
+            return facade_runner(threshold, num_blocks, path, sync, backend)
+
+        variants.append((f"kvlog, log sync={sync}", make, path))
+    return variants
+
+
+def run_variants(
+    threshold: int,
+    num_blocks: int,
+    warm: list[Step],
+    timed: list[Step],
+    repeats: int,
+    backend: str = "cpu",
+) -> None:
+    """Every variant once per round (rounds interleave them against machine noise)."""
+    variants = variants_of(threshold, num_blocks, backend)
+    synchronize = torch.cuda.synchronize if backend == "cuda" else None
+    runs: dict[str, list[tuple[list[float], list[float]]]] = {name: [] for name, _, _ in variants}
     log_bytes: dict[str, int] = {}
     for _ in range(repeats):
         for name, make, path in variants:
             if path is not None and os.path.exists(path):
                 os.remove(path)
-            runs[name].append(measure(make, warm, timed))
+            runs[name].append(measure(make, warm, timed, synchronize))
             if path is not None:
                 log_bytes[name] = os.path.getsize(path)
-    results = {name: min(r, key=statistics.fmean) for name, r in runs.items()}
-    report(results, log_bytes, len(warm) + len(timed), len(timed))
+    results = {name: min(r, key=lambda run: statistics.fmean(run[0])) for name, r in runs.items()}
+    report(results, log_bytes, len(warm) + len(timed), len(timed), backend == "cuda")
 
 
 def report(
-    results: dict[str, list[float]], log_bytes: dict[str, int], total_steps: int, num_steps: int
+    results: dict[str, tuple[list[float], list[float]]],
+    log_bytes: dict[str, int],
+    total_steps: int,
+    num_steps: int,
+    with_host: bool = False,
 ) -> None:
-    seed = statistics.fmean(results["seed (baseline)"])
-    bare = statistics.fmean(results["kvlog, no log"])
+    seed = statistics.fmean(results["seed (baseline)"][0])
+    bare = statistics.fmean(results["kvlog, no log"][0])
     warmup = total_steps - num_steps
     print(f"{num_steps} timed steps (after {warmup} warm-up steps)")
+    host_head = f" {'host us':>9} {'host vs seed':>12}" if with_host else ""
     print(
         f"{'variant':26} {'mean us':>9} {'median':>9} {'p99 us':>9} {'vs seed':>8} "
-        f"{'vs no log':>10} B/step"
+        f"{'vs no log':>10} B/step{host_head}"
     )
-    for name, times in results.items():
+    seed_host = statistics.fmean(results["seed (baseline)"][1])
+    for name, (times, host) in results.items():
         mean = statistics.fmean(times)
         per_step = log_bytes.get(name, 0) / total_steps
+        host_cells = ""
+        if with_host:
+            host_mean = statistics.fmean(host)
+            host_cells = f" {host_mean * 1e6:9.1f} {host_mean / seed_host:12.2f}"
         print(
             f"{name:26} {mean * 1e6:9.1f} {statistics.median(times) * 1e6:9.1f} "
             f"{p99(times) * 1e6:9.1f} {mean / seed:8.2f} {mean / bare:10.2f} {per_step:6.0f}"
+            f"{host_cells}"
         )
 
 

@@ -155,6 +155,8 @@ class SeedDefragmenter:
         for cache in self.caches:
             src_slots = self._slots(srcs, cache.shape[0])
             dst_slots = self._slots(dsts, cache.shape[0])
+            if cache.device.type != "cpu":  # the plugin builds its indices on the device
+                src_slots, dst_slots = src_slots.to(cache.device), dst_slots.to(cache.device)
             prev_srcs = cache.index_select(0, src_slots)
             if self.prefix_caching:
                 cache.index_copy_(0, src_slots, cache.index_select(0, dst_slots))
@@ -244,14 +246,22 @@ class SeedOffloadHandler:
 
 
 def make_hpu_caches(
-    num_blocks: int, block_size: int, num_layers: int = 2, mla: bool = False
+    num_blocks: int,
+    block_size: int,
+    num_layers: int = 2,
+    mla: bool = False,
+    device: str | torch.device = "cpu",
 ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """Tiny HPU-layout KV caches: per layer ``(key, value)`` of ``((num_blocks + 1) * bs, 1, 2)``.
 
     float32 with one head of size 2: a block is ``block_size * 8`` bytes per tensor.
     """
     shape = ((num_blocks + 1) * block_size, 1, 2)
-    return [(torch.zeros(shape), None if mla else torch.zeros(shape)) for _ in range(num_layers)]
+
+    def zeros() -> torch.Tensor:
+        return torch.zeros(shape, device=device)
+
+    return [(zeros(), None if mla else zeros()) for _ in range(num_layers)]
 
 
 KvCaches = Sequence[tuple[torch.Tensor, torch.Tensor | None]]

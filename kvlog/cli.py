@@ -39,7 +39,7 @@ from kvlog.cli_sweep import (
 )
 from kvlog.errors import ConfigError, KvlogError, LogExists, MissingExtra
 from kvlog.events import SCHEMA_VERSION, Checkpoint, Event, to_dict
-from kvlog.log import FORMAT_VERSION, SYNC_MODES, LogReader
+from kvlog.log import FORMAT_VERSION, SYNC_MODES, LogReader, check_log
 from kvlog.log.manifest import log_num_bytes
 from kvlog.policy import POLICY_FIELDS, check_tail_only, policy_field
 from kvlog.present.text import describe_overrides, progress_bar, replay_text, synth_text
@@ -251,6 +251,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     with _interruptible(), _paths_on_stdout():
         try:
+            for path in _log_paths(args):
+                check_log(path)  # one wording and status for a missing log, before any work
             return commands[args.command](args)
         except KeyboardInterrupt:
             print(f"kvlog {args.command}: interrupted", file=sys.stderr)
@@ -266,6 +268,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (KvlogError, OSError) as exc:
             print(f"kvlog {args.command}: {exc}", file=sys.stderr)
             return 2
+
+
+def _log_paths(args: argparse.Namespace) -> list[str]:
+    """The logs a subcommand reads (``LOG`` arguments and ``--against``)."""
+    paths = [getattr(args, name, None) for name in ("log", "against")]
+    return [p for p in paths if p is not None] + list(getattr(args, "logs", None) or [])
 
 
 @contextlib.contextmanager

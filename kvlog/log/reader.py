@@ -45,7 +45,7 @@ from kvlog.log.manifest import SegmentInfo, file_sha256, list_segments, open_seg
 from kvlog.log.scan import FrameScanner
 from kvlog.log.writer import check_kind, path_error
 
-__all__ = ["LogReader", "read_header", "read_log"]
+__all__ = ["LogReader", "check_log", "read_header", "read_log"]
 
 _logger = logging.getLogger("kvlog.log")
 _decoder: msgspec.msgpack.Decoder[LogRecord] = msgspec.msgpack.Decoder(LogRecord)
@@ -239,7 +239,7 @@ def _open(path: str) -> BinaryIO:
     """The log file, opened for reading: ``LogNotFound`` when it is not there,
     ``LogPathError`` for anything but a regular file (a FIFO is never opened)."""
     if check_kind(path) is None:
-        raise LogNotFound(errno.ENOENT, f"{path}: no such log")
+        raise no_such_log(path)
     try:
         return open(path, "rb", buffering=0)
     except OSError as exc:
@@ -315,6 +315,19 @@ class _Assembler:
 
     def _corrupt(self, message: str, offset: int, seq: int) -> CorruptLogError:
         return CorruptLogError(message, path=self.path, offset=offset, seq=seq)
+
+
+def check_log(path: str | os.PathLike[str]) -> None:
+    """``LogNotFound`` when nothing is at ``path``, in the one wording every subcommand and
+    ``LogReader`` use ("PATH: no such log"); what is there is read (and refused) later."""
+    text = os.fspath(path)
+    if not os.path.lexists(text):
+        raise no_such_log(text)
+
+
+def no_such_log(path: str) -> LogNotFound:
+    """The error for a log that is not there."""
+    return LogNotFound(errno.ENOENT, f"{path}: no such log")
 
 
 def read_log(path: str | os.PathLike[str], start_seq: int = 0) -> Iterator[tuple[int, Record]]:

@@ -37,3 +37,42 @@ def test_a_missing_log_reads_the_same_in_every_subcommand(
     assert captured.err == f"kvlog {argv[0]}: [Errno 2] {missing}: no such log\n"
     assert captured.out == ""  # nothing printed before the refusal (sweep's banner neither)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.kvlog"]
+
+
+MOONCAKE = str(Path(__file__).parent / "data" / "mooncake_synthetic_trace_3601-3800.jsonl")
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--store-threshold", "-3"),
+        ("--gpu-tokens", "-5"),
+        ("--tokens-per-chunk", "7"),
+        ("--bytes-per-token", "0"),
+        ("--num-chunks", "0"),
+        ("--requests", "0"),
+    ],
+)
+def test_tier_synth_refuses_what_kvlog_sweep_refuses(
+    flag: str, value: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvlog.tier.synth import main as tier_synth
+
+    out = tmp_path / "tier.kvlog"
+    assert tier_synth([MOONCAKE, "--out", str(out), "--requests", "10", flag, value]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err
+        == f"python -m kvlog.tier.synth: {flag}={value}: expected " + err.split("expected ", 1)[1]
+    )
+    assert err.count("\n") == 1
+    assert not out.exists()  # refused before the log was opened
+
+
+def test_tier_synth_still_writes_a_log_at_the_edges(tmp_path: Path) -> None:
+    from kvlog.tier.synth import main as tier_synth
+
+    out = tmp_path / "tier.kvlog"
+    edges = ["--store-threshold", "0", "--gpu-tokens", "0", "--requests", "10"]
+    assert tier_synth([MOONCAKE, "--out", str(out), *edges]) == 0
+    assert out.exists()

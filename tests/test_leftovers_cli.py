@@ -76,3 +76,22 @@ def test_tier_synth_still_writes_a_log_at_the_edges(tmp_path: Path) -> None:
     edges = ["--store-threshold", "0", "--gpu-tokens", "0", "--requests", "10"]
     assert tier_synth([MOONCAKE, "--out", str(out), *edges]) == 0
     assert out.exists()
+
+
+@pytest.mark.parametrize("suffix", [".png", ".svg"])
+def test_a_header_only_log_reports_without_a_matplotlib_warning(
+    suffix: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import warnings
+
+    from kvlog.log import LogWriter
+
+    log = tmp_path / "empty.kvlog"
+    LogWriter(log, new=True).close()
+    report = tmp_path / f"r{suffix}"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # matplotlib's "No artists with labels" included
+        assert main(["replay", str(log), "--report", str(report)]) == 0
+        assert main(["replay", str(log), "--threshold", "4", "--report", str(report)]) == 0
+    assert report.stat().st_size > 0
+    assert capsys.readouterr().err == ""

@@ -62,6 +62,7 @@ EPILOG = """exit status:
   0    everything checked out
   1    a replay diverged, a canary failed, --execute read no block, a sweep variant was refused
   2    bad arguments or a log that cannot be read, refused before anything is written
+  3    kvlog ranks: the ranks agree, but one's log ends before another's (behind)
   130  interrupted (Ctrl-C); the log being written is closed first, so it replays
 
 Run "kvlog COMMAND --help" for a command's flags and their defaults."""

@@ -42,7 +42,13 @@ from kvlog.events import SCHEMA_VERSION, Checkpoint, Event, to_dict
 from kvlog.log import FORMAT_VERSION, SYNC_MODES, LogReader, check_log
 from kvlog.log.manifest import log_num_bytes
 from kvlog.policy import POLICY_FIELDS, check_tail_only, policy_field
-from kvlog.present.text import describe_overrides, progress_bar, replay_text, synth_text
+from kvlog.present.text import (
+    describe_overrides,
+    progress_bar,
+    replay_text,
+    retired_text,
+    synth_text,
+)
 from kvlog.present.units import format_bytes, printable
 from kvlog.replay import ReplayResult, replay
 from kvlog.report import Series, report_path, write_report
@@ -447,6 +453,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
             **policy_fields(args),
         )
     print(replay_text(result))
+    for line in retired_text(result):
+        print(f"kvlog replay: {line}", file=sys.stderr)
     if result.salvaged:
         print(f"kvlog replay: salvaged the intact prefix: {result.salvaged}", file=sys.stderr)
         return 1

@@ -39,10 +39,16 @@ from kvlog.cli_sweep import (
 )
 from kvlog.errors import ConfigError, KvlogError, LogExists, MissingExtra
 from kvlog.events import SCHEMA_VERSION, Checkpoint, Event, to_dict
-from kvlog.log import FORMAT_VERSION, SYNC_MODES, LogReader
+from kvlog.log import FORMAT_VERSION, SYNC_MODES, LogReader, check_log
 from kvlog.log.manifest import log_num_bytes
 from kvlog.policy import POLICY_FIELDS, check_tail_only, policy_field
-from kvlog.present.text import describe_overrides, progress_bar, replay_text, synth_text
+from kvlog.present.text import (
+    describe_overrides,
+    progress_bar,
+    replay_text,
+    retired_text,
+    synth_text,
+)
 from kvlog.present.units import format_bytes, printable
 from kvlog.replay import ReplayResult, replay
 from kvlog.report import Series, report_path, write_report
@@ -62,6 +68,7 @@ EPILOG = """exit status:
   0    everything checked out
   1    a replay diverged, a canary failed, --execute read no block, a sweep variant was refused
   2    bad arguments or a log that cannot be read, refused before anything is written
+  3    kvlog ranks: the ranks agree, but one's log ends before another's (behind)
   130  interrupted (Ctrl-C); the log being written is closed first, so it replays
 
 Run "kvlog COMMAND --help" for a command's flags and their defaults."""
@@ -251,6 +258,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     with _interruptible(), _paths_on_stdout():
         try:
+            for path in _log_paths(args):
+                check_log(path)  # one wording and status for a missing log, before any work
             return commands[args.command](args)
         except KeyboardInterrupt:
             print(f"kvlog {args.command}: interrupted", file=sys.stderr)
@@ -266,6 +275,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (KvlogError, OSError) as exc:
             print(f"kvlog {args.command}: {exc}", file=sys.stderr)
             return 2
+
+
+def _log_paths(args: argparse.Namespace) -> list[str]:
+    """The logs a subcommand reads (``LOG`` arguments and ``--against``)."""
+    paths = [getattr(args, name, None) for name in ("log", "against")]
+    return [p for p in paths if p is not None] + list(getattr(args, "logs", None) or [])
 
 
 @contextlib.contextmanager
@@ -438,6 +453,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
             **policy_fields(args),
         )
     print(replay_text(result))
+    for line in retired_text(result):
+        print(f"kvlog replay: {line}", file=sys.stderr)
     if result.salvaged:
         print(f"kvlog replay: salvaged the intact prefix: {result.salvaged}", file=sys.stderr)
         return 1

@@ -8,7 +8,10 @@ from typing import Any
 
 from kvlog.errors import ConfigError
 
-__all__ = ["add_ranks", "cmd_ranks"]
+__all__ = ["BEHIND_STATUS", "add_ranks", "cmd_ranks"]
+
+BEHIND_STATUS = 3
+"""``kvlog ranks``: the logs agree, but one ends before another (behind, not different)."""
 
 
 def add_ranks(sub: Any) -> None:
@@ -17,7 +20,8 @@ def add_ranks(sub: Any) -> None:
         help="check that the logs of one server's ranks made the same decisions",
         description="Read the logs (files or directories) of the tensor-parallel ranks of one "
         "server in lockstep: the same events modulo rank-local fields, the same digests at "
-        "every checkpoint. Exit 1 naming the first step and event where one rank differs.",
+        "every checkpoint. Exit 1 naming the first step and event where one rank differs; exit 3 "
+        "when they agree but one log ends before another (behind: logs still being written).",
     )
     p.add_argument("logs", nargs="+", metavar="LOG")
 
@@ -29,12 +33,17 @@ def cmd_ranks(args: argparse.Namespace) -> int:
         raise ConfigError("LOG", args.logs, "at least two logs (one per rank)")
     result = compare_ranks(args.logs)
     local = f"; rank-local fields normalized: {', '.join(result.normalized)}"
-    if result.ok:
-        print(
-            f"{len(args.logs)} ranks agree: {result.num_events:,} events, "
-            f"{result.num_checkpoints:,} checkpoints, {result.num_steps:,} steps"
-            f"{local if result.normalized else ''}"
-        )
-        return 0
-    print(f"RANKS DIFFER: {result.difference}", file=sys.stdout)
-    return 1
+    if not result.ok:
+        print(f"RANKS DIFFER: {result.difference}", file=sys.stdout)
+        return 1
+    counts = (
+        f"{result.num_events:,} events, {result.num_checkpoints:,} checkpoints, "
+        f"{result.num_steps:,} steps{local if result.normalized else ''}"
+    )
+    if result.behind:
+        print(f"{len(args.logs)} ranks agree on every event they all hold ({counts}), but:")
+        for behind in result.behind:
+            print(f"  {behind}")
+        return BEHIND_STATUS
+    print(f"{len(args.logs)} ranks agree: {counts}")
+    return 0

@@ -35,6 +35,7 @@ __all__ = [
     "add_policy_flags",
     "add_sweep",
     "add_trace_flags",
+    "check_tier_values",
     "cmd_replay_parallel",
     "cmd_sweep",
     "policy_fields",
@@ -375,24 +376,46 @@ def cmd_tier_sweep(args: argparse.Namespace) -> int:
 
 
 def check_tier_flags(args: argparse.Namespace) -> None:
+    """``kvlog sweep --cpu-bytes``'s tier flags, checked by :func:`check_tier_values`."""
+    check_tier_values(
+        evictions=args.eviction,
+        store_thresholds=args.store_threshold,
+        tokens_per_chunk=args.tokens_per_chunk,
+        bytes_per_token=args.bytes_per_token,
+        gpu_tokens=args.gpu_tokens,
+        prefill_us_per_token=args.prefill_us_per_token,
+    )
+
+
+def check_tier_values(
+    *,
+    evictions: Sequence[str],
+    store_thresholds: Sequence[int],
+    tokens_per_chunk: int,
+    bytes_per_token: int,
+    gpu_tokens: int,
+    prefill_us_per_token: float = 0.0,
+) -> None:
     """The CPU tier flags no what-if can use, refused (ConfigError naming the flag) before
-    any work: a NaN or infinite prefill price would fill the table with ``nan s``, and a
-    negative store threshold or GPU token count would run as if it were 0."""
+    any work, for ``kvlog sweep --cpu-bytes`` and ``python -m kvlog.tier.synth`` alike: a
+    NaN or infinite prefill price would fill the table with ``nan s``, and a negative
+    store threshold or GPU token count would run as if it were 0."""
     from kvlog.tier.whatif import EVICTIONS
 
-    for name in args.eviction:
+    for name in evictions:
         if name not in EVICTIONS:
-            raise ConfigError("--eviction", args.eviction, f"names from {list(EVICTIONS)}")
-    if args.tokens_per_chunk < 1 or 512 % args.tokens_per_chunk:
-        raise ConfigError("--tokens-per-chunk", args.tokens_per_chunk, "a divisor of 512")
-    if not 0 <= args.prefill_us_per_token < math.inf:  # False for NaN too
-        raise ConfigError("--prefill-us-per-token", args.prefill_us_per_token, "a time >= 0")
-    if args.bytes_per_token < 1:
-        raise ConfigError("--bytes-per-token", args.bytes_per_token, "an integer >= 1")
-    if any(t < 0 for t in args.store_threshold):
-        raise ConfigError("--store-threshold", args.store_threshold, "ints >= 0")
-    if args.gpu_tokens < 0:
-        raise ConfigError("--gpu-tokens", args.gpu_tokens, "an int >= 0 (0: no preemption)")
+            raise ConfigError("--eviction", list(evictions), f"names from {list(EVICTIONS)}")
+    if tokens_per_chunk < 1 or 512 % tokens_per_chunk:
+        raise ConfigError("--tokens-per-chunk", tokens_per_chunk, "a divisor of 512")
+    if not 0 <= prefill_us_per_token < math.inf:  # False for NaN too
+        raise ConfigError("--prefill-us-per-token", prefill_us_per_token, "a time >= 0")
+    if bytes_per_token < 1:
+        raise ConfigError("--bytes-per-token", bytes_per_token, "an integer >= 1")
+    if any(t < 0 for t in store_thresholds):
+        shown = store_thresholds[0] if len(store_thresholds) == 1 else list(store_thresholds)
+        raise ConfigError("--store-threshold", shown, "ints >= 0")
+    if gpu_tokens < 0:
+        raise ConfigError("--gpu-tokens", gpu_tokens, "an int >= 0 (0: no preemption)")
 
 
 def add_cost_flags(p: argparse.ArgumentParser) -> None:

@@ -31,6 +31,7 @@ builtin exception, so callers that do not know kvlog can still catch ``ValueErro
     │       │                                filesystem, full disk, permissions); errno kept
     │       ├── LogExists (FileExistsError)  a new log asked for where records already are
     │       └── LogNotFound (FileNotFoundError)  a log to continue that is not there
+    │           └── SegmentsRetired          segments removed by retention while being read
     ├── LayoutError (ValueError)             KV-cache tensors that do not match a layout
     ├── ConfigError (ValueError)             an argument or environment variable kvlog cannot
     │                                        use (Engine, LogWriter, kvlog.integrations)
@@ -71,6 +72,7 @@ __all__ = [
     "NotConfigured",
     "RecordRejected",
     "SchemaVersionError",
+    "SegmentsRetired",
     "StateTooLarge",
     "TransferSizeMismatch",
     "TraceError",
@@ -200,6 +202,28 @@ class LogExists(LogPathError, FileExistsError):
 class LogNotFound(LogPathError, FileNotFoundError):
     """A log to continue (``Engine.resume``, ``Engine.restore``) that does not exist or
     holds no events (nothing was created)."""
+
+
+class SegmentsRetired(LogNotFound):
+    """Segments of a log directory that a read had listed were removed under it (the
+    writer's retention): the records from ``first_seq`` on were not read. ``resume_seq``:
+    the first record of the oldest segment still there after them (a snapshot checkpoint
+    a fold can go on from), -1 when nothing later is left."""
+
+    def __init__(self, path: str, first_seq: int, resume_seq: int) -> None:
+        self.path = path
+        self.first_seq = first_seq
+        self.resume_seq = resume_seq
+        later = (
+            f"the log goes on at sequence number {resume_seq}"
+            if resume_seq >= 0
+            else "nothing later is left to read"
+        )
+        super().__init__(
+            2,
+            f"{path}: the segment holding sequence number {first_seq} on was removed by the "
+            f"log's retention while it was read; {later}",
+        )
 
 
 class LayoutError(KvlogError, ValueError):

@@ -27,7 +27,7 @@ from typing import Any
 import msgspec
 
 from kvlog import reducers
-from kvlog.errors import CorruptLogError, InvalidEvent
+from kvlog.errors import CorruptLogError, InvalidEvent, SegmentsRetired
 from kvlog.events import CacheConfigured, Checkpoint, Event, Plan, encode, to_dict, validate_event
 from kvlog.log import LogReader, first_snapshot
 from kvlog.log import latest_snapshot as log_latest_snapshot
@@ -175,6 +175,13 @@ class Fold:
         self.last_verified_seq = -1
         self.divergence: Divergence | None = None
         self.stopped = False
+        self.done_bytes = 0  # the progress estimate
+        self.follow_retired = True
+        """Go on past segments retention removes during the read (``run``); a caller whose
+        hooks need every event (``against``, canaries) turns it off."""
+        self.retired: list[tuple[int, int]] = []
+        """The sequence numbers (first, last) retention removed during the read: not read,
+        not verified."""
         self.on_configured: Callable[[CacheConfigured], None] | None = None
         """Called with the log's ``CacheConfigured`` before any lane takes it (a caller may
         add lanes there)."""
@@ -252,12 +259,29 @@ class Fold:
 
     # -- the loop ------------------------------------------------------------------------
     def run(self, progress: Progress | None = None) -> Fold:
-        """Fold every record from ``start_seq`` to ``stop_seq`` (or the first divergence)."""
+        """Fold every record from ``start_seq`` to ``stop_seq`` (or the first divergence).
+
+        Segments the writer's retention removes while they are read (``SegmentsRetired``):
+        with ``follow_retired`` the fold goes on from the snapshot that opens the oldest
+        segment still there, and notes the sequence numbers it did not read in
+        ``retired``; else, or when nothing later is left, the error is raised."""
         if self.stopped:
             return self
-        done_bytes = 0
+        start = self.start_seq
+        while True:
+            try:
+                self._read(start, progress)
+                return self
+            except SegmentsRetired as exc:
+                if not self.follow_retired or exc.resume_seq < 0:
+                    raise
+                start = self._resume_after_retired(exc)
+                if self.stopped:
+                    return self
+
+    def _read(self, start_seq: int, progress: Progress | None) -> None:
         stop = self.stop_seq
-        for seq, record in self.reader.records(self.start_seq):
+        for seq, record in self.reader.records(start_seq):
             if 0 <= stop < seq:
                 break
             self.seq = seq
@@ -265,16 +289,53 @@ class Fold:
             self.counts[type(record).__name__] += 1
             if isinstance(record, Checkpoint):
                 self._checkpoint(seq, record)
-                done_bytes += _FRAME_BYTES + 64 + len(record.snapshot)
+                self.done_bytes += _FRAME_BYTES + 64 + len(record.snapshot)
             else:
                 self._event(seq, record)
                 if self.num_events % _SAMPLE_EVERY == 0:  # an estimate, not a re-encoding
-                    done_bytes += _SAMPLE_EVERY * (_FRAME_BYTES + len(encode(record)))
+                    self.done_bytes += _SAMPLE_EVERY * (_FRAME_BYTES + len(encode(record)))
             if self.stopped:
                 break
             if progress is not None and self.num_records % _PROGRESS_EVERY == 0:
-                progress(self.num_records, done_bytes)
-        return self
+                progress(self.num_records, self.done_bytes)
+
+    def _resume_after_retired(self, exc: SegmentsRetired) -> int:
+        """Seat every lane on the snapshot that opens the segment at ``exc.resume_seq``
+        (read, not verified: the events before it are gone) and note the records skipped;
+        the sequence number to read on from."""
+        try:
+            seq, record = next(iter(self.reader.records(exc.resume_seq)), (-1, None))
+        except SegmentsRetired as again:  # that segment went too
+            if again.resume_seq < 0:
+                raise
+            return self._resume_after_retired(
+                SegmentsRetired(self.path, exc.first_seq, again.resume_seq)
+            )
+        checkpoint = record if type(record) is Checkpoint and record.snapshot else None
+        if checkpoint is None:
+            raise CorruptLogError(
+                "the segment a read goes on from after retention removed the ones before "
+                "it does not start with a snapshot",
+                path=self.path,
+                seq=exc.resume_seq,
+            ) from exc
+        self.retired.append((exc.first_seq, seq - 1))
+        _log.warning("%s: %s; not verified: seq %d-%d", self.path, exc, exc.first_seq, seq - 1)
+        self.num_records += 1
+        self.num_checkpoints += 1
+        self.counts["Checkpoint"] += 1
+        for lane in self.lanes:
+            state = restore_snapshot(checkpoint.snapshot, checkpoint.digest, self.path, seq)
+            if isinstance(state, str):
+                self._bad_snapshot(seq, checkpoint, state)
+                self.stopped = True
+                return seq + 1
+            if lane.alive:
+                self._seat(lane, state)
+        self.seq = seq
+        self.last_event_seq = self.last_verified_seq = checkpoint.seq
+        self.last_event = None
+        return seq + 1
 
     def _event(self, seq: int, event: Event) -> None:
         self.num_events += 1

@@ -17,10 +17,13 @@ lockstep and checks, record by record, that
 
 The first event where one rank differs from rank 0 is named: its sequence number (rank 0's;
 the other rank's when they differ), the scheduler step it falls in, and both events. A rank
-whose log ends early differs there too. Every log may be a file or a directory of segments;
-directories whose retention removed different oldest segments (the logs start at different
-sequence numbers) cannot be read in lockstep and are refused (ConfigError), not reported as
-ranks that differ.
+whose log ends while another's goes on, after agreeing on every event it holds, is behind
+(``RanksResult.behind``), not different: the logs of a live server are read as far as each
+is written, and one rank's writer is often ahead; the ranks still going on are compared with
+each other (with the first of them where rank 0 is behind). Every log may be a file or a
+directory of segments; directories whose retention removed different oldest segments (the
+logs start at different sequence numbers) cannot be read in lockstep and are refused
+(ConfigError), not reported as ranks that differ.
 """
 
 from __future__ import annotations
@@ -38,7 +41,14 @@ from kvlog.log import LogReader
 from kvlog.machine import Machine
 from kvlog.reducers import running
 
-__all__ = ["HOLD_PREFIX", "RankDifference", "RanksResult", "compare_ranks", "normalize"]
+__all__ = [
+    "HOLD_PREFIX",
+    "RankBehind",
+    "RankDifference",
+    "RanksResult",
+    "compare_ranks",
+    "normalize",
+]
 
 HOLD_PREFIX = "kvlog-load-hold-"
 """``kvlog.integrations.session.HOLD_PREFIX`` (not imported: that module needs torch)."""
@@ -56,11 +66,32 @@ class RankDifference:
     what: str
     expected: dict[str, Any] | None
     actual: dict[str, Any] | None
+    reference: int = 0
+    """The rank compared with: rank 0, or the first whose log still went on."""
+
+    def __str__(self) -> str:
+        ref = self.reference
+        return (
+            f"rank {self.rank} differs from rank {ref} at seq {self.seq} (step {self.step}): "
+            f"{self.what}\n  rank {ref}: {self.expected}\n  rank {self.rank}: {self.actual}"
+        )
+
+
+@dataclass
+class RankBehind:
+    """A rank whose log ended while another's went on, after agreeing on every event it
+    holds: behind (a log still being written, or a rank that stopped), not different."""
+
+    rank: int
+    num_events: int
+    last_seq: int
+    step: int
 
     def __str__(self) -> str:
         return (
-            f"rank {self.rank} differs from rank 0 at seq {self.seq} (step {self.step}): "
-            f"{self.what}\n  rank 0: {self.expected}\n  rank {self.rank}: {self.actual}"
+            f"rank {self.rank} is behind: its log ends after {self.num_events:,} events "
+            f"(seq {self.last_seq:,}, step {self.step:,}), and agrees with the others on "
+            "every one"
         )
 
 
@@ -72,12 +103,19 @@ class RanksResult:
     num_checkpoints: int = 0
     num_steps: int = 0
     difference: RankDifference | None = None
+    behind: list[RankBehind] = field(default_factory=list)
+    """The ranks whose logs ended early, in the order they did (none ahead of another)."""
     normalized: list[str] = field(default_factory=list)
     """The rank-local fields that differed (and were normalized)."""
 
     @property
     def ok(self) -> bool:
         return self.difference is None
+
+    @property
+    def complete(self) -> bool:
+        """The logs agree and all hold the same events (no rank behind)."""
+        return self.ok and not self.behind
 
 
 def normalize(record: Record) -> dict[str, Any]:
@@ -112,6 +150,8 @@ class _Rank:
         self.records: Iterator[tuple[int, Record]] = reader.records()
         self.machine: Machine | None = None
         self.num_events = 0
+        self.last_seq = -1
+        """The sequence number of its latest event."""
         self.num_checkpoints = 0
         self.digests: dict[int, str] = {}
         """Recorded digest of the checkpoint after each number of events (the latest)."""
@@ -121,6 +161,7 @@ class _Rank:
         difference a checkpoint that does not verify is (``rank`` filled in by the caller)."""
         for seq, record in self.records:
             if type(record) is not Checkpoint:
+                self.last_seq = seq
                 return seq, record  # type: ignore[return-value]
             self.num_checkpoints += 1
             actual = "" if self.machine is None else running.checkpoint_digest(self.machine.state)
@@ -145,32 +186,53 @@ def compare_ranks(paths: Sequence[str | os.PathLike[str]]) -> RanksResult:
     ranks = [_Rank(os.fspath(p)) for p in paths]
     _check_same_start(ranks)
     result = RanksResult([r.path for r in ranks])
-    identical = True  # every rank's events byte-identical so far
+    active = list(range(len(ranks)))  # the ranks whose logs go on
+    identical = True  # every active rank's events byte-identical so far
     step = 0
     while result.difference is None:
-        row: Row = []
-        for index, rank in enumerate(ranks):
-            item = rank.next_event(step)
-            if isinstance(item, RankDifference):
-                result.difference = _ranked(index, item)
-                break
-            row.append(item)
-        result.difference = result.difference or _first_difference(row, step)
-        events = [item for item in row if item is not None]
-        if result.difference is not None or len(events) < len(ranks):
+        row = _next_row(ranks, active, step, result)
+        if row is None or not active:
             break
-        event = events[0][1]
-        identical = identical and all(e == event for _, e in events)
+        event = row[0][1]
+        identical = identical and all(e == event for _, e in row)
         if not identical and not result.normalized:
-            result.normalized = _local_fields(events)
-        result.difference = _apply_all(ranks, events, step)
-        result.difference = result.difference or _digests_differ(ranks, identical, events, step)
+            result.normalized = _local_fields(row)
+        live = [ranks[i] for i in active]
+        result.difference = _first_difference(active, row, step)
+        result.difference = result.difference or _apply_all(live, active, row, step)
+        result.difference = result.difference or _digests_differ(live, active, identical, row, step)
         result.num_events += 1
         step += type(event) in STEP_EVENTS
-    result.num_checkpoints = ranks[0].num_checkpoints
+    result.num_checkpoints = max(r.num_checkpoints for r in ranks)
     result.num_records = result.num_events + result.num_checkpoints
     result.num_steps = step
     return result
+
+
+def _next_row(
+    ranks: Sequence[_Rank], active: list[int], step: int, result: RanksResult
+) -> list[tuple[int, Event]] | None:
+    """The next event of every active rank; a rank whose log ended while another's goes on
+    leaves ``active`` and is noted behind (it agreed on every event it holds). None when
+    a checkpoint does not verify (``result.difference`` set) or every log ended."""
+    row: list[tuple[int, Event]] = []
+    ended: list[int] = []
+    for index in list(active):
+        item = ranks[index].next_event(step)
+        if isinstance(item, RankDifference):
+            result.difference = _ranked(index, item)
+            return None
+        if item is None:
+            ended.append(index)
+        else:
+            row.append(item)
+    if not row:
+        return None
+    for index in ended:
+        active.remove(index)
+        rank = ranks[index]
+        result.behind.append(RankBehind(index, rank.num_events, rank.last_seq, step))
+    return row
 
 
 def _check_same_start(ranks: Sequence[_Rank]) -> None:
@@ -193,27 +255,24 @@ def _ranked(rank: int, difference: RankDifference) -> RankDifference:
     return difference
 
 
-Row = list[tuple[int, Event] | None]
-
-
-def _first_difference(row: Row, step: int) -> RankDifference | None:
+def _first_difference(
+    active: Sequence[int], row: list[tuple[int, Event]], step: int
+) -> RankDifference | None:
+    """The first active rank whose event differs (rank-local fields aside) from the first
+    active rank's (rank 0's, unless its log ended: then the ranks compared go on)."""
     first = row[0]
-    expected = None if first is None else normalize(first[1])
-    for rank, item in enumerate(row[1:], 1):
-        if item is None and first is None:
-            continue
-        actual = None if item is None else normalize(item[1])
-        if item is None or first is None:
-            what = "the log ends here" if item is None else "rank 0's log ends here"
-            seq = first[0] if first is not None else item[0] if item is not None else -1
-            return RankDifference(rank, seq, step, what, expected, actual)
+    expected = normalize(first[1])
+    for rank, item in zip(active[1:], row[1:], strict=True):
+        actual = normalize(item[1])
         if actual != expected:
             what = f"a different {type(item[1]).__name__}"
             if type(item[1]) is not type(first[1]):
-                what = f"a {type(item[1]).__name__} where rank 0 has a {type(first[1]).__name__}"
+                what = f"a {type(item[1]).__name__} where rank {active[0]} has a " + (
+                    type(first[1]).__name__
+                )
             if item[0] != first[0]:
                 what += f" (its seq {item[0]})"
-            return RankDifference(rank, first[0], step, what, expected, actual)
+            return RankDifference(rank, first[0], step, what, expected, actual, active[0])
     return None
 
 
@@ -228,9 +287,9 @@ def _local_fields(row: list[tuple[int, Event]]) -> list[str]:
 
 
 def _apply_all(
-    ranks: list[_Rank], row: list[tuple[int, Event]], step: int
+    ranks: list[_Rank], active: Sequence[int], row: list[tuple[int, Event]], step: int
 ) -> RankDifference | None:
-    for rank, (state, (seq, event)) in enumerate(zip(ranks, row, strict=True)):
+    for rank, state, (seq, event) in zip(active, ranks, row, strict=True):
         try:
             state.apply(event)
         except InvalidEvent as exc:
@@ -239,7 +298,11 @@ def _apply_all(
 
 
 def _digests_differ(
-    ranks: list[_Rank], identical: bool, row: list[tuple[int, Event]], step: int
+    ranks: list[_Rank],
+    active: Sequence[int],
+    identical: bool,
+    row: list[tuple[int, Event]],
+    step: int,
 ) -> RankDifference | None:
     """While the events are identical: the checkpoints every rank took after the same
     number of events (before this one) carry the same digest."""
@@ -247,11 +310,11 @@ def _digests_differ(
     if not identical or count not in ranks[0].digests:
         return None
     expected = ranks[0].digests.pop(count)
-    for rank, state in enumerate(ranks[1:], 1):
+    for rank, state in zip(active[1:], ranks[1:], strict=True):
         digest = state.digests.pop(count, None)
         if digest is not None and digest != expected:
             what = "the recorded state digest differs at the checkpoint before this event"
             return RankDifference(
-                rank, row[0][0], step, what, {"digest": expected}, {"digest": digest}
+                rank, row[0][0], step, what, {"digest": expected}, {"digest": digest}, active[0]
             )
     return None

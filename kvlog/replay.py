@@ -140,6 +140,9 @@ class ReplayResult:
     """Where the recorder detached after an I/O error (``LogDetached`` records)."""
     salvaged: str = ""
     """With ``salvage``: where and why the intact prefix ended ('' when the log is whole)."""
+    retired: list[tuple[int, int]] = field(default_factory=list)
+    """Sequence numbers (first, last) the writer's retention removed while the replay read
+    the log: not read, not verified (it went on from the next segment's snapshot)."""
 
     @property
     def ok(self) -> bool:
@@ -236,7 +239,9 @@ def replay(
     start from the latest checkpoint snapshot (only for plain verification).
     ``salvage``: replay the intact prefix of a damaged log (``result.salvaged`` says where
     and why it stops). ``policy_overrides``: ``CacheConfigured`` fields for a what-if run.
-    A log directory whose oldest segments are gone starts at its first snapshot.
+    A log directory whose oldest segments are gone starts at its first snapshot; segments
+    retention removes during the replay are skipped to the next segment's snapshot
+    (``result.retired``), but under ``against`` or ``execute`` (``SegmentsRetired``).
     """
     _check_overrides(policy_overrides)
     if from_snapshot and (policy_overrides or against is not None or execute):
@@ -287,6 +292,7 @@ class _Replayer:
         if against is not None:
             self.other = _Other(against, self.fold)
             self.fold.on_event.append(self.other.compare)
+        self.fold.follow_retired = against is None and not execute  # they need every event
         self.tracker: CanaryTracker | None = None
         self.executor: Executor | None = None
         self.num_steps_max_used_differs = 0
@@ -370,6 +376,7 @@ class _Replayer:
         ]
         if fold.reader.stopped is not None:
             result.salvaged = str(fold.reader.stopped)
+        result.retired = list(fold.retired)
         if config is None:
             return result
         result.recorded = self.recorded.finish(config)

@@ -122,11 +122,69 @@ def test_a_rank_whose_state_is_not_its_events_and_a_short_log_differ(tmp_path: P
     result = compare_ranks([tmp_path / "rank0.kvlog", tmp_path / "rank1.kvlog"])
     assert result.difference is not None and "live state diverged" in result.difference.what
     assert result.difference.rank == 1
-    with LogWriter(tmp_path / "short.kvlog") as writer:
-        for _, r in records[: len(records) // 2]:
+
+
+def _prefix(records: list[tuple[int, Checkpoint | Event]], path: Path, count: int) -> None:
+    with LogWriter(path) as writer:
+        for _, r in records[:count]:
             writer.append(r)
-    result = compare_ranks([tmp_path / "rank0.kvlog", tmp_path / "short.kvlog"])
-    assert result.difference is not None and result.difference.what == "the log ends here"
+
+
+def test_a_log_that_is_a_prefix_of_another_is_behind_not_different(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two live logs: one rank's writer is ahead of the other's."""
+    full = tmp_path / "rank0.kvlog"
+    record_synth(full)
+    records = list(LogReader(full).records())
+    short = tmp_path / "short.kvlog"
+    _prefix(records, short, len(records) // 2)
+    short_events = [r for _, r in records[: len(records) // 2] if type(r) is not Checkpoint]
+    last_seq = max(seq for seq, r in records[: len(records) // 2] if type(r) is not Checkpoint)
+    for order, behind_rank in (([full, short], 1), ([short, full], 0)):
+        result = compare_ranks(order)
+        assert result.ok and not result.complete, result
+        assert [(b.rank, b.num_events, b.last_seq) for b in result.behind] == [
+            (behind_rank, len(short_events), last_seq)
+        ]
+        assert result.num_events == len(events_of(full))  # the longer log read to its end
+        assert main(["ranks", *map(str, order)]) == 3
+        out = capsys.readouterr().out
+        assert "RANKS DIFFER" not in out and f"rank {behind_rank} is behind" in out
+        assert f"ends after {len(short_events):,} events (seq {last_seq:,}" in out
+    assert main(["ranks", str(full), str(full)]) == 0
+
+
+def test_a_rank_behind_leaves_the_others_compared(tmp_path: Path) -> None:
+    """Three ranks: rank 0 is behind, rank 2 differs from rank 1 after rank 0's end: a
+    difference (with rank 1 as the reference), not a log that is behind."""
+    full = tmp_path / "rank1.kvlog"
+    record_synth(full)
+    records = list(LogReader(full).records())
+    short = tmp_path / "rank0.kvlog"
+    _prefix(records, short, len(records) // 3)
+    events = events_of(full)
+    at = next(i for i in range(len(events) // 2, len(events)) if type(events[i]) is RequestFinished)
+    changed = [*events[:at], RequestPreempted(req_id=events[at].req_id), *events[at + 1 :]]  # type: ignore[attr-defined]
+    rerecord(changed, tmp_path / "rank2.kvlog")
+    result = compare_ranks([short, full, tmp_path / "rank2.kvlog"])
+    assert [b.rank for b in result.behind] == [0]
+    difference = result.difference
+    assert difference is not None and (difference.rank, difference.reference) == (2, 1)
+    assert difference.what == "a RequestPreempted where rank 1 has a RequestFinished"
+    assert str(difference).startswith("rank 2 differs from rank 1 at seq ")
+
+
+def test_a_short_log_that_differs_before_its_end_still_differs(tmp_path: Path) -> None:
+    full = tmp_path / "rank0.kvlog"
+    record_synth(full)
+    events = events_of(full)
+    at = next(i for i in range(10, len(events)) if type(events[i]) is RequestFinished)
+    changed = [*events[:at], RequestPreempted(req_id=events[at].req_id)]  # type: ignore[attr-defined]
+    rerecord(changed, tmp_path / "rank1.kvlog")
+    result = compare_ranks([full, tmp_path / "rank1.kvlog"])
+    assert result.difference is not None and not result.behind
+    assert "RequestPreempted where rank 0 has a RequestFinished" in result.difference.what
 
 
 def test_logs_that_retention_cut_at_different_places_are_refused_not_called_different(

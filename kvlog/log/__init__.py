@@ -19,7 +19,7 @@ from kvlog.log.format import (
     Recovery,
 )
 from kvlog.log.manifest import is_log_directory, list_segments
-from kvlog.log.reader import LogReader, read_header, read_log
+from kvlog.log.reader import LogReader, check_log, read_header, read_log
 from kvlog.log.segments import DEFAULT_SEGMENT_BYTES, SegmentedWriter
 from kvlog.log.snapshots import first_snapshot, latest_snapshot
 from kvlog.log.writer import (
@@ -47,6 +47,7 @@ __all__ = [
     "Recovery",
     "SegmentedWriter",
     "SyncMode",
+    "check_log",
     "check_sync_interval",
     "detach_writer",
     "first_snapshot",

@@ -16,6 +16,7 @@ skipped, so sequence numbers of yielded records can have gaps.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -24,7 +25,7 @@ from typing import BinaryIO
 
 import msgspec
 
-from kvlog.errors import CorruptLogError, LogNotFound, SchemaVersionError
+from kvlog.errors import CorruptLogError, LogNotFound, SchemaVersionError, SegmentsRetired
 from kvlog.events import DECODE_ERRORS, Checkpoint, Record
 from kvlog.log.format import (
     FLAG_CLOSED,
@@ -45,7 +46,7 @@ from kvlog.log.manifest import SegmentInfo, file_sha256, list_segments, open_seg
 from kvlog.log.scan import FrameScanner
 from kvlog.log.writer import check_kind, path_error
 
-__all__ = ["LogReader", "read_header", "read_log"]
+__all__ = ["LogReader", "check_log", "read_header", "read_log"]
 
 _logger = logging.getLogger("kvlog.log")
 _decoder: msgspec.msgpack.Decoder[LogRecord] = msgspec.msgpack.Decoder(LogRecord)
@@ -147,12 +148,16 @@ class LogReader:
 
     def _segment_records(self, start_seq: int) -> Iterator[tuple[int, Record]]:
         """Every segment's records in turn, each checked to go on where the one before it
-        ended (and a sealed one against its manifest entry)."""
+        ended (and a sealed one against its manifest entry). A segment whose file went
+        away since the listing is looked up again (compressed since), or the read stops
+        with ``SegmentsRetired`` (removed by the writer's retention)."""
         assert self.segments is not None, "a directory reader has segments"
-        segments = self.segments
-        expected = segments[0].first_seq
-        for i, info in enumerate(segments):
+        expected = self.segments[0].first_seq
+        i = 0
+        while i < len(self.segments):
+            info, segments = self.segments[i], self.segments
             following = segments[i + 1].first_seq if i + 1 < len(segments) else -1
+            i += 1
             if 0 <= following <= start_seq:
                 expected = following
                 continue
@@ -164,8 +169,13 @@ class LogReader:
                     path=where,
                     seq=expected,
                 )
-            with open_segment(self.path, info) as plain:
-                reader = self._segment_reader(info, where, plain)
+            with contextlib.ExitStack() as stack:
+                try:
+                    plain = stack.enter_context(open_segment(self.path, info))
+                    reader = self._segment_reader(info, where, plain)
+                except FileNotFoundError:  # LogNotFound included
+                    i = self._relist(info, expected)
+                    continue
                 try:
                     yield from reader._file_records(start_seq)
                 finally:
@@ -176,6 +186,20 @@ class LogReader:
             self.tail, self.last_seq, self.flags = reader.tail, reader.last_seq, reader.flags
             self.end_offset = reader.end_offset
             expected = reader.last_seq + 1
+
+    def _relist(self, info: SegmentInfo, expected: int) -> int:
+        """The segment ``info`` is not where the listing said: list the directory again.
+        The index of the same segment under its new name (compressed by the sealer), or
+        ``SegmentsRetired`` naming where the log goes on."""
+        assert self.segments is not None, "a directory reader has segments"
+        segments = list_segments(self.path)
+        for index, other in enumerate(segments):
+            if other.first_seq == info.first_seq and other.name != info.name:
+                self.segments = segments
+                return index
+        later = [s.first_seq for s in segments if s.first_seq > info.first_seq]
+        self.segments = segments
+        raise SegmentsRetired(self.path, expected, later[0] if later else -1)
 
     def _segment_reader(self, info: SegmentInfo, where: str, plain: str) -> LogReader:
         """A reader of one segment file (``plain``: its uncompressed bytes), the stored
@@ -239,7 +263,7 @@ def _open(path: str) -> BinaryIO:
     """The log file, opened for reading: ``LogNotFound`` when it is not there,
     ``LogPathError`` for anything but a regular file (a FIFO is never opened)."""
     if check_kind(path) is None:
-        raise LogNotFound(errno.ENOENT, f"{path}: no such log")
+        raise no_such_log(path)
     try:
         return open(path, "rb", buffering=0)
     except OSError as exc:
@@ -315,6 +339,19 @@ class _Assembler:
 
     def _corrupt(self, message: str, offset: int, seq: int) -> CorruptLogError:
         return CorruptLogError(message, path=self.path, offset=offset, seq=seq)
+
+
+def check_log(path: str | os.PathLike[str]) -> None:
+    """``LogNotFound`` when nothing is at ``path``, in the one wording every subcommand and
+    ``LogReader`` use ("PATH: no such log"); what is there is read (and refused) later."""
+    text = os.fspath(path)
+    if not os.path.lexists(text):
+        raise no_such_log(text)
+
+
+def no_such_log(path: str) -> LogNotFound:
+    """The error for a log that is not there."""
+    return LogNotFound(errno.ENOENT, f"{path}: no such log")
 
 
 def read_log(path: str | os.PathLike[str], start_seq: int = 0) -> Iterator[tuple[int, Record]]:

@@ -130,6 +130,9 @@ def write_report_figure(
 ) -> None:
     """The report of the module docstring, as PNG or SVG (by ``path``)."""
     plt = plt_module("a report picture")
+    if not any(len(s) for s in series):
+        _write_empty_figure(plt, path, title)
+        return
     runs = [_Run(s, config, cost, i) for i, s in enumerate(series)]
     xs = np.asarray(series[0].step if series else [], dtype=np.float64)
     window = _window(len(xs))
@@ -153,6 +156,18 @@ def write_report_figure(
     axes[-1].set_xlabel("scheduler step")
     fig.suptitle(title, fontsize=12)
     fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def _write_empty_figure(plt: Any, path: str, title: str) -> None:
+    """A log with no scheduler step (a header, a configuration): one picture that says so,
+    instead of empty panels whose legends matplotlib warns about."""
+    fig, ax = plt.subplots(figsize=(11, 2.0))
+    ax.axis("off")
+    text = "the log holds no scheduler step: nothing to draw"
+    ax.text(0.5, 0.5, text, ha="center", va="center", fontsize=12, transform=ax.transAxes)
+    fig.suptitle(title, fontsize=12)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 

@@ -22,6 +22,7 @@ __all__ = [
     "progress_bar",
     "render_table",
     "replay_text",
+    "retired_text",
     "segments_text",
     "sweep_table",
     "synth_text",
@@ -227,6 +228,7 @@ def replay_text(result: ReplayResult) -> str:
     rows += [("gap", gap) for gap in result.gaps]  # the recorder detached (an I/O error)
     if result.salvaged:
         rows.append(("salvaged", f"stopped at: {result.salvaged}"))
+    rows += [("retired", text) for text in retired_text(result)]
     parts = ["replay\n" + render_table(rows), render_table(_stats_rows(result), header=True)]
     if result.whatif is not None:
         parts.append(_whatif_text(result.whatif, result.recorded_config))
@@ -242,11 +244,20 @@ def replay_text(result: ReplayResult) -> str:
     return "\n\n".join(parts)
 
 
+def retired_text(result: ReplayResult) -> list[str]:
+    """One line per run of sequence numbers retention removed during the replay."""
+    return [
+        f"seq {first:,}-{last:,} removed by the log's retention during the read: not verified"
+        for first, last in result.retired
+    ]
+
+
 def _verdict(result: ReplayResult) -> str:
     d = result.divergence
     if d is None:
+        where = " where it was read" if result.retired else ""
         return (
-            f"verified: the replay agrees with the log "
+            f"verified: the replay agrees with the log{where} "
             f"({result.num_verified:,} of {plural(result.num_checkpoints, 'checkpoint')} "
             "checked)"
         )

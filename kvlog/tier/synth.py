@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 
 from kvlog.engine import Engine
+from kvlog.errors import ConfigError, KvlogError
 from kvlog.events import CacheConfigured, TierEvent
 from kvlog.synth.traces import TRACE_FORMATS, read_trace
 from kvlog.tier.trace import accesses_from_trace
@@ -58,6 +59,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--bytes-per-token", type=int, default=131072)
     p.add_argument("--gpu-tokens", type=int, default=0, help="preemption model (0: none)")
     args = p.parse_args(argv)
+    try:
+        tally = _synth(args)
+    except (KvlogError, OSError) as exc:  # one line, exit 2, as the kvlog commands do
+        print(f"{p.prog}: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"{args.out}: {tally.accesses} accesses, {tally.blocks_hit}/{tally.blocks_asked} "
+        f"chunks hit, {tally.blocks_stored} stored, {tally.evictions} evicted"
+    )
+    return 0
+
+
+def _synth(args: argparse.Namespace) -> TierTally:
+    """Check the flags as ``kvlog sweep --cpu-bytes`` does (before anything is written),
+    then write the log."""
+    from kvlog.cli_sweep import check_tier_values
+
+    check_tier_values(
+        evictions=[args.eviction],
+        store_thresholds=[args.store_threshold],
+        tokens_per_chunk=args.tokens_per_chunk,
+        bytes_per_token=args.bytes_per_token,
+        gpu_tokens=args.gpu_tokens,
+    )
+    for flag, value in (("--requests", args.requests), ("--num-chunks", args.num_chunks)):
+        if value is not None and value < 1:
+            raise ConfigError(flag, value, "an int >= 1")
     variant = TierVariant(
         args.eviction,
         args.num_chunks,
@@ -65,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.tokens_per_chunk,
         args.tokens_per_chunk * args.bytes_per_token,
     )
-    tally = synth_tier_log(
+    return synth_tier_log(
         args.trace,
         args.out,
         variant,
@@ -73,11 +101,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         limit=args.requests,
         gpu_tokens=args.gpu_tokens,
     )
-    print(
-        f"{args.out}: {tally.accesses} accesses, {tally.blocks_hit}/{tally.blocks_asked} "
-        f"chunks hit, {tally.blocks_stored} stored, {tally.evictions} evicted"
-    )
-    return 0
 
 
 if __name__ == "__main__":

@@ -121,6 +121,8 @@ def make_trace(
 
 
 Runner = Callable[[Step], None]
+Make = Callable[[], tuple[Runner, Callable[[], None]]]
+"""Builds a variant's runner and the call that closes it."""
 
 
 def seed_runner(
@@ -155,7 +157,7 @@ def facade_runner(
 
 
 def measure(
-    make: Callable[[], tuple[Runner, Callable[[], None]]],
+    make: Make,
     warm: list[Step],
     timed: list[Step],
     synchronize: Callable[[], None] | None = None,
@@ -211,9 +213,6 @@ def main() -> None:
             print(f"\n{num_blocks} blocks, threshold {threshold} ({what}):")
             run_variants(threshold, num_blocks, warm, timed, repeats, args.backend)
         gc.unfreeze()
-
-
-Make = Callable[[], tuple[Runner, Callable[[], None]]]
 
 
 def variants_of(

@@ -324,14 +324,15 @@ class Fold:
         self.num_records += 1
         self.num_checkpoints += 1
         self.counts["Checkpoint"] += 1
-        for lane in self.lanes:
+        for lane in self.lanes:  # the first is alive: its refusal stopped the fold
+            if not lane.alive:
+                continue
             state = restore_snapshot(checkpoint.snapshot, checkpoint.digest, self.path, seq)
             if isinstance(state, str):
                 self._bad_snapshot(seq, checkpoint, state)
                 self.stopped = True
                 return seq + 1
-            if lane.alive:
-                self._seat(lane, state)
+            self._seat(lane, state)
         self.seq = seq
         self.last_event_seq = self.last_verified_seq = checkpoint.seq
         self.last_event = None

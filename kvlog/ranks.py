@@ -191,7 +191,7 @@ def compare_ranks(paths: Sequence[str | os.PathLike[str]]) -> RanksResult:
     step = 0
     while result.difference is None:
         row = _next_row(ranks, active, step, result)
-        if row is None or not active:
+        if row is None:  # a checkpoint did not verify, or every log ended
             break
         event = row[0][1]
         identical = identical and all(e == event for _, e in row)

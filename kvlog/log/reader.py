@@ -192,13 +192,11 @@ class LogReader:
         The index of the same segment under its new name (compressed by the sealer), or
         ``SegmentsRetired`` naming where the log goes on."""
         assert self.segments is not None, "a directory reader has segments"
-        segments = list_segments(self.path)
+        self.segments = segments = list_segments(self.path)
         for index, other in enumerate(segments):
             if other.first_seq == info.first_seq and other.name != info.name:
-                self.segments = segments
                 return index
         later = [s.first_seq for s in segments if s.first_seq > info.first_seq]
-        self.segments = segments
         raise SegmentsRetired(self.path, expected, later[0] if later else -1)
 
     def _segment_reader(self, info: SegmentInfo, where: str, plain: str) -> LogReader:

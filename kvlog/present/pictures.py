@@ -134,12 +134,12 @@ def write_report_figure(
         _write_empty_figure(plt, path, title)
         return
     runs = [_Run(s, config, cost, i) for i, s in enumerate(series)]
-    xs = np.asarray(series[0].step if series else [], dtype=np.float64)
+    xs = np.asarray(series[0].step, dtype=np.float64)
     window = _window(len(xs))
     panels = [_blocks_panel, _fragmentation_panel, _moved_panel]
     if any(any(r.transfer) for r in runs):
         panels.append(_transfer_panel)
-    if runs and runs[0].ms is not None:
+    if runs[0].ms is not None:
         panels.append(_ms_panel)
     heights = [0.5 + 0.28 * len(runs)] + [2.2] * len(panels)
     fig, axes = plt.subplots(
@@ -174,8 +174,6 @@ def _write_empty_figure(plt: Any, path: str, title: str) -> None:
 
 def _summary_table(ax: Any, runs: Sequence[_Run]) -> None:
     ax.axis("off")
-    if not runs:
-        return
     header = ["policy"]
     if runs[0].ms is not None:
         header += ["mean ms/step\n(modeled)", "p99 ms/step\n(modeled)"]

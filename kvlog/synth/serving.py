@@ -118,7 +118,7 @@ class TraceConfig:
             raise TraceError("the trace holds no requests")
         self.synth.check()
         c = self.synth
-        if requests and requests[0].hash_ids and HASH_BLOCK_TOKENS % c.block_size:
+        if requests[0].hash_ids and HASH_BLOCK_TOKENS % c.block_size:
             raise TraceError(
                 f"--block-size {c.block_size} must divide {HASH_BLOCK_TOKENS} for hash_ids"
             )

@@ -203,6 +203,7 @@ def figures_of_log(path: str | os.PathLike[str]) -> LogFigures:
     if not fold.reader.first_seq == 0:  # retention removed the start: from the first snapshot
         fold.start_from_snapshot(first=True)
     fold.run()
+    last = max(fold.seq, fold.reader.last_seq)  # the reader counts a closed log's end record
     return LogFigures(
-        figures, figures.gauges(fold.state), fold.num_records, fold.num_checkpoints, fold.seq
+        figures, figures.gauges(fold.state), fold.num_records, fold.num_checkpoints, last
     )

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 __all__ = ["DefragLines", "debug_areas", "once", "plugin_logger"]
@@ -31,7 +31,7 @@ _SAID: set[str] = set()
 _kvlog = logging.getLogger("kvlog")
 
 
-def debug_areas(environ: dict[str, str] | None = None) -> frozenset[str]:
+def debug_areas(environ: Mapping[str, str] | None = None) -> frozenset[str]:
     """The areas ``VLLM_DEBUG`` turns on (vllm-gaudi's comma-separated list)."""
     text = (os.environ if environ is None else environ).get("VLLM_DEBUG", "")
     return frozenset(part.strip() for part in text.split(",") if part.strip())
@@ -66,20 +66,20 @@ class DefragLines:
 
     __slots__ = ("debug", "logger")
 
-    def __init__(self, environ: dict[str, str] | None = None) -> None:
+    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
         self.debug = "defrag" in debug_areas(environ)
         self.logger = plugin_logger()
 
-    def _say(self, message: str) -> None:
+    def say(self, message: str) -> None:
         self.logger.warning(f"[defrag] {message}")
 
     def initialized(self) -> None:
         if self.debug:
-            self._say("initialized")
+            self.say("initialized")
 
     def updating_state(self, num_new_blocks: int, num_finished: int) -> None:
         if self.debug and (num_new_blocks > 0 or num_finished > 0):
-            self._say(f"updating state: {num_new_blocks} new_blocks {num_finished} finished reqs")
+            self.say(f"updating state: {num_new_blocks} new_blocks {num_finished} finished reqs")
 
     def done(self, pre_max_used: int, max_used: int, num_used: int, swapped: int, pad: int) -> None:
         if self.debug:
@@ -87,7 +87,7 @@ class DefragLines:
                 f"max_id_used={pre_max_used}->{max_used} num_used={num_used} "
                 f"swapped={swapped}/{pad}"
             )
-            self._say(f"defragmentation done {post_status}")
+            self.say(f"defragmentation done {post_status}")
 
     def warming_up(self, thresholds: Sequence[int]) -> None:
         self.logger.info("Warming up defragmenter with thresholds: %s", list(thresholds))

@@ -28,6 +28,7 @@ No vLLM import here: the prometheus metric classes come from vLLM's ``metric_typ
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import time
@@ -42,6 +43,7 @@ from kvlog.reducers.tier_misses import MISS_REASONS, TierExplainer
 
 __all__ = [
     "DEFAULT_INTERVAL_S",
+    "DISK_EVERY_S",
     "LABEL_VALUES",
     "LOGS",
     "METRICS",
@@ -51,10 +53,15 @@ __all__ = [
     "Reporter",
     "RecorderFigures",
     "metric_values",
+    "process_exporter",
+    "metrics_enabled",
     "payload_of",
+    "disk_figures",
     "recorder_figures",
 ]
 
+DISK_EVERY_S = 10.0
+"""How often a reporter reads a log's bytes and segments from the disk."""
 DEFAULT_INTERVAL_S = 1.0
 """How often a reporter hands a payload (``KVLOG_METRICS_INTERVAL_S``): a scrape or vLLM's
 log line (every 10 s by default) never needs more; 0 hands one every step."""
@@ -127,35 +134,57 @@ _DEFS = (
 METRICS: dict[str, MetricDef] = {d.name: d for d in _DEFS}
 
 
+def metrics_enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the facades keep figures for the metrics (``KVLOG_METRICS=0``: no)."""
+    return (os.environ if environ is None else environ).get("KVLOG_METRICS", "1") != "0"
+
+
 # -- the recorder ------------------------------------------------------------------------
 @dataclass(frozen=True)
 class RecorderFigures:
-    """Where one log's recorder stands (``recorder_figures``)."""
+    """Where one log's recorder stands (``recorder_figures``); ``log_bytes`` and
+    ``segments`` are -1 until read from the disk (``disk_figures``)."""
 
+    path: str | None = None
     records: int = 0
     checkpoints: int = 0
-    log_bytes: int = 0
-    segments: int = 0
+    log_bytes: int = -1
+    segments: int = -1
     lag_s: float = 0.0
     attached: bool = False
     errno: int = 0
 
 
-def recorder_figures(status: LogStatus, checkpoints: int = 0, lag_s: float = 0.0) -> RecorderFigures:
-    """A recorder's figures from its status (and what the Engine counts); the disk's
-    bytes and segments are read here (a stat per segment: call it once per payload)."""
-    path = status.path
-    log_bytes = segments = 0
-    if path is not None and status.attached:
-        try:
-            directory = is_log_directory(path)
-            segments = len(list_segments(path)) if directory else 1
-            log_bytes = log_num_bytes(path)
-        except OSError:
-            pass
+def disk_figures(path: str | None) -> tuple[int, int]:
+    """The bytes and segments a log takes on disk (a stat per segment, the manifest of a
+    directory: ~0.2 ms, so a reporter reads them every ``DISK_EVERY_S``); (0, 0) where
+    there is no log or it cannot be read."""
+    if path is None:
+        return 0, 0
+    try:
+        segments = len(list_segments(path)) if is_log_directory(path) else 1
+        return log_num_bytes(path), segments
+    except OSError:
+        return 0, 0
+
+
+def recorder_figures(
+    status: LogStatus,
+    checkpoints: int = 0,
+    lag_s: float = 0.0,
+    records: int = -1,
+    *,
+    disk: bool = False,
+) -> RecorderFigures:
+    """A recorder's figures from its status and what its Engine counts (``records``: -1
+    for the status's last sequence number + 1); with ``disk``, its bytes and segments too."""
+    if records < 0:
+        records = status.last_seq + 1
+    log_bytes, segments = disk_figures(status.path) if disk else (-1, -1)
     return RecorderFigures(
-        status.last_seq + 1, checkpoints, log_bytes, segments, lag_s, status.attached, status.errno
-    )
+        status.path, records, checkpoints, log_bytes, segments, lag_s, status.attached,
+        status.errno,
+    )  # fmt: skip
 
 
 # -- payloads ------------------------------------------------------------------------------
@@ -202,8 +231,8 @@ def _recorder_values(log: str, rec: RecorderFigures, out: Values) -> None:
     key = (log,)
     out.setdefault("kvlog_recorder_records_total", {})[key] = rec.records
     out.setdefault("kvlog_recorder_checkpoints_total", {})[key] = rec.checkpoints
-    out.setdefault("kvlog_recorder_log_bytes", {})[key] = rec.log_bytes
-    out.setdefault("kvlog_recorder_segments", {})[key] = rec.segments
+    out.setdefault("kvlog_recorder_log_bytes", {})[key] = max(0, rec.log_bytes)
+    out.setdefault("kvlog_recorder_segments", {})[key] = max(0, rec.segments)
     out.setdefault("kvlog_recorder_lag_seconds", {})[key] = round(rec.lag_s, 6)
     out.setdefault("kvlog_recorder_attached", {})[key] = int(rec.attached)
     out.setdefault("kvlog_recorder_errno", {})[key] = rec.errno
@@ -242,7 +271,7 @@ def payload_of(now: Values, before: Values) -> dict[str, Any]:
         if values:
             types[name] = kind
             data[name] = values
-    return {"types": types, "data": data, "info": None}
+    return {"types": types, "data": data}
 
 
 # -- the reporter --------------------------------------------------------------------------
@@ -264,6 +293,8 @@ class Reporter:
         self._sent: Values = {}
         self._next = 0.0
         self._finished: dict[str, list[float]] = {d: [0, 0.0] for d in DIRECTIONS}
+        self._disk: dict[str, tuple[float, tuple[int, int]]] = {}
+        """Per log: when its disk figures were read, and what they were."""
         """Finished transfers' bytes and seconds, per direction (``note_finished``)."""
 
     def watch_engine(self, engine: Any, figures: EngineFigures) -> None:
@@ -300,7 +331,7 @@ class Reporter:
         gauges = None
         if self.figures is not None and self.engine is not None:
             gauges = self.figures.gauges(self.engine.state)
-        recorders = {log: figures() for log, figures in self.recorders.items()}
+        recorders = {log: self._with_disk(log, figures()) for log, figures in self.recorders.items()}
         out = metric_values(self.figures, gauges, self.explainer, recorders)
         if self.figures is not None:
             out["kvlog_transfer_finished_bytes_total"] = {
@@ -310,6 +341,16 @@ class Reporter:
                 (d,): round(self._finished[d][1], 9) for d in DIRECTIONS
             }
         return out
+
+    def _with_disk(self, log: str, rec: RecorderFigures) -> RecorderFigures:
+        if rec.log_bytes >= 0:
+            return rec
+        now = self.clock()
+        read = self._disk.get(log)
+        if read is None or now - read[0] >= DISK_EVERY_S:
+            read = self._disk[log] = (now, disk_figures(rec.path))
+        log_bytes, segments = read[1]
+        return dataclasses.replace(rec, log_bytes=log_bytes, segments=segments)
 
     def take(self, force: bool = False) -> dict[str, Any] | None:
         """The payload of what changed since the last one, when due (or ``force``)."""
@@ -386,7 +427,8 @@ class PromMetrics:
         child = self._children.get(key)
         if child is None:
             values = [*self.per_engine_labelvalues[engine_idx], *labelvalues]
-            child = self._children[key] = self._metrics[name].labels(*values)
+            metric = self._metrics[name]
+            child = self._children[key] = metric.labels(*values) if values else metric
         return child
 
 
@@ -412,3 +454,16 @@ class MultiprocessExporter:
     def observe(self, payload: dict[str, Any] | None) -> None:
         if payload is not None:
             self.prom.observe(payload, 0)
+
+
+_EXPORTER: list[MultiprocessExporter] = []
+
+
+def process_exporter() -> MultiprocessExporter | None:
+    """This process's exporter under ``PROMETHEUS_MULTIPROC_DIR`` (one a process: its
+    metrics register once), else None."""
+    if not MultiprocessExporter.enabled():
+        return None
+    if not _EXPORTER:
+        _EXPORTER.append(MultiprocessExporter())
+    return _EXPORTER[0]

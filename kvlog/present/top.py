@@ -73,6 +73,8 @@ class RecorderView:
     errno: int = 0
     retired: int = 0
     """Records retention removed before this view read them."""
+    resyncs: int = 0
+    """Times the view re-seated its state on the latest snapshot (a record it refused)."""
 
 
 class LogWatch:
@@ -97,12 +99,25 @@ class LogWatch:
         else:
             fold.start_at(self.lane.machine.state, self.last_event_seq, self.next_seq)
         fold.run()
+        if fold.divergence is not None:  # the books lost the thread: from the latest snapshot
+            fold = self._resync()
         if fold.seq >= 0:
             self.next_seq = max(self.next_seq, fold.seq + 1)
         elif self.next_seq < 0:
             self.next_seq = fold.start_seq
         self.last_event_seq = max(self.last_event_seq, fold.last_event_seq)
         self._note(fold)
+
+    def _resync(self) -> Fold:
+        """A record the view's state refused (seen on a log directory whose retention
+        removed segments while it was read): seat the state on the log's latest snapshot
+        and read on from there; the counters go on, the gap is counted."""
+        self.recorder.resyncs += 1
+        fold = Fold(self.path, [self.lane], verify=False)
+        fold.on_event.append(self._tier)
+        fold.start_from_snapshot()
+        fold.run()
+        return fold
 
     def _tier(self, seq: int, event: Event, plans: list[Plan]) -> None:
         self.explainer.feed(event)
@@ -146,10 +161,12 @@ class TopSnapshot:
     sparks: dict[str, str] = field(default_factory=dict)
 
 
-def _flat(figures: EngineFigures, explainer: TierExplainer) -> dict[str, float]:
+def _flat(figures: EngineFigures, explainer: TierExplainer, step: int) -> dict[str, float]:
+    """The counters of a snapshot; ``steps`` from the state's step number where the log
+    has one (exact across what retention removed), else the steps observed."""
     t = explainer.figures
     return {
-        "steps": figures.steps,
+        "steps": step + 1 if step >= 0 else figures.steps,
         "defrag_steps": figures.defrag_steps,
         "defrag_pairs": figures.defrag_pairs,
         "defrag_bytes": figures.defrag_bytes,
@@ -185,7 +202,7 @@ class Sampler:
             self.tier.poll()
             explainer = self.tier.explainer
         now = self.clock()
-        counters = _flat(self.watch.figures, explainer)
+        counters = _flat(self.watch.figures, explainer, self.watch.lane.machine.state.step)
         snap = TopSnapshot(
             self.watch.path, now, counters, self.watch.gauges, explainer.figures.as_dict(),
             self.watch.recorder,
@@ -240,6 +257,7 @@ def snapshot_json(snap: TopSnapshot) -> str:
             "status": _status(r),
             "errno": r.errno,
             "retired_unread": r.retired,
+            "resyncs": r.resyncs,
         },
     }
     return json.dumps(out, sort_keys=True)
@@ -291,5 +309,6 @@ def render(snap: TopSnapshot) -> Any:
     engine.add_row("recorder", f"{_status(r)}  {r.records:,} records",
                    f"{r.log_bytes / 1e6:,.1f} MB in {r.segments} segment(s); "
                    f"last write {r.age_s:.1f} s ago"
-                   + (f"; {r.retired:,} records retired unread" if r.retired else ""))
+                   + (f"; {r.retired:,} records retired unread" if r.retired else "")
+                   + (f"; re-read from a snapshot {r.resyncs}x" if r.resyncs else ""))
     return Group(engine)

@@ -67,7 +67,7 @@ def _timed_run_class() -> Any:
                 kv_output.kv_connector_stats = self._kvlog(
                     "get_kv_connector_stats", self.connector.get_kv_connector_stats
                 )
-            return harness.Run._runner_output(so, sampled, kv_output)
+            return super()._runner_output(so, sampled, kv_output)
 
     return TimedRun, harness
 

@@ -109,7 +109,7 @@ class MetricsRun(harness.Run):
     def _runner_output(self, so: Any, sampled: dict[str, list[int]], kv_output: Any) -> Any:
         if kv_output is not None:  # vLLM's GPU runner: the worker connector's stats
             kv_output.kv_connector_stats = self.connector.get_kv_connector_stats()
-        return harness.Run._runner_output(so, sampled, kv_output)
+        return super()._runner_output(so, sampled, kv_output)
 
     def final_payload(self) -> None:
         """After the run (both sides shut down, the logs closed): the last change, as the

@@ -49,6 +49,8 @@ __all__ = [
 ]
 
 DIRECTIONS: tuple[str, str] = ("store", "load")
+_STEPS = frozenset(STEP_EVENTS)
+_JOBS = frozenset((StoreRequested, LoadRequested, TransferFinished, TransferBatch))
 HOLD_PREFIX = "kvlog-load-hold-"
 """Request ids of the placeholders that hold a load's blocks start with this (see
 ``kvlog.integrations.session.HOLD_PREFIX``, the same string)."""
@@ -105,13 +107,14 @@ class EngineFigures(Observer):
 
     def after(self, state: reducers.State, event: Event, plans: list[Plan]) -> None:
         kind = type(event)
-        if kind in STEP_EVENTS:
+        if kind in _STEPS:
             self.steps += 1
-        elif kind is TransferBatch:
-            for inner in event.events:  # type: ignore[union-attr]
-                self._job_event(inner)
-        else:
-            self._job_event(event)
+        elif kind in _JOBS:
+            if kind is TransferBatch:
+                for inner in event.events:  # type: ignore[union-attr]
+                    self._job_event(inner)
+            else:
+                self._job_event(event)
         if plans:
             self._count(state, plans)
 

@@ -127,7 +127,7 @@ class LogWatch:
         rec.records = self.next_seq
         rec.checkpoints += fold.num_checkpoints
         rec.retired += sum(last - first + 1 for first, last in fold.retired)
-        rec.closed = reader.closed_cleanly
+        rec.closed = reader.closed_cleanly  # a directory: its newest segment's header
         if reader.gaps:
             rec.detached, rec.errno = reader.gaps[-1][1].error, reader.gaps[-1][1].errno
         try:
@@ -136,6 +136,7 @@ class LogWatch:
                 segments = list_segments(self.path)
                 rec.segments = len(segments)
                 newest = os.path.join(self.path, segments[-1].name) if segments else self.path
+                rec.closed = bool(segments) and segments[-1].sealed and reader.closed_cleanly
             else:
                 rec.segments, newest = 1, self.path
             rec.age_s = max(0.0, time.time() - os.path.getmtime(newest))

@@ -128,17 +128,25 @@ class TierExplainer:
     def feed(self, event: object) -> None:
         """Fold one event (a ``TierBatch`` event by event; other events are ignored)."""
         kind = type(event)
-        if kind is TierLookedUp:
+        if kind is TierBatch:
+            looked_up = self._looked_up
+            for inner in event.events:  # type: ignore[attr-defined]
+                if type(inner) is TierLookedUp:  # most of a step's calls
+                    looked_up(inner)
+                else:
+                    self._other(type(inner), inner)
+        elif kind is TierLookedUp:
             self._looked_up(event)  # type: ignore[arg-type]
-        elif kind is TierStorePrepared:
+        else:
+            self._other(kind, event)
+
+    def _other(self, kind: type, event: object) -> None:
+        if kind is TierStorePrepared:
             self._store_prepared(event)  # type: ignore[arg-type]
         elif kind is TierStoreCompleted:
             self._store_completed(event)  # type: ignore[arg-type]
         elif kind is TierLoadPrepared:
             self._load_prepared(event)  # type: ignore[arg-type]
-        elif kind is TierBatch:
-            for inner in event.events:  # type: ignore[attr-defined]
-                self.feed(inner)
         elif kind is TierReset:
             self._leave(list(self._resident), "reset")
         elif kind is TierConfigured:
@@ -165,18 +173,20 @@ class TierExplainer:
         history[key] = what
 
     def _looked_up(self, event: TierLookedUp) -> None:
-        figures, key = self.figures, event.key
+        figures = self.figures
         figures.lookups += 1
-        if event.result == "hit":
+        result = event.result
+        if result == "hit":
             figures.hits += 1
             return
-        if event.result == "hit_pending":
+        key = event.key
+        known = self._history.get(key)
+        if result == "hit_pending":
             reason = "in_flight"
         else:
-            known = self._history.get(key)
             reason = "first" if known is None else "evicted" if known == _STORED else known
         figures.misses[reason] += 1
-        if key not in self._history:
+        if known is None:
             self._remember(key, _SEEN)
 
     def _store_prepared(self, event: TierStorePrepared) -> None:

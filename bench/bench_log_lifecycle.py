@@ -50,11 +50,11 @@ from bench_facade import runner_steps  # the runner's trace, one definition
 from seed_reference import make_hpu_caches
 
 from kvlog import Engine, replay
+from kvlog.analysis.replay import replay_state
 from kvlog.events import CacheConfigured, StepScheduled
 from kvlog.integrations import OffloadingWorker, OnlineDefragmenter
 from kvlog.log import LogReader, latest_snapshot, list_segments
 from kvlog.log.manifest import log_num_bytes
-from kvlog.replay import replay_state
 
 BLOCK_SIZE = 16
 MIB = 1 << 20
@@ -106,7 +106,7 @@ def cmd_rotate(args: argparse.Namespace) -> None:
     print(f"bytes per step {kept / max(1, steps_left):.0f}, per record "
           f"{bytes_per_record:.0f} ({result.num_records:,} records in the segments left; "
           f"{num_records:,} appended in all)")  # fmt: skip
-    from kvlog.sweep import replay_segments
+    from kvlog.analysis.parallel import replay_segments
 
     par = replay_segments(log, use_ray=False)
     print(f"--parallel (in process): ok={par.ok}, {len(par.segments)} segments, "
@@ -190,7 +190,7 @@ def split_resume(path: str) -> tuple[str, float, float]:
 
 # -- parallel ------------------------------------------------------------------------------
 def cmd_parallel(args: argparse.Namespace) -> None:
-    from kvlog.sweep import replay_segments
+    from kvlog.analysis.parallel import replay_segments
 
     log = args.log
     if log is None:
@@ -355,8 +355,8 @@ def cmd_traces(args: argparse.Namespace) -> None:
 
 # -- ranks ---------------------------------------------------------------------------------
 def cmd_ranks(args: argparse.Namespace) -> None:
+    from kvlog.analysis.ranks import compare_ranks
     from kvlog.events import Checkpoint, RequestFinished, RequestPreempted
-    from kvlog.ranks import compare_ranks
 
     started = time.perf_counter()
     result = compare_ranks([args.logs[0], args.logs[1]])

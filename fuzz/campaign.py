@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlog import Engine, replay
-from kvlog.canary import make_canary_executor
+from kvlog.analysis.canary import make_canary_executor
 from kvlog.errors import CorruptLogError, KvlogError, LogLocked, LogPoisoned
 from kvlog.events import (
     BlocksAllocated,
@@ -66,7 +66,7 @@ from kvlog.events import (
 )
 from kvlog.log import LogReader, LogWriter
 from kvlog.reducers import running
-from kvlog.replay import replay_state
+from kvlog.analysis.replay import replay_state
 from kvlog.synth import SynthConfig, SynthRun
 
 __all__ = [

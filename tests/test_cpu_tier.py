@@ -34,7 +34,8 @@ from kvlog.tier.optimum import belady, lru_curve, opt_curve
 from kvlog.tier.replay import replay_tier
 from kvlog.tier.synth import synth_tier_log
 from kvlog.tier.trace import TierAccess, accesses_from_log, chunk_key
-from kvlog.tier.whatif import TierVariant, run_variant
+from kvlog.tier.variants import TierVariant
+from kvlog.tier.whatif import run_variant
 
 K = [chunk_key(i) for i in range(8)]
 

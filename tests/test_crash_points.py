@@ -20,8 +20,8 @@ from test_hardening_campaign import campaign  # fuzz/campaign.py, loaded once
 from kvlog import Engine, replay
 from kvlog.errors import EngineBroken
 from kvlog.events import BlocksAllocated, CacheConfigured, Event, Plan, StepEnded
-from kvlog.machine import Observer
 from kvlog.reducers import State
+from kvlog.runtime.machine import Observer
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvlog import Engine, errors, replay
-from kvlog.canary import make_canary_executor
+from kvlog.analysis.canary import make_canary_executor
 from kvlog.events import (
     BlocksAllocated,
     CacheConfigured,
@@ -160,8 +160,8 @@ def test_unencodable_size_is_refused_before_reducing(
 ) -> None:
     """With a log the writer refuses the record (nothing buffered), without one the engine's
     own bound does: either way the state is unchanged and nothing is logged."""
-    import kvlog.engine as engine_module
     import kvlog.log.writer as writer_module
+    import kvlog.runtime.engine as engine_module
 
     path = os.path.join(tmp_path, "a.kvlog")
     for log_path in (path, None):

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvlog import Engine, replay
+from kvlog.analysis.replay import replay_state
 from kvlog.events import (
     BlocksAllocated,
     CacheConfigured,
@@ -22,7 +23,6 @@ from kvlog.events import (
     StepEnded,
 )
 from kvlog.reducers import check_invariants, running
-from kvlog.replay import replay_state
 
 THREADS = 4
 BLOCKS_PER_THREAD = 48

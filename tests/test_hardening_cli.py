@@ -149,8 +149,8 @@ def test_num_cpus_below_one_is_refused_not_a_hang(log: str, tmp_path: Path, cpus
 
 
 def test_the_ray_pool_refuses_zero_cpus() -> None:
+    from kvlog.analysis.pool import RayPool as _RayPool
     from kvlog.errors import ConfigError
-    from kvlog.sweep import _RayPool
 
     with pytest.raises(ConfigError, match="num_cpus"):
         _RayPool(None, 0)
@@ -221,8 +221,8 @@ def test_a_trace_past_max_steps_is_refused_and_leaves_no_log(tmp_path: Path) -> 
 def test_a_stalled_trace_run_is_refused_after_stall_steps() -> None:
     """The watchdog behind the up-front checks: a request larger than the pool (the check
     bypassed) stalls; refused after STALL_STEPS steps, not after a million."""
-    from kvlog.engine import Engine
     from kvlog.errors import TraceError
+    from kvlog.runtime.engine import Engine
     from kvlog.synth import TraceRun
     from kvlog.synth.serving import STALL_STEPS
 
@@ -299,7 +299,7 @@ def test_inspect_refuses_negative_bounds(log: str, capsys: pytest.CaptureFixture
 def test_an_os_error_is_one_line_and_exit_2(
     log: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kvlog import cli as cli_module
+    from kvlog.cli import main as cli_module
 
     def denied(path: str, **_: object) -> None:
         raise PermissionError(13, "Permission denied", path)
@@ -484,7 +484,7 @@ def test_a_report_onto_the_log_itself_is_refused(
 def test_keyboard_interrupt_exits_130_with_one_line(
     log: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kvlog import cli as cli_module
+    from kvlog.cli import main as cli_module
 
     def interrupted(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt

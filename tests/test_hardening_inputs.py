@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-import kvlog.memory as memory_module
+import kvlog.runtime.memory as memory_module
 from kvlog import Engine, errors, reducers
 from kvlog.events import (
     BlocksAllocated,

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvlog.cli import main
-from kvlog.present.units import printable
+from kvlog.util.units import printable
 
 SMALL = ["--steps", "120", "--num-gpu-blocks", "128", "--sync", "none"]
 BAD_NAME = os.fsdecode(b"bad\xff\xfe")  # 'bad\udcff\udcfe'

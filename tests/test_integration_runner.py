@@ -29,8 +29,8 @@ import pytest
 import torch
 from seed_reference import block_rows, cache_tensors, make_hpu_caches
 
+from kvlog.analysis.replay import replay
 from kvlog.integrations import OffloadingHandlers, OffloadingWorker, OnlineDefragmenter
-from kvlog.replay import replay
 
 NUM_BLOCKS = 40
 BLOCK_SIZE = 4

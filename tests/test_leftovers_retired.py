@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 import kvlog.log.reader as reader_module
+from kvlog.analysis.replay import replay
 from kvlog.cli import main
 from kvlog.errors import SegmentsRetired
 from kvlog.events import Checkpoint
 from kvlog.log import LogReader, list_segments
 from kvlog.log.manifest import Manifest, SegmentInfo, read_manifest, write_manifest
-from kvlog.replay import replay
 
 SMALL = ["--steps", "300", "--segment-bytes", "20000", "--sync", "none"]
 

@@ -8,7 +8,7 @@ import crc32c as crc32c_package
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvlog.crc32c import crc32c
+from kvlog.util.crc32c import crc32c
 
 CHECK_INPUT = b"123456789"
 CHECK_VALUE = 0xE3069283  # the standard CRC-32C check value

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 import kvlog.log.scan
-from kvlog.crc32c import crc32c
 from kvlog.errors import CorruptLogError, SchemaVersionError
 from kvlog.events import (
     BlocksAllocated,
@@ -33,6 +32,7 @@ from kvlog.events import (
 )
 from kvlog.log import LogHeader, LogReader, LogWriter, Recovery, read_header
 from kvlog.log.format import FRAME, encode_header, frame_crc, record_seed
+from kvlog.util.crc32c import crc32c
 
 
 def _write_log(path: Path, records: list[Record]) -> bytes:

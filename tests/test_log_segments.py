@@ -17,12 +17,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvlog import Engine, replay
+from kvlog.analysis.parallel import replay_segments
 from kvlog.cli import main
 from kvlog.errors import ConfigError, CorruptLogError, LogLocked
 from kvlog.events import Checkpoint, Event
 from kvlog.log import LogReader, latest_snapshot, list_segments, segments
 from kvlog.log.manifest import MANIFEST_NAME, file_sha256, read_manifest, write_manifest
-from kvlog.sweep import replay_segments
 from kvlog.synth import SynthConfig, SynthRun
 
 SEGMENT_BYTES = 48 << 10
@@ -364,8 +364,8 @@ def test_what_ifs_of_a_retained_log_run_from_its_first_snapshot(tmp_path: Path) 
     """Retention removed the oldest segments: a what-if (replay's and the sweep's) runs from
     the first snapshot left, under its own policy, and both give the same figures; the
     canary (``execute``) needs the log from its start and is refused by name."""
-    from kvlog.cost import CostModel
-    from kvlog.sweep import PolicySpec, whatif
+    from kvlog.analysis.cost import CostModel
+    from kvlog.analysis.grid import PolicySpec, whatif
     from kvlog.synth import run_synth
 
     directory = str(tmp_path / "logs") + "/"

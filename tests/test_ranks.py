@@ -9,6 +9,8 @@ import msgspec
 import pytest
 
 from kvlog import Engine
+from kvlog.analysis.ranks import HOLD_PREFIX as RANKS_HOLD_PREFIX
+from kvlog.analysis.ranks import compare_ranks
 from kvlog.cli import main
 from kvlog.events import (
     BlocksAllocated,
@@ -21,8 +23,6 @@ from kvlog.events import (
 )
 from kvlog.integrations.session import HOLD_PREFIX
 from kvlog.log import LogReader, LogWriter
-from kvlog.ranks import HOLD_PREFIX as RANKS_HOLD_PREFIX
-from kvlog.ranks import compare_ranks
 from kvlog.synth import SynthConfig, SynthRun
 
 CONFIG = SynthConfig(steps=300, seed=4, num_cpu_blocks=32)

@@ -13,7 +13,7 @@ from model import PlainModel
 from strategies import draw_valid_event, machine_configs
 
 from kvlog import Engine, replay
-from kvlog.canary import CanaryTracker, canary_bytes
+from kvlog.analysis.canary import CanaryTracker, canary_bytes
 from kvlog.errors import CorruptLogError
 from kvlog.events import BlocksAllocated, CacheConfigured, Checkpoint, Record, StepEnded
 from kvlog.log import LogReader, LogWriter
@@ -156,7 +156,7 @@ def test_execute_checks_every_live_block(recorded: tuple[str, str]) -> None:
 
 
 def test_canary_names_a_block_that_holds_someone_elses_bytes() -> None:
-    from kvlog.canary import make_canary_executor
+    from kvlog.analysis.canary import make_canary_executor
 
     config = CacheConfigured(num_gpu_blocks=16, block_size=4)
     executor, tracker = make_canary_executor(config)

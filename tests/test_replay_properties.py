@@ -1,7 +1,7 @@
 """Replay properties over programs the engine accepts.
 
 - A program written to a log and replayed gives the same plans (re-reduced from the log's
-  events) and the same digest (``kvlog.replay``, every checkpoint verified).
+  events) and the same digest (``kvlog.analysis.replay``, every checkpoint verified).
 - Snapshot and restore at any point, then continuing, gives the same plans and the same
   digest as not snapshotting; with a log, the restored engine continues the same log and
   a replay of it still verifies; ``Engine.resume`` continues it the same way.

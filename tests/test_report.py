@@ -9,20 +9,21 @@ import sys
 
 import pytest
 
-from kvlog.cli_sweep import size_arg
-from kvlog.cost import (
+from kvlog.analysis.cost import (
     GAUDI2_HBM_BYTES_PER_S,
     GAUDI3_HBM_BYTES_PER_S,
     PCIE_GEN5_X16_BYTES_PER_S,
     CostModel,
     cost_model,
 )
+from kvlog.analysis.tally import Series
+from kvlog.cli.sweep import size_arg
 from kvlog.errors import ConfigError, MissingExtra
 from kvlog.events import CacheConfigured
 from kvlog.present.pictures import rolling_mean
+from kvlog.present.report import write_report
 from kvlog.present.text import progress_bar, render_table
-from kvlog.present.units import byte_unit, format_bytes, p99, parse_size, plural
-from kvlog.report import Series, write_report
+from kvlog.util.units import byte_unit, format_bytes, p99, parse_size, plural
 
 CONFIG = CacheConfigured(num_gpu_blocks=64, block_size=16, page_size_bytes=2 << 20)
 
@@ -155,9 +156,9 @@ def test_progress_bar_reports_and_sizes_parse() -> None:
 
 
 def test_the_sweep_shows_every_variant_and_names_the_refused(tmp_path: str) -> None:
+    from kvlog.analysis.grid import SweepRow
     from kvlog.present.pictures import write_sweep_figure
     from kvlog.present.text import SWEEP_COLUMNS, sweep_table
-    from kvlog.sweep import SweepRow
 
     rows = [
         SweepRow("m", "seed t=8", steps=10, mean_max_used=40.0, swap_bytes=3 << 30,

@@ -12,6 +12,8 @@ import msgspec
 import pytest
 
 from kvlog import Engine, replay
+from kvlog.analysis.parallel import replay_segments
+from kvlog.analysis.replay import replay_state
 from kvlog.errors import ConfigError, CorruptLogError
 from kvlog.events import (
     BlocksAllocated,
@@ -23,8 +25,6 @@ from kvlog.events import (
 )
 from kvlog.log import LogReader, LogWriter
 from kvlog.reducers import running
-from kvlog.replay import replay_state
-from kvlog.sweep import replay_segments
 
 CONFIG = CacheConfigured(num_gpu_blocks=64, block_size=16, page_size_bytes=4096, threshold=1)
 

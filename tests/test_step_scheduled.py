@@ -34,9 +34,9 @@ from kvlog.events import (
     TransferFinished,
 )
 from kvlog.log import read_log
-from kvlog.machine import Machine
 from kvlog.reducers import check_invariants, digest, restore, running, snapshot
 from kvlog.reducers import step as step_reducer
+from kvlog.runtime.machine import Machine
 from kvlog.synth import read_trace, run_trace
 
 NUM_BLOCKS = 24

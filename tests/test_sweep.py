@@ -1,5 +1,5 @@
 """Policy sweeps on Ray: the two trace logs under seed thresholds and the new policies, the
-CSV and the PNG checked, what-ifs against kvlog.replay, and segment-parallel replay against
+CSV and the PNG checked, what-ifs against kvlog.analysis.replay, and segment-parallel replay against
 the sequential one. Ray runs locally with 2 CPUs and no dashboard (CI has 2 cores)."""
 
 from __future__ import annotations
@@ -12,16 +12,11 @@ from collections.abc import Iterator
 import pytest
 
 from kvlog import replay
+from kvlog.analysis.cost import CostModel
+from kvlog.analysis.grid import PolicySpec, policy_grid, run_sweep, whatif
+from kvlog.analysis.parallel import replay_segments
 from kvlog.cli import main
-from kvlog.cost import CostModel
 from kvlog.errors import ConfigError
-from kvlog.sweep import (
-    PolicySpec,
-    policy_grid,
-    replay_segments,
-    run_sweep,
-    whatif,
-)
 from kvlog.synth import SynthConfig, TraceConfig, bytes_per_token, read_trace, run_trace
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
@@ -193,7 +188,8 @@ def test_sweep_without_ray_names_the_extra(
 
 def test_a_remote_cluster_gets_the_log_as_bytes(logs: list[str]) -> None:
     """What a task on another machine does with the bytes ``--address`` ships."""
-    from kvlog.sweep import _plan_segments, _replay_segment, _whatif_task
+    from kvlog.analysis.grid import _whatif_task
+    from kvlog.analysis.parallel import _plan_segments, _replay_segment
 
     with open(logs[1], "rb") as f:
         blob = f.read()

@@ -32,8 +32,8 @@ from kvlog.events import (
     decode,
     encode,
 )
-from kvlog.machine import Machine
 from kvlog.reducers import check_invariants, digest, restore, running, snapshot
+from kvlog.runtime.machine import Machine
 
 
 def _fine(machine: Machine, events: list[Event]) -> list[Plan] | KvlogError:

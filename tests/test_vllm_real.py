@@ -62,7 +62,8 @@ def _tier_whatifs(cfg: harness.RunConfig, tmp_path: Path) -> None:
     from kvlog.integrations.vllm import scheduler_log_path
     from kvlog.tier.replay import replay_tier
     from kvlog.tier.trace import accesses_from_log
-    from kvlog.tier.whatif import TierVariant, run_variant
+    from kvlog.tier.variants import TierVariant
+    from kvlog.tier.whatif import run_variant
 
     log = scheduler_log_path(str(tmp_path / f"{cfg.name}.kvlog"))
     accesses = accesses_from_log(log)
@@ -175,10 +176,10 @@ def test_replay_execute_checks_every_stored_and_loaded_block(name: str, tmp_path
     read back at the end with the bytes it should hold; and, folding the log once more with
     a check after every load, every block a load filled holds the bytes it was stored with."""
     from kvlog import replay
-    from kvlog.canary import make_canary_executor
+    from kvlog.analysis.canary import make_canary_executor
     from kvlog.events import TransferBatch, TransferFinished, TransferPlan
-    from kvlog.fold import Fold
-    from kvlog.machine import Observer
+    from kvlog.runtime.fold import Fold
+    from kvlog.runtime.machine import Observer
 
     (cfg,) = [c for c in harness.CI_MATRIX if c.name == name]
     res = harness.run_config(cfg, str(tmp_path))

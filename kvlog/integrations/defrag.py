@@ -23,7 +23,6 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from kvlog.engine import Engine, block_table_row
 from kvlog.errors import BlockInUse, BlockOutOfRange, ConfigError, InvalidEvent
 from kvlog.events import StepScheduled, SwapPlan
 from kvlog.executors import Executor
@@ -39,6 +38,7 @@ from kvlog.integrations.session import (
 )
 from kvlog.log import LogStatus
 from kvlog.reducers import step as step_reducer
+from kvlog.runtime.engine import Engine, block_table_row
 
 __all__ = ["CacheSwapHandle", "OnlineDefragmenter", "detect_prefix_caching"]
 

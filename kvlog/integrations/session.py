@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import torch
 
-from kvlog.engine import Engine
+from kvlog.analysis.policy import check_byte_budget
 from kvlog.errors import ConfigError, LayoutError, LogExists, LogWriterError, MissingExtra
 from kvlog.events import (
     BlocksAllocated,
@@ -40,8 +40,8 @@ from kvlog.integrations.books import Claim, RequestBooks
 from kvlog.integrations.config import FacadeConfig
 from kvlog.log import LogStatus, is_log_directory, list_segments
 from kvlog.log.detach import error_errno
-from kvlog.policy import check_byte_budget
 from kvlog.reducers import step as step_reducer
+from kvlog.runtime.engine import Engine
 
 __all__ = [
     "HOLD_PREFIX",

@@ -45,9 +45,9 @@ from typing import BinaryIO, NamedTuple, Union
 
 import msgspec
 
-from kvlog import crc32c as _crc32c
 from kvlog.errors import CorruptLogError, SchemaVersionError
 from kvlog.events import DECODE_ERRORS, SCHEMA_VERSION, Record
+from kvlog.util import crc32c as _crc32c
 
 __all__ = [
     "FLAGS_OFFSET",

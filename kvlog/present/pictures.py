@@ -25,13 +25,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvlog.errors import MissingExtra
-from kvlog.present.units import byte_unit, format_bytes, p99
+from kvlog.util.units import byte_unit, format_bytes, p99
 
 if TYPE_CHECKING:
-    from kvlog.cost import CostModel
+    from kvlog.analysis.cost import CostModel
+    from kvlog.analysis.grid import SweepRow
+    from kvlog.analysis.tally import Series
     from kvlog.events import CacheConfigured
-    from kvlog.report import Series
-    from kvlog.sweep import SweepRow
 
 __all__ = [
     "FAMILY_COLORS",
@@ -106,7 +106,7 @@ class _Run:
         self.transfer = [float(v) for v in s.transfer_bytes]
         self.ms: list[float] | None = None
         if paged and config is not None:
-            from kvlog.cost import CostModel
+            from kvlog.analysis.cost import CostModel
 
             self.ms = s.modeled_ms(config, cost or CostModel())
 

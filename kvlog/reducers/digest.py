@@ -28,7 +28,6 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from kvlog import crc32c as _crc32c
 from kvlog.errors import CorruptLogError
 from kvlog.events import (
     CONFIG_DEFAULTS,
@@ -42,6 +41,7 @@ from kvlog.reducers.blockset import BlockSet, pack_words
 from kvlog.reducers.consistency import check_consistent
 from kvlog.reducers.state import Job, State
 from kvlog.reducers.transfers import seed_sub_blocks
+from kvlog.util import crc32c as _crc32c
 
 __all__ = [
     "FORMAT_VERSION",

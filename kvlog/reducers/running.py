@@ -34,7 +34,7 @@ from kvlog.events import CacheConfigured
 from kvlog.reducers import kernels
 from kvlog.reducers.buffers import uint64_buffer
 from kvlog.reducers.kernels import FWD_KEY, GOLDEN
-from kvlog.splitmix import mix64, mix64_array
+from kvlog.util.splitmix import mix64, mix64_array
 
 if TYPE_CHECKING:
     from kvlog.reducers.state import Job, State
@@ -63,7 +63,7 @@ _FIRST_ROWS = 64
 
 
 mix = mix64
-"""splitmix64's finalizer on a Python int below 2**64 (:mod:`kvlog.splitmix`)."""
+"""splitmix64's finalizer on a Python int below 2**64 (:mod:`kvlog.util.splitmix`)."""
 _mix_array = mix64_array
 
 

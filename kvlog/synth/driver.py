@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvlog.canary import CanaryReport, CanaryTracker
-from kvlog.engine import Engine
+from kvlog.analysis.canary import CanaryReport, CanaryTracker
+from kvlog.analysis.tally import RunFigures, RunSummary
 from kvlog.events import (
     BlocksAllocated,
     Event,
@@ -39,9 +39,9 @@ from kvlog.events import (
     TransferFinished,
 )
 from kvlog.reducers.transfers import expand_sub_blocks
+from kvlog.runtime.engine import Engine
 from kvlog.synth.pool import BlockPool, CpuCache
 from kvlog.synth.workload import Request, SynthConfig, Workload
-from kvlog.tally import RunFigures, RunSummary
 
 __all__ = ["SynthResult", "SynthRun", "defer_sigint", "step_boundaries"]
 
@@ -59,7 +59,7 @@ _SIGINT = _Deferral()
 
 
 def defer_sigint() -> bool:
-    """For a SIGINT handler (``kvlog.cli``): while a synth loop runs, note the interrupt
+    """For a SIGINT handler (``kvlog.cli.main``): while a synth loop runs, note the interrupt
     and return True; the loop raises ``KeyboardInterrupt`` at the end of its current step,
     between two ``Engine.apply`` calls, so the log's last step is whole and ``close()``
     checkpoints a state that holds every logged event. False (raise now) otherwise."""

@@ -37,10 +37,10 @@ from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
-from kvlog.canary import CanaryTracker
-from kvlog.engine import Engine
+from kvlog.analysis.canary import CanaryTracker
 from kvlog.errors import ConfigError, TraceError
 from kvlog.events import BlocksAllocated, StepEnded
+from kvlog.runtime.engine import Engine
 from kvlog.synth.driver import SynthResult, SynthRun, _Job, step_boundaries
 from kvlog.synth.pool import BlockPool
 from kvlog.synth.traces import HASH_BLOCK_TOKENS, TraceRequest, block_keys

@@ -17,13 +17,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvlog.cost import CostModel
+from kvlog.analysis.cost import CostModel
 from kvlog.errors import ConfigError
-from kvlog.present.units import printable
 from kvlog.synth.traces import TRACE_FORMATS, read_trace
 from kvlog.tier.optimum import lru_curve, opt_curve
 from kvlog.tier.trace import TierAccess, accesses_from_log, accesses_from_trace
-from kvlog.tier.whatif import TierVariant, run_variant
+from kvlog.tier.variants import TierVariant
+from kvlog.tier.whatif import run_variant
+from kvlog.util.units import printable
 
 __all__ = [
     "TierCurve",
@@ -125,7 +126,7 @@ def run_tier_sweep(
     gpu_tokens: int = 0,
 ) -> tuple[list[dict[str, object]], list[TierCurve]]:
     """Rows (logs outer, variants inner) and one curve per log."""
-    from kvlog.sweep import _run_all
+    from kvlog.analysis.pool import run_all as _run_all
 
     calls: list[tuple[object, ...]] = [
         (log, v, prefill_s_per_token, cost, gpu_tokens) for log in logs for v in variants

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from harness.configs import CANARY_SALTS, M64, RunConfig
-from kvlog.splitmix import mix64, mix64_array
 from kvlog.synth.vllm_stubs import VOCAB
+from kvlog.util.splitmix import mix64, mix64_array
 
 
 def canary(hashes: np.ndarray, tensor: int, heads: int, head_size: int) -> np.ndarray:

@@ -1,7 +1,8 @@
 """One step of the machine, in one place: check an event, change the state once, execute
 the plans, notify the observers.
 
-Every way kvlog runs drives this one step: the :class:`~kvlog.engine.Engine` (whose ``apply``
+Every way kvlog runs drives this one step: the :class:`~kvlog.runtime.engine.Engine` (whose
+``apply``
 appends the checked event to its log between ``check`` and ``commit``; it also writes
 checkpoints and turns the executor's finished transfers into ``TransferFinished`` events),
 replay (which feeds it a log's events and keeps only verification, diffing and what-ifs) and

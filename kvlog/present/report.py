@@ -3,7 +3,7 @@
 ``write_report(path, series, title, config=..., cost=...)`` writes what the file name asks
 for: ``.csv`` the raw numbers, ``.png`` or ``.svg`` the report picture drawn by
 :mod:`kvlog.present.pictures` (summary figures per policy, then panels sharing the step
-axis; the modeled step time with a ``config`` that has a page size, :mod:`kvlog.cost`).
+axis; the modeled step time with a ``config`` that has a page size, :mod:`kvlog.analysis.cost`).
 matplotlib is an optional extra (``kvlog[plot]``); without it a picture raises
 :class:`kvlog.errors.MissingExtra` naming the extra.
 """
@@ -14,91 +14,20 @@ import csv
 import os
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
-from kvlog.cost import CostModel
+from kvlog.analysis.cost import CostModel
+from kvlog.analysis.tally import Series
 from kvlog.errors import ConfigError
-from kvlog.events import CacheConfigured, pair_bytes, swap_mode
+from kvlog.events import CacheConfigured
 
 __all__ = [
     "PICTURE_FORMATS",
-    "Series",
     "report_path",
     "write_csv",
     "write_report",
 ]
 
 PICTURE_FORMATS = (".png", ".svg")
-
-
-@dataclass
-class Series:
-    """What one run of the reducers did, step by step (one entry per ``StepEnded``)."""
-
-    label: str = "recorded"
-    step: list[int] = field(default_factory=list)
-    num_used: list[int] = field(default_factory=list)
-    max_used: list[int] = field(default_factory=list)
-    num_swapped: list[int] = field(default_factory=list)
-    store_bytes: list[int] = field(default_factory=list)
-    load_bytes: list[int] = field(default_factory=list)
-    num_padded: list[int] = field(default_factory=list)
-    """Pairs each step's swap plans copy with their pad buckets (``SwapPlan.padded_to``):
-    what the cost model charges, as the sweep's figures do."""
-
-    def add(
-        self,
-        step: int,
-        num_used: int,
-        max_used: int,
-        swapped: int,
-        store: int,
-        load: int,
-        padded: int | None = None,
-    ) -> None:
-        self.step.append(step)
-        self.num_used.append(num_used)
-        self.max_used.append(max_used)
-        self.num_swapped.append(swapped)
-        self.store_bytes.append(store)
-        self.load_bytes.append(load)
-        self.num_padded.append(swapped if padded is None else padded)
-
-    @property
-    def fragmentation(self) -> list[float]:
-        """Share of the ids up to the highest used one that are holes (0 = compact)."""
-        return [
-            1.0 - used / (top + 1) if top >= 0 else 0.0
-            for used, top in zip(self.num_used, self.max_used, strict=True)
-        ]
-
-    @property
-    def transfer_bytes(self) -> list[int]:
-        return [a + b for a, b in zip(self.store_bytes, self.load_bytes, strict=True)]
-
-    def swap_bytes(self, config: CacheConfigured) -> list[int]:
-        """Bytes defrag moved per step (``events.pair_bytes`` per pair)."""
-        per_pair = pair_bytes(config.page_size_bytes, swap_mode(config))
-        return [n * per_pair for n in self.num_swapped]
-
-    def modeled_ms(self, config: CacheConfigured, cost: CostModel) -> list[float]:
-        """The cost model's step time in ms, defrag charged for its padded pairs (as the
-        sweep and replay's summary charge it)."""
-        page, swap = config.page_size_bytes, swap_mode(config) == "swap"
-        return [
-            1e3
-            * (
-                cost.decode_s(top, page)
-                + cost.defrag_s(n, page, swap)
-                + cost.transfer_s(store, load)
-            )
-            for top, n, store, load in zip(
-                self.max_used, self.num_padded, self.store_bytes, self.load_bytes, strict=True
-            )
-        ]
-
-    def __len__(self) -> int:
-        return len(self.step)
 
 
 def write_csv(path: str, series: Sequence[Series]) -> None:

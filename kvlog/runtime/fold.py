@@ -2,7 +2,7 @@
 
 A :class:`Fold` reads a log's records (through ``kvlog.log``, never its bytes), from the
 log's start or from a restored snapshot, up to a sequence number, and feeds every event to
-its :class:`Lane`s: a lane is a :class:`~kvlog.machine.Machine` with the
+its :class:`Lane`s: a lane is a :class:`~kvlog.runtime.machine.Machine` with the
 ``CacheConfigured`` fields it overrides. The first lane is the log's own run: its refusal
 of an event is the fold's :class:`Divergence` and stops the fold. Any other lane is a
 what-if on the same events, which its own first refusal stops alone. With ``verify`` every
@@ -12,7 +12,7 @@ digest, and that a snapshot passed on the way restores to the state replayed up 
 Every reader of a log folds it with this: ``Engine.resume`` (:func:`state_at_end`),
 ``replay`` (verification, what-ifs, ``against``, canaries: observers and hooks on the
 lanes), the sweep's what-ifs and its segment replay. Nothing here writes a log; what a run
-did is its observers' business (``kvlog.tally.RunSummary``).
+did is its observers' business (``kvlog.analysis.tally.RunSummary``).
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from kvlog.errors import CorruptLogError, InvalidEvent, SegmentsRetired
 from kvlog.events import CacheConfigured, Checkpoint, Event, Plan, encode, to_dict, validate_event
 from kvlog.log import LogReader, first_snapshot
 from kvlog.log import latest_snapshot as log_latest_snapshot
-from kvlog.machine import Machine
-from kvlog.memory import check_state_memory
 from kvlog.reducers import running
+from kvlog.runtime.machine import Machine
+from kvlog.runtime.memory import check_state_memory
 
 __all__ = [
     "Divergence",

@@ -1,6 +1,6 @@
 """The Engine: the imperative shell around the pure reducers.
 
-``apply(event)`` is the one way in: one step of the machine (``kvlog.machine``) with the
+``apply(event)`` is the one way in: one step of the machine (``kvlog.runtime.machine``) with the
 log between its check and its change. Its order, and what it guarantees:
 
 1. **check**: the event must be an exact event type, and the reducers' check must accept
@@ -93,7 +93,6 @@ from kvlog.events import (
     encode,
 )
 from kvlog.events.validate import MAX_REQ_ID_LENGTH, normalize_event
-from kvlog.fold import checkpoint_digest, state_at_end
 from kvlog.log import (
     DEFAULT_SYNC_INTERVAL_S,
     MAX_RECORD_BYTES,
@@ -111,11 +110,12 @@ from kvlog.log import (
 )
 from kvlog.log.detach import error_errno
 from kvlog.log.segments import DEFAULT_SEGMENT_BYTES, MIN_SEGMENT_BYTES
-from kvlog.machine import Machine
-from kvlog.memory import check_state_memory
 from kvlog.reducers import running
 from kvlog.reducers.digest import digest_and_snapshot
 from kvlog.reducers.ranges import check_id_dtype
+from kvlog.runtime.fold import checkpoint_digest, state_at_end
+from kvlog.runtime.machine import Machine
+from kvlog.runtime.memory import check_state_memory
 
 if TYPE_CHECKING:
     from kvlog.executors import Executor, TransferCompletion

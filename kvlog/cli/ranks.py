@@ -27,7 +27,7 @@ def add_ranks(sub: Any) -> None:
 
 
 def cmd_ranks(args: argparse.Namespace) -> int:
-    from kvlog.ranks import compare_ranks
+    from kvlog.analysis.ranks import compare_ranks
 
     if len(args.logs) < 2:
         raise ConfigError("LOG", args.logs, "at least two logs (one per rank)")

@@ -38,8 +38,8 @@ from kvlog import reducers
 from kvlog.errors import ConfigError, InvalidEvent
 from kvlog.events import STEP_EVENTS, CacheConfigured, Checkpoint, Event, Record, to_dict
 from kvlog.log import LogReader
-from kvlog.machine import Machine
 from kvlog.reducers import running
+from kvlog.runtime.machine import Machine
 
 __all__ = [
     "HOLD_PREFIX",

@@ -22,7 +22,7 @@ from typing import Any
 
 from kvlog.errors import ConfigError, InvalidEvent
 from kvlog.events import CONFIG_DEFAULTS, DEFRAG_POLICIES, CacheConfigured, validate_event
-from kvlog.present.units import MAX_SIZE_BYTES, parse_size
+from kvlog.util.units import MAX_SIZE_BYTES, parse_size
 
 __all__ = [
     "GEOMETRY_FIELDS",

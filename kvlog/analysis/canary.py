@@ -46,7 +46,7 @@ from kvlog.events import (
 )
 from kvlog.reducers import State
 from kvlog.reducers import step as step_reducer
-from kvlog.splitmix import GOLDEN, mix64_array
+from kvlog.util.splitmix import GOLDEN, mix64_array
 
 if TYPE_CHECKING:
     from kvlog.executors import Executor

@@ -11,7 +11,7 @@ against the digest of the re-run state. The first divergence is reported precise
   one): the exact sequence number of the first event that differs, both events, both
   digests after it and both plan lists.
 
-Policy overrides (the policy fields of ``CacheConfigured``, ``kvlog.policy.POLICY_FIELDS``:
+Policy overrides (the policy fields of ``CacheConfigured``, ``kvlog.analysis.policy.POLICY_FIELDS``:
 ``threshold``, ``max_swaps``, ``defrag``, ``policy``...; the geometry stays the recorded
 one) run a what-if next to the recorded policy: both runs see the same events and the
 result compares swaps, bytes moved and the highest used block over time.
@@ -29,7 +29,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvlog import reducers
-from kvlog.canary import CanaryReport, CanaryTracker, make_canary_executor
+from kvlog.analysis.canary import CanaryReport, CanaryTracker, make_canary_executor
+from kvlog.analysis.policy import POLICY_FIELDS
+from kvlog.analysis.tally import RunFigures, RunSummary, Series
 from kvlog.errors import ConfigError, InvalidEvent, NotConfigured
 from kvlog.events import (
     STEP_EVENTS,
@@ -41,7 +43,8 @@ from kvlog.events import (
     TransferFinished,
     to_dict,
 )
-from kvlog.fold import (
+from kvlog.log import LogReader
+from kvlog.runtime.fold import (
     Divergence,
     Fold,
     Lane,
@@ -49,12 +52,8 @@ from kvlog.fold import (
     checkpoint_digest,
     state_at_end,
 )
-from kvlog.log import LogReader
-from kvlog.machine import Machine, Observer
-from kvlog.memory import check_state_memory
-from kvlog.policy import POLICY_FIELDS
-from kvlog.report import Series
-from kvlog.tally import RunFigures, RunSummary
+from kvlog.runtime.machine import Machine, Observer
+from kvlog.runtime.memory import check_state_memory
 
 if TYPE_CHECKING:
     from kvlog.executors import Executor
@@ -71,12 +70,12 @@ __all__ = [
 
 _POLICY_FIELDS = frozenset(row.name for row in POLICY_FIELDS)
 replay_state = state_at_end
-"""The state at the end of a log and its last event's sequence number (``kvlog.fold``)."""
+"""The state at the end of a log and its last event's sequence number (``kvlog.runtime.fold``)."""
 
 
 @dataclass
 class RunStats(RunFigures):
-    """What one policy did over the whole log: its run's :class:`~kvlog.tally.RunSummary`
+    """What one policy did over the whole log: its run's :class:`~kvlog.analysis.tally.RunSummary`
     (read through ``RunFigures``' names), its final digest, its refusal and its series."""
 
     label: str

@@ -1,13 +1,15 @@
 """What a run did: its plans' counts and bytes (:class:`PlanTally`) and, step by step, the
 highest used block and the cost model's time (:class:`RunSummary`, an observer of the run's
-machine). One definition, used by everything that sums a run up: replay's ``RunStats``,
-the sweep's rows, the synthetic run's counters."""
+machine), and per step what a replay draws (:class:`Series`). One definition, used by
+everything that sums a run up: replay's ``RunStats``, the sweep's rows, the synthetic run's
+counters, the report's pictures."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
-from kvlog.cost import CostModel
+from kvlog.analysis.cost import CostModel
 from kvlog.events import (
     CacheConfigured,
     Event,
@@ -17,12 +19,13 @@ from kvlog.events import (
     SwapPlan,
     TransferPlan,
     pair_bytes,
+    swap_mode,
 )
-from kvlog.machine import Observer
-from kvlog.present.units import p99
 from kvlog.reducers import State
+from kvlog.runtime.machine import Observer
+from kvlog.util.units import p99
 
-__all__ = ["PlanTally", "RunFigures", "RunSummary", "StepHook"]
+__all__ = ["PlanTally", "RunFigures", "RunSummary", "Series", "StepHook"]
 
 
 class PlanTally:
@@ -96,7 +99,7 @@ class RunSummary(Observer):
 
     The configuration (page bytes) is the ``CacheConfigured`` the machine takes, or
     ``config`` for a run that starts from a snapshot. With a ``cost`` model every step is
-    also timed (``kvlog.cost``: decode, defrag, transfers)."""
+    also timed (``kvlog.analysis.cost``: decode, defrag, transfers)."""
 
     def __init__(
         self,
@@ -242,3 +245,73 @@ class RunFigures:
     @property
     def mean_max_used(self) -> float:
         return self.summary.mean_max_used
+
+
+@dataclass
+class Series:
+    """What one run of the reducers did, step by step (one entry per ``StepEnded``)."""
+
+    label: str = "recorded"
+    step: list[int] = field(default_factory=list)
+    num_used: list[int] = field(default_factory=list)
+    max_used: list[int] = field(default_factory=list)
+    num_swapped: list[int] = field(default_factory=list)
+    store_bytes: list[int] = field(default_factory=list)
+    load_bytes: list[int] = field(default_factory=list)
+    num_padded: list[int] = field(default_factory=list)
+    """Pairs each step's swap plans copy with their pad buckets (``SwapPlan.padded_to``):
+    what the cost model charges, as the sweep's figures do."""
+
+    def add(
+        self,
+        step: int,
+        num_used: int,
+        max_used: int,
+        swapped: int,
+        store: int,
+        load: int,
+        padded: int | None = None,
+    ) -> None:
+        self.step.append(step)
+        self.num_used.append(num_used)
+        self.max_used.append(max_used)
+        self.num_swapped.append(swapped)
+        self.store_bytes.append(store)
+        self.load_bytes.append(load)
+        self.num_padded.append(swapped if padded is None else padded)
+
+    @property
+    def fragmentation(self) -> list[float]:
+        """Share of the ids up to the highest used one that are holes (0 = compact)."""
+        return [
+            1.0 - used / (top + 1) if top >= 0 else 0.0
+            for used, top in zip(self.num_used, self.max_used, strict=True)
+        ]
+
+    @property
+    def transfer_bytes(self) -> list[int]:
+        return [a + b for a, b in zip(self.store_bytes, self.load_bytes, strict=True)]
+
+    def swap_bytes(self, config: CacheConfigured) -> list[int]:
+        """Bytes defrag moved per step (``events.pair_bytes`` per pair)."""
+        per_pair = pair_bytes(config.page_size_bytes, swap_mode(config))
+        return [n * per_pair for n in self.num_swapped]
+
+    def modeled_ms(self, config: CacheConfigured, cost: CostModel) -> list[float]:
+        """The cost model's step time in ms, defrag charged for its padded pairs (as the
+        sweep and replay's summary charge it)."""
+        page, swap = config.page_size_bytes, swap_mode(config) == "swap"
+        return [
+            1e3
+            * (
+                cost.decode_s(top, page)
+                + cost.defrag_s(n, page, swap)
+                + cost.transfer_s(store, load)
+            )
+            for top, n, store, load in zip(
+                self.max_used, self.num_padded, self.store_bytes, self.load_bytes, strict=True
+            )
+        ]
+
+    def __len__(self) -> int:
+        return len(self.step)

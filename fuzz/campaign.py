@@ -65,7 +65,7 @@ from kvlog.events import (
     TransferFinished,
 )
 from kvlog.log import LogReader, LogWriter
-from kvlog.reducers import running
+from kvlog.reducers import checkpoint
 from kvlog.analysis.replay import replay_state
 from kvlog.synth import SynthConfig, SynthRun
 
@@ -771,7 +771,7 @@ def _judge_engine(engine: Engine | None, path: Path) -> str:
         assert engine._log is not None
         engine._log.flush()
         state, _ = replay_state(path)
-        assert running.checkpoint_digest(state) == live, f"{path}: live state is not the log's"
+        assert checkpoint.checkpoint_digest(state) == live, f"{path}: live state is not the log's"
         outcome = "consistent"
     if engine is not None:
         engine.close()
@@ -795,7 +795,7 @@ def verify_crashed_log(path: Path) -> bool:
     assert result.ok, f"{path}: {result.divergence}"
     state, _ = replay_state(path)
     with Engine.resume(path, sync="none") as resumed:
-        assert resumed.running_digest() == running.checkpoint_digest(state), path
+        assert resumed.running_digest() == checkpoint.checkpoint_digest(state), path
     assert replay(path, verify=True).ok, f"{path}: after resume"
     return True
 

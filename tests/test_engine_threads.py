@@ -22,7 +22,7 @@ from kvlog.events import (
     RequestPreempted,
     StepEnded,
 )
-from kvlog.reducers import check_invariants, running
+from kvlog.reducers import check_invariants, checkpoint
 
 THREADS = 4
 BLOCKS_PER_THREAD = 48
@@ -89,7 +89,7 @@ def test_four_threads_on_one_engine_keep_the_invariants_and_a_replayable_log(
     assert result.ok, result.divergence
     assert result.counts["StepEnded"] == THREADS * 300
     state, _ = replay_state(path)
-    assert running.checkpoint_digest(state) == live
+    assert checkpoint.checkpoint_digest(state) == live
 
 
 def test_the_stress_test_sees_a_missing_lock(tmp_path: Path) -> None:

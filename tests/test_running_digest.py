@@ -12,7 +12,7 @@ from kvlog.events import (
     StoreRequested,
     TransferFinished,
 )
-from kvlog.reducers import check_invariants, restore, running, snapshot
+from kvlog.reducers import check_invariants, checkpoint, restore, snapshot
 
 CONFIG = CacheConfigured(num_gpu_blocks=64, block_size=16, num_cpu_blocks=16, threshold=0)
 
@@ -28,7 +28,7 @@ def test_equal_states_reached_by_other_histories_have_equal_running_digests() ->
     b.apply(BlocksReleased(req_id="x", block_ids=[6]))
     assert a.digest() == b.digest()
     assert a.running_digest() == b.running_digest()
-    assert a.running_digest().startswith(running.DIGEST_V2_PREFIX)
+    assert a.running_digest().startswith(checkpoint.DIGEST_V2_PREFIX)
 
 
 def test_the_running_digest_sees_order_mapping_and_jobs() -> None:
@@ -64,4 +64,4 @@ def test_a_restored_snapshot_has_the_running_digest_of_its_state() -> None:
     engine.apply(StoreRequested(job_id=3, gpu_block_ids=[14], cpu_block_ids=[2]))
     state = restore(snapshot(engine.state))
     check_invariants(state)
-    assert running.checkpoint_digest(state) == engine.running_digest()
+    assert checkpoint.checkpoint_digest(state) == engine.running_digest()

@@ -24,7 +24,7 @@ from kvlog.events import (
     StepEnded,
 )
 from kvlog.log import LogReader, LogWriter
-from kvlog.reducers import running
+from kvlog.reducers import checkpoint
 
 CONFIG = CacheConfigured(num_gpu_blocks=64, block_size=16, page_size_bytes=4096, threshold=1)
 
@@ -107,9 +107,9 @@ def test_resume_falls_back_past_a_bad_latest_snapshot(good: Path, tmp_path: Path
         bad.unlink(missing_ok=True)
         _rewrite(good, bad, change)
         state, _ = replay_state(bad)
-        assert running.checkpoint_digest(state) == running.checkpoint_digest(whole)
+        assert checkpoint.checkpoint_digest(state) == checkpoint.checkpoint_digest(whole)
         with Engine.resume(bad) as resumed:
-            assert resumed.running_digest() == running.checkpoint_digest(whole)
+            assert resumed.running_digest() == checkpoint.checkpoint_digest(whole)
 
 
 def test_restore_refuses_a_snapshot_of_another_log(good: Path, tmp_path: Path) -> None:

@@ -34,7 +34,7 @@ from kvlog.events import (
     TransferFinished,
 )
 from kvlog.log import read_log
-from kvlog.reducers import check_invariants, digest, restore, running, snapshot
+from kvlog.reducers import check_invariants, checkpoint, digest, restore, snapshot
 from kvlog.reducers import step as step_reducer
 from kvlog.runtime.machine import Machine
 from kvlog.synth import read_trace, run_trace
@@ -135,7 +135,7 @@ def test_a_step_is_its_fine_grained_events(
             assert isinstance(got, KvlogError), f"{event} accepted; its events refuse {want!r}"
         else:
             assert got == want, event
-        assert running.checkpoint_digest(whole.state) == running.checkpoint_digest(fine.state)
+        assert checkpoint.checkpoint_digest(whole.state) == checkpoint.checkpoint_digest(fine.state)
         assert digest(whole.state) == digest(fine.state)
         check_invariants(whole.state)
 
@@ -184,7 +184,7 @@ def _fold(events: list[Event]) -> list[str]:
     for event in events:
         machine.apply(event)
         if isinstance(event, (StepEnded, StepScheduled)):
-            out.append(running.checkpoint_digest(machine.state))
+            out.append(checkpoint.checkpoint_digest(machine.state))
     check_invariants(machine.state)
     return out
 

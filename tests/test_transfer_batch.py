@@ -32,7 +32,7 @@ from kvlog.events import (
     decode,
     encode,
 )
-from kvlog.reducers import check_invariants, digest, restore, running, snapshot
+from kvlog.reducers import check_invariants, checkpoint, digest, restore, snapshot
 from kvlog.runtime.machine import Machine
 
 
@@ -57,7 +57,7 @@ def _whole(machine: Machine, events: list[Event]) -> list[Plan] | KvlogError:
 
 
 def _same(whole: Machine, fine: Machine) -> None:
-    assert running.checkpoint_digest(whole.state) == running.checkpoint_digest(fine.state)
+    assert checkpoint.checkpoint_digest(whole.state) == checkpoint.checkpoint_digest(fine.state)
     assert digest(whole.state) == digest(fine.state)
     check_invariants(whole.state)
 

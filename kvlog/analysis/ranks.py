@@ -38,7 +38,7 @@ from kvlog import reducers
 from kvlog.errors import ConfigError, InvalidEvent
 from kvlog.events import STEP_EVENTS, CacheConfigured, Checkpoint, Event, Record, to_dict
 from kvlog.log import LogReader
-from kvlog.reducers import running
+from kvlog.reducers import checkpoint
 from kvlog.runtime.machine import Machine
 
 __all__ = [
@@ -164,7 +164,8 @@ class _Rank:
                 self.last_seq = seq
                 return seq, record  # type: ignore[return-value]
             self.num_checkpoints += 1
-            actual = "" if self.machine is None else running.checkpoint_digest(self.machine.state)
+            machine = self.machine
+            actual = "" if machine is None else checkpoint.checkpoint_digest(machine.state)
             if actual and actual != record.digest:
                 what = "its recorded state digest is not its events' (its live state diverged)"
                 return RankDifference(

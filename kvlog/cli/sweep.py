@@ -74,7 +74,8 @@ def add_sweep(sub: Any, formatter: type[argparse.HelpFormatter] = argparse.HelpF
 
 def cmd_tier_sweep(args: argparse.Namespace) -> int:
     """``kvlog sweep --cpu-bytes``: the CPU tier's what-ifs (``kvlog/tier/sweep.py``)."""
-    from kvlog.tier.sweep import run_tier_sweep, tier_grid, write_tier_csv, write_tier_plot
+    from kvlog.present.pictures import write_tier_plot
+    from kvlog.tier.sweep import run_tier_sweep, tier_grid, write_tier_csv
 
     check_tier_flags(args)
     cost = cost_model(args.hardware, args.hbm_tbps, args.link_gbps)

@@ -318,6 +318,28 @@ def _step_allocation(
     return status
 
 
+def _step_rows(rows: Any, num_released: int, keys: Any, sums: Any, logical: Any) -> Any:
+    """The running digest's rows of a step (``_step_commit``'s ``rows``): the released
+    slots' sums leave the total, each allocation's terms join its slot's sum; returns the
+    change of the tables' sum (wrapping uint64)."""
+    change = _ZERO
+    for i in range(num_released):
+        change -= sums[rows[i]]
+    k = (len(rows) - num_released) // 3
+    offset = 0
+    for i in range(k):
+        slot, count = rows[num_released + i], rows[num_released + 2 * k + i]
+        start = rows[num_released + k + i]
+        key, term = keys[slot], _ZERO
+        for j in range(count):
+            item = (np.uint64(start + j) << np.uint64(32)) | np.uint64(logical[offset + j])
+            term += _mix(key + item * _GOLDEN)
+        sums[slot] += term
+        change += term
+        offset += count
+    return change
+
+
 def _step_commit(
     words: Any,
     nonempty: Any,
@@ -361,21 +383,7 @@ def _step_commit(
         refs[p] = 1
         _add_member(words, nonempty, notfull, p)
         top = max(top, p)
-    change = _ZERO
-    for i in range(num_released):
-        change -= sums[rows[i]]
-    k = (len(rows) - num_released) // 3
-    offset = 0
-    for i in range(k):
-        slot, count = rows[num_released + i], rows[num_released + 2 * k + i]
-        start = rows[num_released + k + i]
-        key, term = keys[slot], _ZERO
-        for j in range(count):
-            item = (np.uint64(start + j) << np.uint64(32)) | np.uint64(logical[offset + j])
-            term += _mix(key + item * _GOLDEN)
-        sums[slot] += term
-        change += term
-        offset += count
+    change = _step_rows(rows, num_released, keys, sums, logical)
     if (
         num_freed
         and max_used >= 0
@@ -408,6 +416,7 @@ _highest_bit = inline(_highest_bit)
 _highest_member = inline(_highest_member)
 _prev_word = inline(_prev_word)
 _next_word = inline(_next_word)
+_step_rows = inline(_step_rows)
 seed_walk = jit(_seed_walk)
 _seed_walk_inline = inline(_seed_walk)
 move = jit(_move)

@@ -110,7 +110,7 @@ from kvlog.log import (
 )
 from kvlog.log.detach import error_errno
 from kvlog.log.segments import DEFAULT_SEGMENT_BYTES, MIN_SEGMENT_BYTES
-from kvlog.reducers import running
+from kvlog.reducers import checkpoint
 from kvlog.reducers.digest import digest_and_snapshot
 from kvlog.reducers.ranges import check_id_dtype
 from kvlog.runtime.fold import checkpoint_digest, state_at_end
@@ -474,7 +474,7 @@ class Engine:
         O(1) to read (``kvlog.reducers.running``); equal states, equal running digests."""
         with self._lock:
             self._check_sound()
-            return running.checkpoint_digest(self.state)
+            return checkpoint.checkpoint_digest(self.state)
 
     def snapshot(self) -> bytes:
         """The whole state as bytes (checksummed), for ``Engine.restore``."""
@@ -622,7 +622,7 @@ class Engine:
         blob = digest_and_snapshot(self.state)[1] if with_snapshot else b""
         if with_snapshot:
             self._snapshot_checkpoint, self._snapshot_seq = self._num_checkpoints, self._last_seq
-        digest = running.checkpoint_digest(self.state)  # O(1): kept up to date as it changes
+        digest = checkpoint.checkpoint_digest(self.state)  # O(1): kept up to date as it changes
         record = Checkpoint(
             seq=self._last_seq, digest=digest, step=int(self.state.step), snapshot=blob
         )
@@ -910,8 +910,8 @@ def _check_snapshot_of(path: str, state: reducers.State, last: int) -> None:
     if final is not None and final.seq == last:
         expected, actual = final.digest, checkpoint_digest(state, final.digest)
     else:  # the log ends past its last checkpoint (a crash): its end, replayed
-        expected = running.checkpoint_digest(state_at_end(path)[0])
-        actual = running.checkpoint_digest(state)
+        expected = checkpoint.checkpoint_digest(state_at_end(path)[0])
+        actual = checkpoint.checkpoint_digest(state)
     if actual != expected:
         raise ConfigError(
             "blob",

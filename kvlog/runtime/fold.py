@@ -31,7 +31,7 @@ from kvlog.errors import CorruptLogError, InvalidEvent, SegmentsRetired
 from kvlog.events import CacheConfigured, Checkpoint, Event, Plan, encode, to_dict, validate_event
 from kvlog.log import LogReader, first_snapshot
 from kvlog.log import latest_snapshot as log_latest_snapshot
-from kvlog.reducers import running
+from kvlog.reducers import checkpoint
 from kvlog.runtime.machine import Machine
 from kvlog.runtime.memory import check_state_memory
 
@@ -74,8 +74,8 @@ class Divergence:
 def checkpoint_digest(state: reducers.State, recorded: str) -> str:
     """The state's digest by the algorithm a checkpoint's digest names: the running digest
     for ``"v2:..."`` (O(1)), else the canonical version-1 digest of the whole state."""
-    if recorded.startswith(running.DIGEST_V2_PREFIX):
-        return running.checkpoint_digest(state)
+    if recorded.startswith(checkpoint.DIGEST_V2_PREFIX):
+        return checkpoint.checkpoint_digest(state)
     return str(reducers.digest(state))
 
 

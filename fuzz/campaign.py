@@ -53,6 +53,7 @@ from typing import Any
 
 from kvlog import Engine, replay
 from kvlog.analysis.canary import make_canary_executor
+from kvlog.analysis.replay import replay_state
 from kvlog.errors import CorruptLogError, KvlogError, LogLocked, LogPoisoned
 from kvlog.events import (
     BlocksAllocated,
@@ -66,7 +67,6 @@ from kvlog.events import (
 )
 from kvlog.log import LogReader, LogWriter
 from kvlog.reducers import checkpoint
-from kvlog.analysis.replay import replay_state
 from kvlog.synth import SynthConfig, SynthRun
 
 __all__ = [
@@ -668,12 +668,14 @@ Location = tuple[str, int]
 
 
 def crash_files(writer: bool = False) -> frozenset[str]:
-    """The source files whose every line event is a crash point: the Engine, the Machine,
-    the reducers (check and commit) and, with ``writer``, the log writer."""
+    """The source files whose every line event is a crash point: the Engine (with its
+    record checks and block tables), the Machine, the reducers (check and commit) and, with
+    ``writer``, the log writer."""
     import kvlog
 
     root = Path(kvlog.__file__).resolve().parent
-    files = [root / "engine.py", root / "machine.py", *sorted((root / "reducers").glob("*.py"))]
+    runtime = [root / "runtime" / f for f in ("engine.py", "machine.py", "records.py", "tables.py")]
+    files = [*runtime, *sorted((root / "reducers").glob("*.py"))]
     if writer:
         files.append(root / "log" / "writer.py")
     return frozenset(str(f) for f in files)

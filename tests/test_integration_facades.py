@@ -203,7 +203,7 @@ def test_loaded_blocks_are_held_until_their_request_shows_up() -> None:
         executor.write_cpu_block(cpu_block, np.full(16, tag, np.uint64).tobytes())
     defrag.update_state({"a": [30]}, [])
     assert worker.submit_load(1, np.array([0, 1]), np.array([20, 21])) is True
-    hold = f"{defrag.session.hold_prefix}1"
+    hold = f"{defrag.session.holds.prefix}1"
     assert defrag.session.held_blocks == {20: hold, 21: hold}
     worker.wait({1})
     assert [r.job_id for r in worker.get_finished()] == [1]
@@ -410,7 +410,7 @@ def test_a_sync_load_into_its_own_requests_blocks_releases_nothing() -> None:
     # another request's load into s's block proves s was preempted (no prefix caching)
     worker.declare("load", 2, [0], [30], req_id="q")
     assert defrag.req_blocks == {"r": [21, 22, 23, 24]}
-    assert defrag.session.held_blocks == {30: f"{defrag.session.hold_prefix}2"}
+    assert defrag.session.held_blocks == {30: f"{defrag.session.holds.prefix}2"}
     assert worker.submit_load(1, [2, 3], [21, 22]) and worker.submit_load(2, [0], [30])
     worker.wait(None)
     assert sorted(r.job_id for r in worker.get_finished()) == [1, 2]
@@ -427,7 +427,7 @@ def test_an_async_load_into_its_requests_stale_blocks_holds_them() -> None:
     worker.declare("load", 1, [0, 1, 2], [17, 46, 15], req_id="r", sync=False)
     assert defrag.req_blocks == {}  # the whole batch that held 15 and 46 is stale
     assert defrag.session.held_blocks == dict.fromkeys(
-        [17, 46, 15], f"{defrag.session.hold_prefix}1"
+        [17, 46, 15], f"{defrag.session.holds.prefix}1"
     )
     defrag.update_state({"q": [30]}, [])
     assert defrag.req_blocks == {"q": [30]}

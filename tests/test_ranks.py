@@ -9,10 +9,10 @@ import msgspec
 import pytest
 
 from kvlog import Engine
-from kvlog.analysis.ranks import HOLD_PREFIX as RANKS_HOLD_PREFIX
 from kvlog.analysis.ranks import compare_ranks
 from kvlog.cli import main
 from kvlog.events import (
+    HOLD_PREFIX,
     BlocksAllocated,
     CacheConfigured,
     Checkpoint,
@@ -21,7 +21,6 @@ from kvlog.events import (
     RequestPreempted,
     StepEnded,
 )
-from kvlog.integrations.session import HOLD_PREFIX
 from kvlog.log import LogReader, LogWriter
 from kvlog.synth import SynthConfig, SynthRun
 
@@ -44,10 +43,6 @@ def rerecord(events: list[Event], path: Path | str, **options: object) -> None:
     with Engine(config, path, checkpoint_every=16, **options) as engine:  # type: ignore[arg-type]
         for event in events[1:]:
             engine.apply(event)
-
-
-def test_the_placeholder_prefix_is_the_sessions() -> None:
-    assert RANKS_HOLD_PREFIX == HOLD_PREFIX
 
 
 def test_ranks_of_one_run_agree_and_files_and_directories_mix(

@@ -6,7 +6,7 @@ lockstep and checks, record by record, that
 
 - their events are the same modulo rank-local fields: ``CacheConfigured.page_size_bytes``
   (each rank holds its own shard of the heads) and the random per-process nonce in the
-  request ids of load placeholders (``kvlog.integrations.session.HOLD_PREFIX``);
+  request ids of load placeholders (``kvlog.events.HOLD_PREFIX``);
 - every rank's checkpoints verify against its own events re-run (its live state was what its
   events say), wherever its log put them (a log directory adds one at each segment's start,
   and ranks rotate at their own byte counts);
@@ -36,13 +36,20 @@ from typing import Any
 
 from kvlog import reducers
 from kvlog.errors import ConfigError, InvalidEvent
-from kvlog.events import STEP_EVENTS, CacheConfigured, Checkpoint, Event, Record, to_dict
+from kvlog.events import (
+    HOLD_PREFIX,
+    STEP_EVENTS,
+    CacheConfigured,
+    Checkpoint,
+    Event,
+    Record,
+    to_dict,
+)
 from kvlog.log import LogReader
 from kvlog.reducers import checkpoint
 from kvlog.runtime.machine import Machine
 
 __all__ = [
-    "HOLD_PREFIX",
     "RankBehind",
     "RankDifference",
     "RanksResult",
@@ -50,8 +57,6 @@ __all__ = [
     "normalize",
 ]
 
-HOLD_PREFIX = "kvlog-load-hold-"
-"""``kvlog.integrations.session.HOLD_PREFIX`` (not imported: that module needs torch)."""
 _HOLD_NONCE = re.compile(re.escape(HOLD_PREFIX) + r"[0-9a-f]{16}-")
 _RANK_LOCAL = {"CacheConfigured": ("page_size_bytes",)}
 

@@ -29,16 +29,17 @@ from kvlog.executors import Executor
 from kvlog.executors.layouts import KVCaches
 from kvlog.integrations.books import Claim
 from kvlog.integrations.config import FacadeConfig, config_from_env
+from kvlog.integrations.registry import shared_session
 from kvlog.integrations.session import (
     MAX_LOOKUP_BLOCKS,
     Backend,
     KvCacheSession,
     derive_num_gpu_blocks,
-    shared_session,
 )
 from kvlog.log import LogStatus
 from kvlog.reducers import step as step_reducer
-from kvlog.runtime.engine import Engine, block_table_row
+from kvlog.runtime.engine import Engine
+from kvlog.runtime.tables import block_table_row
 
 __all__ = ["CacheSwapHandle", "OnlineDefragmenter", "detect_prefix_caching"]
 
@@ -96,7 +97,7 @@ def _fast_step(
     explain (a block still counted as used, without prefix caching) is False: the caller
     infers; any other refusal is raised (nothing changed)."""
     new = event.allocated
-    holds = session.held_blocks_view
+    holds = session.holds.by_block
     if holds and any(not holds.keys().isdisjoint(b) for b in new.values()):
         return False
     prefix_caching = session.prefix_caching
@@ -390,7 +391,7 @@ class OnlineDefragmenter:
         return {
             r: list(state.request_blocks(r))
             for r in state.live_requests()
-            if not r.startswith(self.session.hold_prefix)
+            if not self.session.holds.is_placeholder(r)
         }
 
     # -- warm-up -------------------------------------------------------------------------

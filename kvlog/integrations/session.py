@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
-import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 import torch
@@ -29,7 +27,6 @@ from kvlog.events import (
     CacheConfigured,
     Event,
     Plan,
-    RequestFinished,
     StepEnded,
     StepScheduled,
     SwapPlan,
@@ -38,20 +35,20 @@ from kvlog.executors import Executor, TransferCompletion, make_executor
 from kvlog.executors.layouts import KVCaches, register_layout
 from kvlog.integrations.books import Claim, RequestBooks
 from kvlog.integrations.config import FacadeConfig
+from kvlog.integrations.holds import LoadHolds
+from kvlog.integrations.registry import cache_tensors
 from kvlog.log import LogStatus, is_log_directory, list_segments
 from kvlog.log.detach import error_errno
 from kvlog.reducers import step as step_reducer
 from kvlog.runtime.engine import Engine
 
 __all__ = [
-    "HOLD_PREFIX",
-    "LOOKUP_SENTINEL",
-    "MAX_LOOKUP_BLOCKS",
     "Backend",
     "JobKind",
     "KvCacheSession",
+    "LOOKUP_SENTINEL",
+    "MAX_LOOKUP_BLOCKS",
     "derive_num_gpu_blocks",
-    "shared_session",
 ]
 
 LOOKUP_SENTINEL = -(1 << 62)
@@ -59,28 +56,14 @@ LOOKUP_SENTINEL = -(1 << 62)
 MAX_LOOKUP_BLOCKS = 1 << 20
 """Pools up to this size keep ``forward_list`` (2 list entries per block); larger ones
 resolve through numpy only."""
-HOLD_PREFIX = "kvlog-load-hold-"
-"""Request ids of the placeholders that hold loaded blocks (see ``KvCacheSession.hold``)
-start with this, then a random 64-bit nonce per session (``KvCacheSession.hold_prefix``):
-vLLM accepts client-chosen request ids, and a runner request named like a placeholder must
-never be taken for one (its blocks would be released with the placeholder's)."""
 
 _logger = logging.getLogger("kvlog")
 Backend = Literal["auto", "cpu", "cuda", "hpu", "fake"]
 JobKind = Literal["store", "load"]
 
 
-def _tensors(kv_caches: KVCaches) -> Iterator[torch.Tensor]:
-    layers = list(kv_caches.values()) if isinstance(kv_caches, Mapping) else list(kv_caches)
-    for layer in layers:
-        if isinstance(layer, torch.Tensor):
-            yield layer
-        elif isinstance(layer, (list, tuple)):
-            yield from (t for t in layer if isinstance(t, torch.Tensor))
-
-
 def _first_tensor(kv_caches: KVCaches) -> torch.Tensor:
-    tensor = next(_tensors(kv_caches), None)
+    tensor = next(cache_tensors(kv_caches), None)
     if tensor is None:
         raise LayoutError("kv_caches holds no tensor: give at least one layer")
     return tensor
@@ -157,10 +140,8 @@ class KvCacheSession:
         self._log_error: LogStatus | None = None
         self._kinds: dict[int, JobKind] = {}
         self._finished: dict[JobKind, list[TransferCompletion]] = {"store": [], "load": []}
-        self._holds: dict[int, str] = {}
-        self._num_holds = 0
-        self.hold_prefix = f"{HOLD_PREFIX}{secrets.token_hex(8)}-"
-        """The placeholders' request ids of this session (no client can guess them)."""
+        self.holds = LoadHolds()
+        """The placeholders that hold loads' blocks until a request claims them."""
         self.books = RequestBooks()
         """The runner's request tables as the defragmenter facade gave them (see books.py)."""
         self.step = 0
@@ -463,7 +444,7 @@ class KvCacheSession:
         self.settle()
         engine = self.engine
         state = engine.state
-        blocks = [b for b in gpu_block_ids if b not in self._holds]
+        blocks = self.holds.not_held(gpu_block_ids)
         if req_id is not None and sync is not False:
             blocks = [b for b in blocks if not self.books.holds(req_id, b)]
         if req_id is not None and not self.prefix_caching and blocks:
@@ -474,76 +455,25 @@ class KvCacheSession:
         if req_id is None or not self.prefix_caching:
             blocks = [b for b in blocks if not state.refs[state.resolve(b)]]
         if blocks:
-            self._hold(f"{self.hold_prefix}{job_id}", blocks)
+            self._apply_hold(self.holds.hold(job_id, blocks))
 
-    def _hold(self, hold_id: str, block_ids: list[int]) -> None:
-        self.apply(BlocksAllocated(req_id=hold_id, block_ids=block_ids))
-        self._holds.update(dict.fromkeys(block_ids, hold_id))
+    def _apply_hold(self, event: Event) -> None:
+        self.apply(event)
+        if type(event) is BlocksAllocated:
+            self.holds.held(event)
 
     def claim(self, block_ids: Iterable[int]) -> None:
         """A request is being given these blocks: the placeholders that hold any of them
         let go, and hold on to the rest of their blocks under a new name."""
-        if not self._holds:
-            return
-        wanted = set(block_ids)
-        hold_ids = sorted({self._holds[b] for b in wanted if b in self._holds})
-        for hold_id in hold_ids:
-            rest = [b for b, h in self._holds.items() if h == hold_id and b not in wanted]
-            self.apply(RequestFinished(req_id=hold_id))
-            self._holds = {b: h for b, h in self._holds.items() if h != hold_id}
-            if rest:
-                self._num_holds += 1
-                self._hold(f"{hold_id}.{self._num_holds}", rest)
-
-    @property
-    def held_blocks_view(self) -> Mapping[int, str]:
-        """``held_blocks`` without the copy (read only)."""
-        return self._holds
+        for event in self.holds.claim(block_ids):
+            self._apply_hold(event)
 
     @property
     def held_blocks(self) -> dict[int, str]:
-        """Logical block -> the placeholder request that holds it for a load."""
-        return dict(self._holds)
+        """Logical block -> the placeholder request that holds it for a load (a copy)."""
+        return dict(self.holds.by_block)
 
     def close(self) -> None:
         if self._engine is not None:
             self.settle()
             self._engine.close()
-
-
-# -- one session per KV-cache storage, shared by every facade of a process ---------------
-class _Entry:
-    """A live session and the storages of the tensors it was found by. The session keeps
-    its executor's views of those storages alive, so a storage pointer cannot be reused
-    by another allocation while the session lives."""
-
-    def __init__(self, session: KvCacheSession, tensors: list[torch.Tensor]) -> None:
-        self.session_ref = weakref.ref(session)
-        self.pointers = {_storage(t) for t in tensors}
-
-
-_SESSIONS: list[_Entry] = []
-
-
-def _storage(tensor: torch.Tensor) -> tuple[str, int]:
-    return (str(tensor.device), tensor.untyped_storage().data_ptr())
-
-
-def shared_session(
-    kv_caches: KVCaches, factory: Callable[[], KvCacheSession]
-) -> tuple[KvCacheSession, bool]:
-    """The live session over any of these tensors' storage, or a new one from ``factory``;
-    and whether it is new. Sessions no facade holds any more are forgotten."""
-    tensors = list(_tensors(kv_caches))
-    if not tensors:
-        raise LayoutError("kv_caches holds no tensor: give at least one layer")
-    _SESSIONS[:] = [e for e in _SESSIONS if e.session_ref() is not None]
-    pointers = {_storage(t) for t in tensors}
-    for entry in _SESSIONS:
-        session = entry.session_ref()
-        if session is not None and entry.pointers & pointers:
-            entry.pointers |= pointers
-            return session, False
-    session = factory()
-    _SESSIONS.append(_Entry(session, tensors))
-    return session, True

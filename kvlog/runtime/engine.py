@@ -60,10 +60,9 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import typing
 from collections.abc import Callable, Iterable
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import TYPE_CHECKING, Any, overload
 
 import msgspec
 import numpy as np
@@ -87,61 +86,48 @@ from kvlog.events import (
     Checkpoint,
     Event,
     Plan,
-    StepScheduled,
     TransferBatch,
     TransferFinished,
-    encode,
 )
-from kvlog.events.validate import MAX_REQ_ID_LENGTH, normalize_event
+from kvlog.events.validate import normalize_event
 from kvlog.log import (
     DEFAULT_SYNC_INTERVAL_S,
-    MAX_RECORD_BYTES,
     SYNC_MODES,
-    LogReader,
     LogStatus,
-    LogWriter,
     Recovery,
     SegmentedWriter,
     SyncMode,
     check_sync_interval,
     detach_writer,
-    is_log_directory,
-    list_segments,
 )
 from kvlog.log.detach import error_errno
-from kvlog.log.segments import DEFAULT_SEGMENT_BYTES, MIN_SEGMENT_BYTES
 from kvlog.reducers import checkpoint
 from kvlog.reducers.digest import digest_and_snapshot
 from kvlog.reducers.ranges import check_id_dtype
-from kvlog.runtime.fold import checkpoint_digest, state_at_end
+from kvlog.runtime.fold import state_at_end
 from kvlog.runtime.machine import Machine
 from kvlog.runtime.memory import check_state_memory
+from kvlog.runtime.opening import (
+    LogOptions,
+    OnLogError,
+    Writer,
+    check_log_options,
+    check_snapshot_of,
+    last_event_seq,
+    open_existing,
+    open_writer,
+)
+from kvlog.runtime.records import check_record_size, plain_event
+from kvlog.runtime.tables import block_table_row
 
 if TYPE_CHECKING:
     from kvlog.executors import Executor, TransferCompletion
 
-__all__ = ["Engine", "LogOptions", "OnLogError", "block_table_row"]
+__all__ = ["Engine"]
 
-OnLogError = Literal["raise", "detach"]
 _logger = logging.getLogger("kvlog")
-Writer: typing.TypeAlias = "LogWriter | SegmentedWriter"
 
 
-class LogOptions(typing.NamedTuple):
-    """How the Engine's log is kept beyond ``sync``: segments for a log directory
-    (``segment_bytes``, ``retain_bytes``, ``retain_seconds``, ``compress``; see
-    ``kvlog.log.segments``) and what an I/O error does (``on_log_error``: ``"raise"``,
-    ``LogPoisoned`` out of the call; ``"detach"``, the recorder detaches and the engine goes
-    on in memory, see ``Engine.log_status``)."""
-
-    segment_bytes: int | None = None
-    retain_bytes: int | None = None
-    retain_seconds: float | None = None
-    compress: bool = False
-    on_log_error: OnLogError = "raise"
-
-
-_EVENT_TYPES = frozenset(typing.get_args(Event))
 _STEP_TYPES = STEP_EVENTS
 DEFAULT_SNAPSHOT_EVERY = 16
 """Checkpoints between snapshots by default (``snapshot_every=None``)."""
@@ -174,7 +160,7 @@ class Engine:
         compress: bool = False,
         on_log_error: OnLogError = "raise",
         _state: reducers.State | None = None,
-        _last_event_seq: int = -1,
+        last_event_seq: int = -1,
         _writer: Writer | None = None,
     ) -> None:
         self._log: Writer | None = _writer
@@ -190,24 +176,24 @@ class Engine:
         try:
             _check_arguments(sync, checkpoint_every, snapshot_every)
             check_sync_interval(sync_interval_s)
-            _check_log_options(self._options, log_path)
+            check_log_options(self._options, log_path)
             if _state is None:
                 config, _state = _configured(config)
-            self._init(_state, executor, checkpoint_every, snapshot_every, _last_event_seq)
+            self._init(_state, executor, checkpoint_every, snapshot_every, last_event_seq)
             if _writer is None and log_path is not None:
-                self._log = _open_writer(
+                self._log = open_writer(
                     log_path, sync, sync_interval_s, self._options, meta=meta, new=True
                 )
                 self._status = LogStatus(self._log.path, True)
             self._record: Callable[[Event], object] = (
-                _check_record_size if self._log is None else self._log.append
+                check_record_size if self._log is None else self._log.append
             )
             """What ``apply`` does between check and commit: the log's append, or without
             a log the same size bound the writer would enforce."""
             self.recovery: Recovery | None = None if self._log is None else self._log.recovery
             """The torn tail cut when the log was opened (``Engine.resume``), else None."""
             if self._log is not None:
-                self._start_log(config, fresh=_last_event_seq < 0)
+                self._start_log(config, fresh=last_event_seq < 0)
         except BaseException:  # an interrupt too: no descriptor or lock left behind
             self._closed = True
             if self._log is not None:
@@ -290,7 +276,7 @@ class Engine:
         try:
             checked = machine.prepared(event)  # checked once: Engine.check may have done it
         except (InvalidEvent, RecordRejected):  # nothing changed
-            plain = _plain_event(event)
+            plain = plain_event(event)
             if plain is event:
                 raise
             checked = machine.check(plain)
@@ -334,7 +320,7 @@ class Engine:
         if self._options.on_log_error != "detach" or log is None:
             raise exc
         self._log = None
-        self._record = _check_record_size
+        self._record = check_record_size
         marked = detach_writer(log, exc)
         self._status = LogStatus(
             log.path, False, str(exc), error_errno(exc), 1, marked, self._last_seq
@@ -518,9 +504,9 @@ class Engine:
             writer = (
                 None
                 if log_path is None
-                else _open_existing(log_path, sync, sync_interval_s, options)
+                else open_existing(log_path, sync, sync_interval_s, options)
             )
-            last = -1 if writer is None else _last_event_seq(writer.path)
+            last = -1 if writer is None else last_event_seq(writer.path)
             if writer is not None and last < 0:
                 raise LogNotFound(
                     2,
@@ -528,7 +514,7 @@ class Engine:
                     "snapshot came from (start a new log with Engine(config, log_path))",
                 )
             if writer is not None:
-                _check_snapshot_of(writer.path, state, last)
+                check_snapshot_of(writer.path, state, last)
             return cls._continued(
                 state, last, writer, executor, sync, checkpoint_every, snapshot_every, options
             )
@@ -563,7 +549,7 @@ class Engine:
         writer = None
         try:  # opened inside: an interrupt anywhere leaves no descriptor or lock behind
             options = log_options or LogOptions()
-            writer = _open_existing(log_path, sync, sync_interval_s, options)
+            writer = open_existing(log_path, sync, sync_interval_s, options)
             state, last = state_at_end(writer.path)
             if state.config is None:
                 raise LogNotFound(2, f"{writer.path} holds no events to resume")
@@ -602,7 +588,7 @@ class Engine:
             compress=options.compress,
             on_log_error=options.on_log_error,
             _state=state,
-            _last_event_seq=last,
+            last_event_seq=last,
             _writer=writer,
         )
 
@@ -765,168 +751,6 @@ def _configured(config: CacheConfigured) -> tuple[CacheConfigured, reducers.Stat
     except MemoryError as exc:
         raise StateTooLarge(f"cannot allocate the state: {exc!r}", config) from exc
     return config, state
-
-
-def block_table_row(row: Any) -> np.ndarray:
-    """One row of a list of block tables as int64 ids, checked: integers only (no floats,
-    bools or strings cast on the way), each within int64."""
-    try:
-        array = np.asarray(row)
-    except (TypeError, ValueError) as exc:
-        raise BlockOutOfRange(f"block tables must hold int64 block ids: {exc}") from exc
-    if array.size == 0:
-        return array.astype(np.int64)
-    if array.dtype.kind not in "iu":  # numpy's integer kinds (bool is "b")
-        raise BlockOutOfRange(f"block tables must hold int64 block ids, not {array.dtype}")
-    if array.dtype == np.uint64 and int(array.max()) > np.iinfo(np.int64).max:
-        raise BlockOutOfRange(f"block id {int(array.max())} is outside int64")
-    return array.astype(np.int64, copy=False)  # a list of ints is int64 already
-
-
-def _plain_event(event: Event) -> Event:
-    """An event that failed its check, with numpy ids made plain (vLLM hands int32 arrays);
-    itself when nothing changed. A non-event is ``RecordRejected``."""
-    if type(event) not in _EVENT_TYPES:
-        raise RecordRejected(f"not an event: {type(event).__name__}")
-    plain: Event = normalize_event(event)
-    return plain
-
-
-def _check_record_size(event: Event) -> None:
-    """Raise ``RecordRejected`` for a (valid) event too large for a log record."""
-    if _size_bound(event) > MAX_RECORD_BYTES and len(encode(event)) > MAX_RECORD_BYTES:
-        raise RecordRejected(
-            f"{type(event).__name__} encodes to more than {MAX_RECORD_BYTES} bytes"
-        )
-
-
-def _size_bound(event: Event) -> int:
-    """An upper bound of the event's encoded size (for valid field values)."""
-    if type(event) is StepScheduled:  # ids are at most 4 bytes a character, ints 9
-        num_ids = sum(map(len, event.allocated.values()))
-        num_requests = len(event.allocated) + len(event.finished)
-        num_requests += len(event.preempted) + len(event.resumed)
-        return 128 + 9 * num_ids + num_requests * (32 + 4 * MAX_REQ_ID_LENGTH)
-    total = 64
-    for name in event.__struct_fields__:
-        value = getattr(event, name)
-        if isinstance(value, dict):  # StepScheduled.allocated
-            total += 16 + sum(32 + 4 * len(k) + 9 * len(v) for k, v in value.items())
-        elif isinstance(value, (list, tuple)):
-            total += 16 + sum(16 + 4 * len(v) if isinstance(v, str) else 9 for v in value)
-        elif isinstance(value, str):
-            total += 16 + 4 * len(value)
-        else:
-            total += 16 + 9
-    return total
-
-
-def _open_existing(
-    path: str | os.PathLike[str],
-    sync: SyncMode,
-    sync_interval_s: float = DEFAULT_SYNC_INTERVAL_S,
-    options: LogOptions | None = None,
-) -> Writer:
-    """The writer of a log that must exist already (``LogNotFound`` otherwise; nothing is
-    created). Opening locks it and cuts a torn tail."""
-    if not os.path.lexists(path) or (os.path.isfile(path) and os.path.getsize(path) == 0):
-        raise LogNotFound(2, f"{os.fspath(path)}: no log to continue")
-    options = options or LogOptions()
-    _check_log_options(options, path)
-    if os.path.isdir(path) and not list_segments(os.fspath(path)):
-        raise LogNotFound(2, f"{os.fspath(path)}: a directory with no log segments to continue")
-    return _open_writer(path, sync, sync_interval_s, options, meta=None, new=False)
-
-
-def _open_writer(
-    path: str | os.PathLike[str],
-    sync: SyncMode,
-    sync_interval_s: float,
-    options: LogOptions,
-    *,
-    meta: dict[str, str] | None,
-    new: bool,
-) -> Writer:
-    """A ``SegmentedWriter`` for a log directory (see ``_is_directory``), else a
-    ``LogWriter``."""
-    if not _is_directory(path, options):
-        return LogWriter(path, sync=sync, meta=meta, new=new, sync_interval_s=sync_interval_s)
-    return SegmentedWriter(
-        path,
-        sync,
-        meta=meta,
-        new=new,
-        sync_interval_s=sync_interval_s,
-        segment_bytes=options.segment_bytes or DEFAULT_SEGMENT_BYTES,
-        retain_bytes=options.retain_bytes,
-        retain_seconds=options.retain_seconds,
-        compress=options.compress,
-    )
-
-
-def _check_log_options(options: LogOptions, path: str | os.PathLike[str] | None) -> None:
-    """``ConfigError`` for a bad option, or a segment option for a log that is one file."""
-    if options.on_log_error not in ("raise", "detach"):
-        raise ConfigError("on_log_error", options.on_log_error, "'raise' or 'detach'")
-    if type(options.compress) is not bool:
-        raise ConfigError("compress", options.compress, "a bool")
-    bounds = [("segment_bytes", options.segment_bytes, MIN_SEGMENT_BYTES)]
-    bounds += [("retain_bytes", options.retain_bytes, 0)]
-    for name, value, low in bounds:
-        if value is not None and (type(value) is not int or value < low):
-            raise ConfigError(name, value, f"an int >= {low} (bytes)")
-    seconds = options.retain_seconds
-    if seconds is not None and (type(seconds) not in (int, float) or not seconds >= 0):
-        raise ConfigError("retain_seconds", seconds, "a number of seconds >= 0")
-    if path is not None and _segmented(options) and not _is_directory(path, options):
-        raise ConfigError(
-            "log_path",
-            os.fspath(path),
-            "a log directory (a directory, a path ending in '/', or a path not there yet) for "
-            "segment, retention and compression options, not a file",
-        )
-
-
-def _segmented(options: LogOptions) -> bool:
-    """Whether any option of a log directory is set."""
-    segment = options.segment_bytes, options.retain_bytes, options.retain_seconds
-    return options.compress or any(v is not None for v in segment)
-
-
-def _is_directory(path: str | os.PathLike[str], options: LogOptions) -> bool:
-    """A log directory: an existing directory, a path ending in ``/``, or a path not there
-    yet given with a segment option (``Engine(config, "logs", segment_bytes=...)``)."""
-    return is_log_directory(path) or (_segmented(options) and not os.path.lexists(path))
-
-
-def _check_snapshot_of(path: str, state: reducers.State, last: int) -> None:
-    """``ConfigError`` unless ``state`` is the state at the end of the log at ``path``
-    (whose last event is ``last``): a snapshot of another log, or of another point of this
-    one, would make the continued log one that no longer replays."""
-    final: Checkpoint | None = None
-    for _, record in LogReader(path).records():
-        if type(record) is Checkpoint:
-            final = record
-    if final is not None and final.seq == last:
-        expected, actual = final.digest, checkpoint_digest(state, final.digest)
-    else:  # the log ends past its last checkpoint (a crash): its end, replayed
-        expected = checkpoint.checkpoint_digest(state_at_end(path)[0])
-        actual = checkpoint.checkpoint_digest(state)
-    if actual != expected:
-        raise ConfigError(
-            "blob",
-            f"<snapshot with digest {actual}>",
-            f"a snapshot of the state at the end of {path} (digest {expected})",
-        )
-
-
-def _last_event_seq(path: str | os.PathLike[str]) -> int:
-    """Sequence number of the last event in a log (-1 when it holds none)."""
-    last = -1
-    for seq, record in LogReader(path).records():
-        if not isinstance(record, Checkpoint):
-            last = seq
-    return last
 
 
 def _finished_event(results: list[TransferCompletion]) -> TransferFinished | TransferBatch:

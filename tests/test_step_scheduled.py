@@ -36,7 +36,7 @@ from kvlog.events import (
 from kvlog.log import read_log
 from kvlog.reducers import check_invariants, checkpoint, digest, restore, snapshot
 from kvlog.reducers import step as step_reducer
-from kvlog.runtime.machine import Machine
+from kvlog.runtime.machine import Machine, Ticket
 from kvlog.synth import read_trace, run_trace
 
 NUM_BLOCKS = 24
@@ -56,9 +56,11 @@ def _fine(machine: Machine, event: StepScheduled) -> list[Plan] | KvlogError:
     return plans
 
 
-def _whole(machine: Machine, event: StepScheduled) -> list[Plan] | KvlogError:
+def _whole(
+    machine: Machine, event: StepScheduled, ticket: Ticket | None = None
+) -> list[Plan] | KvlogError:
     try:
-        return machine.apply(event)
+        return machine.apply(event, ticket=ticket)
     except KvlogError as exc:
         return exc
 
@@ -122,15 +124,16 @@ def test_a_step_is_its_fine_grained_events(
     fine.apply(config)
     for events in program:
         *extras, event = events
+        ticket = None
         if checked_first:
             with contextlib.suppress(KvlogError):
-                whole.check(event)
+                ticket = whole.check(event)
         for extra in extras:
             for machine in (whole, fine):
                 with contextlib.suppress(KvlogError):
                     machine.apply(extra)
         assert isinstance(event, StepScheduled)
-        got, want = _whole(whole, event), _fine(fine, event)
+        got, want = _whole(whole, event, ticket), _fine(fine, event)
         if isinstance(want, KvlogError):
             assert isinstance(got, KvlogError), f"{event} accepted; its events refuse {want!r}"
         else:

@@ -37,8 +37,8 @@ from kvlog.integrations.session import (
     derive_num_gpu_blocks,
 )
 from kvlog.log import LogStatus
-from kvlog.reducers import step as step_reducer
 from kvlog.runtime.engine import Engine
+from kvlog.runtime.machine import Ticket
 from kvlog.runtime.tables import block_table_row
 
 __all__ = ["CacheSwapHandle", "OnlineDefragmenter", "detect_prefix_caching"]
@@ -91,25 +91,25 @@ def _req_ids(req_ids: Iterable[Any]) -> list[str]:
 
 def _fast_step(
     session: KvCacheSession, engine: Engine, event: StepScheduled, released: set[str]
-) -> bool:
-    """Whether the step can be one event: no load placeholder holds a block it gives, the
-    books infer nothing, and the Engine's check accepts it. A refusal the books could
-    explain (a block still counted as used, without prefix caching) is False: the caller
-    infers; any other refusal is raised (nothing changed)."""
+) -> Ticket | None:
+    """The Engine's ticket for the step as one event, when it can be one: no load
+    placeholder holds a block it gives, the books infer nothing, and the Engine's check
+    accepts it. None where the books must step in (a placeholder's block, or a block still
+    counted as used without prefix caching: the caller infers); any other refusal is
+    raised (nothing changed)."""
     new = event.allocated
     holds = session.holds.by_block
     if holds and any(not holds.keys().isdisjoint(b) for b in new.values()):
-        return False
+        return None
     prefix_caching = session.prefix_caching
-    try:
-        engine.check(event)
-    except BlockInUse:
-        if prefix_caching:
-            raise
-        return False
+    verdict = engine.verdict(event, () if prefix_caching else (BlockInUse,))
+    if not isinstance(verdict, Ticket):
+        return None  # a block still counted as used: the books infer what freed it
     # A block an unfinished store still reads is fenced when the step applies, at
     # defragment(), before the forward writes it (the runner calls the two back to back).
-    return not prefix_caching or not step_reducer.held_by_receiver(engine.state, new, released)
+    if prefix_caching and engine.view.held_by_receiver(new, released):
+        return None
+    return verdict
 
 
 def detect_prefix_caching() -> bool:
@@ -290,8 +290,9 @@ class OnlineDefragmenter:
             step=session.step, allocated=new, finished=finished, preempted=preempted,
             resumed=resumed,
         )  # fmt: skip
-        if _fast_step(session, engine, event, released):
-            session.pend(event, released)
+        ticket = _fast_step(session, engine, event, released)
+        if ticket is not None:
+            session.pend(event, released, ticket)
             return
         self._update_with_inference(new, finished, preempted, set(resumed))
 
@@ -302,7 +303,7 @@ class OnlineDefragmenter:
         """The step's changes as fine-grained events, with what the books infer."""
         session = self.session
         books = session.books
-        plan = books.plan(session.engine.state, new, finished, preempted, resumed)
+        plan = books.plan(session.engine.view, new, finished, preempted, resumed)
         for step in plan:
             if isinstance(step, Claim):
                 session.claim(step.block_ids)
@@ -324,7 +325,7 @@ class OnlineDefragmenter:
             raise BlockOutOfRange(f"a block id must be an int, not {type(block_id).__name__}")
         if not self.session.started:
             return block_id
-        return int(self.session.engine.state.resolve(int(block_id)))
+        return int(self.session.engine.view.resolve(int(block_id)))
 
     def resolve_all(self, block_table_list: Sequence[Sequence[int]]) -> list[list[int]]:
         """:meth:`resolve` over every table (new lists). The runner's usual tables (lists
@@ -335,7 +336,7 @@ class OnlineDefragmenter:
         and non-integers are refused (``BlockOutOfRange``)."""
         if not self.session.started:
             return [_ids(table) for table in block_table_list]
-        if self.session.engine.state.num_gpu_blocks > MAX_LOOKUP_BLOCKS:
+        if self.session.engine.view.num_gpu_blocks > MAX_LOOKUP_BLOCKS:
             return [self._resolve_checked(table) for table in block_table_list]
         lookup = self.session.forward_list()
         out: list[list[int]] = []
@@ -360,7 +361,7 @@ class OnlineDefragmenter:
         ids = _table_ids(table)
         if ids.size == 0:
             return []
-        inside = (ids >= 0) & (ids < self.session.engine.state.num_gpu_blocks)
+        inside = (ids >= 0) & (ids < self.session.engine.view.num_gpu_blocks)
         out = ids.copy()
         out[inside] = self.session.engine.resolve_all(ids[inside][None, :])[0]
         return out.tolist()  # type: ignore[no-any-return]
@@ -369,7 +370,7 @@ class OnlineDefragmenter:
         """Physical -> logical."""
         if not self.session.started:
             return block_id
-        return int(self.session.engine.state.unresolve(int(block_id)))
+        return int(self.session.engine.view.unresolve(int(block_id)))
 
     # -- views for debugging and the plugin's tests --------------------------------------
     @property
@@ -378,7 +379,7 @@ class OnlineDefragmenter:
         if not self.session.started:
             return {}
         self.session.settle()
-        refs = self.session.engine.state.refs
+        refs = self.session.engine.view.references()
         return {int(b): int(refs[b]) for b in np.flatnonzero(refs)}
 
     @property
@@ -387,10 +388,10 @@ class OnlineDefragmenter:
         if not self.session.started:
             return {}
         self.session.settle()
-        state = self.session.engine.state
+        view = self.session.engine.view
         return {
-            r: list(state.request_blocks(r))
-            for r in state.live_requests()
+            r: view.request_blocks(r)
+            for r in view.live_requests()
             if not self.session.holds.is_placeholder(r)
         }
 
@@ -427,7 +428,7 @@ class OnlineDefragmenter:
     def _idle_executor(self) -> Executor:
         self.session.settle()
         engine = self.session.engine
-        if engine.state.live_requests() or engine.state.jobs_in_flight():
+        if engine.view.live_requests() or engine.view.jobs_in_flight():
             raise ConfigError("swap", "<warm-up>", "warm-up swaps only while no block is in use")
         assert engine.executor is not None, "the session always gives the Engine an executor"
         return engine.executor

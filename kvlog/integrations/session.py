@@ -39,8 +39,8 @@ from kvlog.integrations.holds import LoadHolds
 from kvlog.integrations.registry import cache_tensors
 from kvlog.log import LogStatus, is_log_directory, list_segments
 from kvlog.log.detach import error_errno
-from kvlog.reducers import step as step_reducer
 from kvlog.runtime.engine import Engine
+from kvlog.runtime.machine import Ticket
 
 __all__ = [
     "Backend",
@@ -147,7 +147,7 @@ class KvCacheSession:
         self.step = 0
         self._lookup: list[int] | None = None
         self._lookup_moves = -1
-        self._pending: tuple[StepScheduled, set[str]] | None = None
+        self._pending: tuple[StepScheduled, set[str], Ticket] | None = None
         """A step ``update_state`` checked, applied as one event by ``end_step`` (or as
         its fine-grained events by ``settle`` if anything else comes first); with the
         requests it releases, for the books."""
@@ -315,11 +315,11 @@ class KvCacheSession:
             self.settle()
         return self.engine.apply(event)
 
-    def pend(self, event: StepScheduled, released: set[str]) -> None:
-        """Hold a step that needs nothing but itself (no inference, no claims; checked by
-        the caller against the state) for ``end_step``."""
+    def pend(self, event: StepScheduled, released: set[str], ticket: Ticket) -> None:
+        """Hold a step that needs nothing but itself (no inference, no claims; ``ticket``:
+        the Engine's check of it against the state) for ``end_step``."""
         assert self._pending is None, "pend() after settle(): facade bug"
-        self._pending = (event, released)
+        self._pending = (event, released, ticket)
 
     def settle(self) -> None:
         """Apply a pending step's changes now, as the fine-grained events it stands for
@@ -327,26 +327,26 @@ class KvCacheSession:
         end, and must come after them."""
         if self._pending is None:
             return
-        event, released = self._pending
+        event, released, _ = self._pending
         self._pending = None
         engine = self.engine
-        for fine in step_reducer.expand(engine.state, event)[:-1]:
+        for fine in engine.view.expand_step(event)[:-1]:
             engine.apply(fine)
         self.books.record_step(event.allocated, released, self.prefix_caching)
 
     def end_step(self) -> list[Plan]:
         """Finished transfers first, then the step: the pending one as one
         ``StepScheduled`` event, else ``StepEnded``. The step's plans."""
-        state = self.engine.state
-        if state.store_jobs or state.load_jobs:  # else the executor has nothing to report
+        view = self.engine.view
+        if view.has_transfers():  # else the executor has nothing to report
             self.poll()
         pending = self._pending
-        moves = state.num_moves
+        moves = view.num_moves
         if pending is None:
             plans = self.engine.apply(StepEnded(step=self.step))
         else:
-            event, released = pending
-            plans = self.engine.apply(event)
+            event, released, ticket = pending
+            plans = self.engine.apply(event, ticket)
             self._pending = None
             self.books.record_step(event.allocated, released, self.prefix_caching)
         self.step += 1
@@ -359,32 +359,32 @@ class KvCacheSession:
         ``LOOKUP_SENTINEL`` entries, so that a negative id or one past the pool indexes a
         sentinel (negative) instead of a block. Rebuilt only when the mapping changed
         other than by a step's plan, which ``end_step`` follows in O(pairs)."""
-        state = self.engine.state
-        if self._lookup is None or self._lookup_moves != state.num_moves:
-            size = state.num_gpu_blocks
-            self._lookup = state.fwd.tolist() + [LOOKUP_SENTINEL] * size
-            self._lookup_moves = state.num_moves
+        view = self.engine.view
+        if self._lookup is None or self._lookup_moves != view.num_moves:
+            size = view.num_gpu_blocks
+            self._lookup = view.forward().tolist() + [LOOKUP_SENTINEL] * size
+            self._lookup_moves = view.num_moves
         return self._lookup
 
     def _follow_moves(self, plans: list[Plan]) -> None:
         """Update the lookup list by a step's swap plan: only the logical ids now at its
         pairs' blocks changed."""
-        lookup, state = self._lookup, self.engine.state
+        lookup, view = self._lookup, self.engine.view
         assert lookup is not None, "_follow_moves() only follows a built lookup"
-        bwd = state.bwd_buffer
+        bwd = view.backward()
         for plan in plans:
             if type(plan) is SwapPlan:
                 for src, dst in plan.pairs:
                     lookup[bwd[src]] = src
                     lookup[bwd[dst]] = dst
-        self._lookup_moves = state.num_moves
+        self._lookup_moves = view.num_moves
 
     def submitted(self, job_id: int, kind: JobKind) -> None:
         self._kinds[job_id] = kind
 
     def known(self, job_id: int) -> bool:
         """Whether this job was declared or submitted (it may have finished since)."""
-        return self._engine is not None and job_id <= self._engine.state.last_job_id
+        return self._engine is not None and job_id <= self._engine.view.last_job_id
 
     def poll(self) -> None:
         """Collect finished transfers (the Engine logs them) into per-direction queues.
@@ -443,17 +443,17 @@ class KvCacheSession:
         """
         self.settle()
         engine = self.engine
-        state = engine.state
+        view = engine.view
         blocks = self.holds.not_held(gpu_block_ids)
         if req_id is not None and sync is not False:
             blocks = [b for b in blocks if not self.books.holds(req_id, b)]
         if req_id is not None and not self.prefix_caching and blocks:
-            for step in self.books.evict(state, blocks):
+            for step in self.books.evict(view, blocks):
                 assert not isinstance(step, Claim), "evict only releases"
                 engine.apply(step)
             self.books.commit()
         if req_id is None or not self.prefix_caching:
-            blocks = [b for b in blocks if not state.refs[state.resolve(b)]]
+            blocks = [b for b in blocks if not view.is_used(b)]
         if blocks:
             self._apply_hold(self.holds.hold(job_id, blocks))
 

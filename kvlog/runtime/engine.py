@@ -38,8 +38,8 @@ cleanly.
 **Interrupts and exceptions.** Every public call is atomic under any exception, wherever it
 lands (``KeyboardInterrupt``, ``MemoryError``, an executor's or an observer's error): from
 a call's first log append to the end of its change the engine is busy, and a raise there
-leaves it broken. Every later call then raises ``EngineBroken`` (a ``LogPoisoned``) and
-``close()`` writes no checkpoint, only closes the log, which ends with the event: replay
+leaves it broken. Every later call then raises ``EngineBroken`` and ``close()`` writes no
+checkpoint, only closes the log, which ends with the event: replay
 applies it and ``Engine.resume`` continues it. An executor error comes after the state
 changed: the event is logged and counts as applied; the engine is broken (the plan's bytes
 are unknown). Interrupting a blocking ``wait`` (or ``close``'s drain) breaks it too.
@@ -104,8 +104,9 @@ from kvlog.log.detach import error_errno
 from kvlog.reducers import checkpoint
 from kvlog.reducers.digest import digest_and_snapshot
 from kvlog.reducers.ranges import check_id_dtype
+from kvlog.reducers.view import BooksView
 from kvlog.runtime.fold import state_at_end
-from kvlog.runtime.machine import Machine
+from kvlog.runtime.machine import Machine, Ticket
 from kvlog.runtime.memory import check_state_memory
 from kvlog.runtime.opening import (
     LogOptions,
@@ -211,6 +212,7 @@ class Engine:
         self._lock = threading.RLock()
         """Serializes every public call (see the class docstring)."""
         self._machine = Machine(state, executor)
+        self._view = BooksView(state)
         self.checkpoint_every = checkpoint_every
         self.snapshot_every = snapshot_every
         self._num_steps = 0
@@ -233,6 +235,11 @@ class Engine:
     def state(self) -> reducers.State:
         """The reducer state (read it; never change it from outside)."""
         return self._machine.state
+
+    @property
+    def view(self) -> BooksView:
+        """The books, read only: what a facade may read of the state (never its buffers)."""
+        return self._view
 
     @property
     def machine(self) -> Machine:
@@ -258,28 +265,30 @@ class Engine:
     def log_path(self) -> str | None:
         return None if self._log is None else self._log.path
 
-    def apply(self, event: Event) -> list[Plan]:
-        """Check, log, change, execute one event (one step of the machine); the plans."""
+    def apply(self, event: Event, ticket: Ticket | None = None) -> list[Plan]:
+        """Check, log, change, execute one event (one step of the machine); the plans.
+        ``ticket``: what :meth:`check` returned for this same event object; while what it
+        found still describes the state the event is not checked again."""
         with self._lock:
             if self._busy is not None or self._closed:
                 self._check_open()
             try:
-                return self._apply(event)
+                return self._apply(event, ticket)
             except BaseException:
                 self._broken = self._busy is not None
                 raise
 
-    def _apply(self, event: Event) -> list[Plan]:
+    def _apply(self, event: Event, ticket: Ticket | None = None) -> list[Plan]:
         """``apply`` without the lock and the entry check (``poll`` applies through it)."""
         outer = self._busy
         machine = self._machine
         try:
-            checked = machine.prepared(event)  # checked once: Engine.check may have done it
+            checked = machine.prepared(event, ticket)
         except (InvalidEvent, RecordRejected):  # nothing changed
             plain = plain_event(event)
             if plain is event:
                 raise
-            checked = machine.check(plain)
+            checked = machine.check(plain).checked
         self._busy = "apply"  # from here a raise leaves the engine broken
         try:
             self._record(checked.event)
@@ -342,13 +351,26 @@ class Engine:
                 status = msgspec.structs.replace(status, last_seq=self._last_seq)
             return status
 
-    def check(self, event: Event) -> None:
+    def check(self, event: Event) -> Ticket:
         """Raise what ``apply(event)`` would raise against the state as it is now (a
-        ``KvlogError``); change nothing, log nothing. An ``apply`` of this same event object
-        next, with no other event between, does not check it again."""
+        ``KvlogError``); change nothing, log nothing. The ticket it returns, handed to
+        ``apply(event, ticket)``, spares that apply a second check while what this one found
+        still describes the state (no other event between, or only finished transfers
+        before a whole step checked with its blocks free)."""
         with self._lock:
             self._check_open()
-            self._machine.check(event)
+            return self._machine.check(event)
+
+    def verdict(
+        self, event: Event, expected: tuple[type[InvalidEvent], ...]
+    ) -> Ticket | InvalidEvent:
+        """:meth:`check`, with a refusal of one of the ``expected`` types returned as a value
+        (an outcome the caller plans for, such as a step whose blocks the books must first
+        release) instead of raised; any other refusal is raised. Changes nothing."""
+        try:
+            return self.check(event)
+        except expected as refusal:
+            return refusal
 
     def poll(self) -> list[TransferCompletion]:
         """Finished transfers from the executor, each logged and reduced as TransferFinished."""

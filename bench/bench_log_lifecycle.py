@@ -50,11 +50,11 @@ from bench_facade import runner_steps  # the runner's trace, one definition
 from seed_reference import make_hpu_caches
 
 from kvlog import Engine, replay
-from kvlog.analysis.replay import replay_state
 from kvlog.events import CacheConfigured, StepScheduled
 from kvlog.integrations import OffloadingWorker, OnlineDefragmenter
 from kvlog.log import LogReader, latest_snapshot, list_segments
 from kvlog.log.manifest import log_num_bytes
+from kvlog.runtime.fold import state_at_end
 
 BLOCK_SIZE = 16
 MIB = 1 << 20
@@ -178,7 +178,7 @@ def split_resume(path: str) -> tuple[str, float, float]:
     seq, checkpoint = latest_snapshot(path)
     assert checkpoint is not None
     load_s = timed(lambda: reducers.restore(checkpoint.snapshot))
-    state_s = timed(lambda: replay_state(path))
+    state_s = timed(lambda: state_at_end(path))
     records_after = sum(1 for _ in LogReader(path).records(seq + 1))
     text = (
         f"  latest snapshot found in {find_s * 1e3:.1f} ms (seq {seq}), loaded in "

@@ -53,7 +53,6 @@ from typing import Any
 
 from kvlog import Engine, replay
 from kvlog.analysis.canary import make_canary_executor
-from kvlog.analysis.replay import replay_state
 from kvlog.errors import CorruptLogError, KvlogError, LogLocked, LogPoisoned
 from kvlog.events import (
     BlocksAllocated,
@@ -67,6 +66,7 @@ from kvlog.events import (
 )
 from kvlog.log import LogReader, LogWriter
 from kvlog.reducers import checkpoint
+from kvlog.runtime.fold import state_at_end
 from kvlog.synth import SynthConfig, SynthRun
 
 __all__ = [
@@ -772,7 +772,7 @@ def _judge_engine(engine: Engine | None, path: Path) -> str:
         live = engine.running_digest()
         assert engine._log is not None
         engine._log.flush()
-        state, _ = replay_state(path)
+        state, _ = state_at_end(path)
         assert checkpoint.checkpoint_digest(state) == live, f"{path}: live state is not the log's"
         outcome = "consistent"
     if engine is not None:
@@ -795,7 +795,7 @@ def verify_crashed_log(path: Path) -> bool:
         return False
     result = replay(path, verify=True)
     assert result.ok, f"{path}: {result.divergence}"
-    state, _ = replay_state(path)
+    state, _ = state_at_end(path)
     with Engine.resume(path, sync="none") as resumed:
         assert resumed.running_digest() == checkpoint.checkpoint_digest(state), path
     assert replay(path, verify=True).ok, f"{path}: after resume"

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from kvlog import Engine, replay
-from kvlog.analysis.replay import replay_state
 from kvlog.events import (
     BlocksAllocated,
     CacheConfigured,
@@ -23,6 +22,7 @@ from kvlog.events import (
     StepEnded,
 )
 from kvlog.reducers import check_invariants, checkpoint
+from kvlog.runtime.fold import state_at_end
 
 THREADS = 4
 BLOCKS_PER_THREAD = 48
@@ -88,7 +88,7 @@ def test_four_threads_on_one_engine_keep_the_invariants_and_a_replayable_log(
     result = replay(path, verify=True)
     assert result.ok, result.divergence
     assert result.counts["StepEnded"] == THREADS * 300
-    state, _ = replay_state(path)
+    state, _ = state_at_end(path)
     assert checkpoint.checkpoint_digest(state) == live
 
 

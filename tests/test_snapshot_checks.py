@@ -13,7 +13,6 @@ import pytest
 
 from kvlog import Engine, replay
 from kvlog.analysis.parallel import replay_segments
-from kvlog.analysis.replay import replay_state
 from kvlog.errors import ConfigError, CorruptLogError
 from kvlog.events import (
     BlocksAllocated,
@@ -25,6 +24,7 @@ from kvlog.events import (
 )
 from kvlog.log import LogReader, LogWriter
 from kvlog.reducers import checkpoint
+from kvlog.runtime.fold import state_at_end
 
 CONFIG = CacheConfigured(num_gpu_blocks=64, block_size=16, page_size_bytes=4096, threshold=1)
 
@@ -101,12 +101,12 @@ def test_another_checkpoints_snapshot_is_a_divergence(good: Path, tmp_path: Path
 
 def test_resume_falls_back_past_a_bad_latest_snapshot(good: Path, tmp_path: Path) -> None:
     snaps = _snapshots(good)
-    whole, _ = replay_state(good)
+    whole, _ = state_at_end(good)
     for change in ({snaps[-1][0]: _flipped(snaps[-1][1])}, {snaps[-1][0]: snaps[0][1]}):
         bad = tmp_path / "bad-latest.kvlog"
         bad.unlink(missing_ok=True)
         _rewrite(good, bad, change)
-        state, _ = replay_state(bad)
+        state, _ = state_at_end(bad)
         assert checkpoint.checkpoint_digest(state) == checkpoint.checkpoint_digest(whole)
         with Engine.resume(bad) as resumed:
             assert resumed.running_digest() == checkpoint.checkpoint_digest(whole)

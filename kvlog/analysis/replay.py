@@ -50,7 +50,6 @@ from kvlog.runtime.fold import (
     Lane,
     Progress,
     checkpoint_digest,
-    state_at_end,
 )
 from kvlog.runtime.machine import Machine, Observer
 from kvlog.runtime.memory import check_state_memory
@@ -65,12 +64,9 @@ __all__ = [
     "WhatIf",
     "checkpoint_digest",
     "replay",
-    "replay_state",
 ]
 
 _POLICY_FIELDS = frozenset(row.name for row in POLICY_FIELDS)
-replay_state = state_at_end
-"""The state at the end of a log and its last event's sequence number (``kvlog.runtime.fold``)."""
 
 
 @dataclass
@@ -458,7 +454,7 @@ class _Other:
 
     def _report(self, divergence: Divergence) -> None:
         self.done = True
-        self.fold.diverge(divergence)
+        self.fold.record_divergence(divergence)
 
     def at_end(self) -> None:
         if self.done:

@@ -37,7 +37,7 @@ from kvlog.events import (
     TransferSubmitted,
 )
 from kvlog.executors import TransferCompletion
-from kvlog.integrations.defrag import OnlineDefragmenter
+from kvlog.integrations.defragmenter import OnlineDefragmenter
 from kvlog.integrations.session import JobKind, KvCacheSession
 
 __all__ = [

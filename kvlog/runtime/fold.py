@@ -29,8 +29,7 @@ import msgspec
 from kvlog import reducers
 from kvlog.errors import CorruptLogError, InvalidEvent, SegmentsRetired
 from kvlog.events import CacheConfigured, Checkpoint, Event, Plan, encode, to_dict, validate_event
-from kvlog.log import LogReader, first_snapshot
-from kvlog.log import latest_snapshot as log_latest_snapshot
+from kvlog.log import LogReader, first_snapshot, latest_snapshot
 from kvlog.reducers import checkpoint
 from kvlog.runtime.machine import Machine
 from kvlog.runtime.memory import check_state_memory
@@ -41,7 +40,6 @@ __all__ = [
     "Lane",
     "Progress",
     "checkpoint_digest",
-    "latest_snapshot",
     "restore_snapshot",
     "state_at_end",
 ]
@@ -92,15 +90,6 @@ def restore_snapshot(blob: bytes, digest: str, path: str, seq: int) -> reducers.
     if checkpoint_digest(state, digest) != digest:
         return "it restores another state than its checkpoint's digest"
     return state
-
-
-def latest_snapshot(
-    path: str | os.PathLike[str], skip: frozenset[int] = frozenset()
-) -> tuple[int, Checkpoint | None]:
-    """Sequence number and record of the log's last checkpoint that carries a snapshot
-    (but those at a sequence number in ``skip``); ``(-1, None)`` when there is none: a log
-    directory's from its manifest in O(segments) (``kvlog.log.latest_snapshot``)."""
-    return log_latest_snapshot(path, skip)
 
 
 class Lane:
@@ -345,7 +334,7 @@ class Fold:
                 self.on_configured(event)
         elif not self.configured:
             message = f"seq {seq}: the log does not start with CacheConfigured"
-            self._diverge(Divergence("rejected", seq, -1, message, to_dict(event)))
+            self.record_divergence(Divergence("rejected", seq, -1, message, to_dict(event)))
             self.stopped = True
             return
         first, *others = self.lanes
@@ -353,7 +342,9 @@ class Fold:
             plans = first.machine.apply(self._lane_event(first, event))
         except InvalidEvent as exc:
             message = f"seq {seq}: {exc}"
-            self._diverge(Divergence("rejected", seq, self.last_event_seq, message, to_dict(event)))
+            self.record_divergence(
+                Divergence("rejected", seq, self.last_event_seq, message, to_dict(event))
+            )
             self.stopped = True
             return
         for lane in others:
@@ -391,7 +382,9 @@ class Fold:
                 f"checkpoint at seq {seq} covers seq {checkpoint.seq}, but the last "
                 f"event before it is seq {self.last_event_seq}"
             )
-            self._diverge(Divergence("checkpoint-seq", seq, self.last_verified_seq, message))
+            self.record_divergence(
+                Divergence("checkpoint-seq", seq, self.last_verified_seq, message)
+            )
             return
         actual = checkpoint_digest(self.state, checkpoint.digest)
         if actual == checkpoint.digest:
@@ -405,7 +398,7 @@ class Fold:
             f"diverged after seq {self.last_verified_seq} and at or before seq {checkpoint.seq}"
         )
         event = None if self.last_event is None else to_dict(self.last_event)
-        self._diverge(
+        self.record_divergence(
             Divergence(
                 "checkpoint",
                 checkpoint.seq,
@@ -433,16 +426,13 @@ class Fold:
 
     def _bad_snapshot(self, seq: int, checkpoint: Checkpoint, why: str) -> None:
         message = f"the snapshot of the checkpoint at seq {seq} (after seq {checkpoint.seq}): {why}"
-        self._diverge(Divergence("snapshot", seq, self.last_verified_seq, message))
+        self.record_divergence(Divergence("snapshot", seq, self.last_verified_seq, message))
 
-    def _diverge(self, divergence: Divergence) -> None:
-        """Keep the first divergence (a checkpoint's does not stop the fold)."""
+    def record_divergence(self, divergence: Divergence) -> None:
+        """Keep the first divergence (a checkpoint's does not stop the fold); a caller's
+        hook (``against``) records what it finds here too."""
         if self.divergence is None:
             self.divergence = divergence
-
-    def diverge(self, divergence: Divergence) -> None:
-        """A divergence found by a caller's hook (``against``): kept if it is the first."""
-        self._diverge(divergence)
 
 
 def state_at_end(path: str | os.PathLike[str]) -> tuple[reducers.State, int]:

@@ -1,5 +1,5 @@
 """The kvlog command line, end to end: synth, replay (verify, what-if, report, against),
-inspect, demo, in-process through ``kvlog.cli.main.main`` plus one run of the console script."""
+inspect, demo, in-process through ``kvlog.cli.entry.main`` plus one run of the console script."""
 
 from __future__ import annotations
 

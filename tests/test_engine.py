@@ -161,12 +161,12 @@ def test_unencodable_size_is_refused_before_reducing(
     """With a log the writer refuses the record (nothing buffered), without one the engine's
     own bound does: either way the state is unchanged and nothing is logged."""
     import kvlog.log.writer as writer_module
-    import kvlog.runtime.engine as engine_module
+    import kvlog.runtime.records as records_module
 
     path = os.path.join(tmp_path, "a.kvlog")
     for log_path in (path, None):
         with Engine(CONFIG, log_path, sync="none") as engine:
-            monkeypatch.setattr(engine_module, "MAX_RECORD_BYTES", 32)
+            monkeypatch.setattr(records_module, "MAX_RECORD_BYTES", 32)
             monkeypatch.setattr(writer_module, "MAX_RECORD_BYTES", 32)
             before = engine.digest()
             big = BlocksAllocated(req_id="a-long-request-id", block_ids=list(range(1, 15)))

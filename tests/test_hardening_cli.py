@@ -299,7 +299,7 @@ def test_inspect_refuses_negative_bounds(log: str, capsys: pytest.CaptureFixture
 def test_an_os_error_is_one_line_and_exit_2(
     log: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kvlog.cli import main as cli_module
+    from kvlog.cli import inspect as cli_module
 
     def denied(path: str, **_: object) -> None:
         raise PermissionError(13, "Permission denied", path)
@@ -484,7 +484,7 @@ def test_a_report_onto_the_log_itself_is_refused(
 def test_keyboard_interrupt_exits_130_with_one_line(
     log: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kvlog.cli import main as cli_module
+    from kvlog.cli import replay as cli_module
 
     def interrupted(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt

@@ -13,8 +13,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from kvlog import Engine, reducers, replay
-from kvlog.cli import main as cli
+from kvlog import Engine, cli, reducers, replay
 from kvlog.errors import CorruptLogError, LogPoisoned
 from kvlog.events import (
     BlocksAllocated,

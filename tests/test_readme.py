@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from kvlog.cli.main import build_parser, main
+from kvlog.cli import build_parser, main
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -153,7 +153,7 @@ def test_every_flag_named_in_the_prose_exists() -> None:
 
 
 def _runnable(command: str, tmp: Path) -> list[str] | None:
-    """The command as argv for ``kvlog.cli.main.main`` with the README's paths made small and
+    """The command as argv for ``kvlog.cli.entry.main`` with the README's paths made small and
     local, or None while a placeholder is left in it."""
     if not command.startswith("kvlog ") or "|" in command.replace("|.", ""):
         command = command.split(" | ")[0]

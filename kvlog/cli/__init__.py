@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from kvlog.cli.main import build_parser, main
+from kvlog.cli.entry import build_parser, main
 
 __all__ = ["build_parser", "main"]

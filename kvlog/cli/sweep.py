@@ -2,7 +2,7 @@
 --parallel`` and the policy flags. It parses and prints: the defaults and checks of a trace
 run are :mod:`kvlog.synth`'s, the tables, progress bars and pictures :mod:`kvlog.present`'s.
 
-``kvlog.cli.main`` builds the parser and calls in here; everything here takes parsed arguments.
+``kvlog.cli.entry`` builds the parser and calls in here; everything here takes parsed arguments.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 - :mod:`kvlog.present.text`: tables, the progress bar, each command's printed result;
 - :mod:`kvlog.present.pictures`: the replay report and the sweep picture (matplotlib).
 
-The command line (``kvlog.cli.main``) parses arguments, calls the domain and prints what this
+The command line (``kvlog.cli.entry``) parses arguments, calls the domain and prints what this
 package renders.
 """
 

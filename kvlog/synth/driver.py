@@ -59,7 +59,7 @@ _SIGINT = _Deferral()
 
 
 def defer_sigint() -> bool:
-    """For a SIGINT handler (``kvlog.cli.main``): while a synth loop runs, note the interrupt
+    """For a SIGINT handler (``kvlog.cli.entry``): while a synth loop runs, note the interrupt
     and return True; the loop raises ``KeyboardInterrupt`` at the end of its current step,
     between two ``Engine.apply`` calls, so the log's last step is whole and ``close()``
     checkpoints a state that holds every logged event. False (raise now) otherwise."""

@@ -211,6 +211,10 @@ def _runnable(command: str, tmp: Path) -> list[str] | None:
     argv = shlex.split(command)[1:]
     if len(argv) == 1 and argv[0] in ("synth", "replay", "inspect", "sweep", "ranks"):
         return None  # the command's name in a sentence ("as `kvlog synth` does")
+    if argv[0] in ("replay", "inspect", "sweep", "ranks") and not any(
+        word.endswith(".kvlog") or "/" in word for word in argv[1:]
+    ):
+        return None  # a flag named in a sentence ("`kvlog replay --report`"): no log to read
     for i, word in enumerate(argv):
         if word.endswith(".kvlog") and "/" not in word:
             argv[i] = str(tmp / word)

@@ -69,8 +69,8 @@ def _listed(page: str) -> list[str]:
 def _inline(page: str) -> list[str]:
     """Inline code spans that are commands (they may wrap onto the next line)."""
     prose = re.sub(r"^```.*?^```", "", page, flags=re.S | re.M)
-    spans = re.findall(r"`([^`]{1,400})`", prose)
-    return [" ".join(s.split()) for s in spans if re.match(r"(kvlog|python) ", s)]
+    spans = [" ".join(s.split()) for s in re.findall(r"`([^`]{1,400})`", prose)]
+    return [s for s in spans if re.match(r"(kvlog|python) ", s)]
 
 
 def _inline_flags(page: str) -> list[str]:

@@ -243,8 +243,8 @@ def test_inspect_summarises_snapshots_and_shows_them_when_asked(
 def test_inspect_numbers_every_record_by_its_own_seq(
     log_path: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A checkpoint's own ``seq`` field (the event it digests) used to overwrite the line's
-    ``seq``: the line showed the event before it, and its own number went missing."""
+    """Every line carries its record's own ``seq``, a checkpoint's too (its ``seq`` field,
+    the event it digests, is not the line's number)."""
     assert main(["inspect", log_path]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     records = list(LogReader(log_path).records())

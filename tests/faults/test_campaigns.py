@@ -1,5 +1,6 @@
-"""The fault campaigns of ``fuzz/campaign.py`` at CI size (issue 11, "done means"); the
-full size runs as ``python fuzz/campaign.py all``.
+"""The fault campaigns of ``fuzz/campaign.py`` at CI size (flips, overwrites, truncation,
+zeroed ranges, SIGKILL, two writers, a large pool); the full size runs as
+``python fuzz/campaign.py all``.
 
 Each campaign asserts what it must hold itself; here we also check that it looked at
 what it should: both logs, every outcome it is meant to meet.

@@ -1,4 +1,4 @@
-"""Crash consistency at every line (issue 20, items 1 and 2): exceptions raised at line
+"""Crash consistency at every line: exceptions raised at line
 events of the Engine, the Machine, the reducers and the log writer (``fuzz/campaign.py
 crash`` at CI size), an observer's error between append and commit, and real ``kvlog
 synth`` processes interrupted with SIGINT. Every log left behind replays and verifies;
@@ -102,8 +102,8 @@ class _FailingObserver(Observer):
 def test_a_raise_between_append_and_commit_breaks_the_engine(
     tmp_path: Path, exc: BaseException
 ) -> None:
-    """It used to leave a logged event the state lacked, and ``close()`` checkpointed that
-    state: the log failed its own replay (checkpoint-seq)."""
+    """A raise after the append and before the commit breaks the engine: no logged event
+    is missing from the state, and the log left behind replays (its checkpoints too)."""
     path = tmp_path / "a.kvlog"
     engine = Engine(CONFIG, path, checkpoint_every=1)
     engine.apply(BlocksAllocated("a", [1, 2]))

@@ -54,7 +54,7 @@ def temp_dir() -> Iterator[str]:
 
 def write_log(path: str, records: list[Record]) -> WrittenLog:
     """Write ``records``, flushing after each one to learn the frame boundaries; the
-    writer is abandoned, not closed (see tests/test_hardening_log.py for closed logs)."""
+    writer is abandoned, not closed (see tests/log/test_paths_and_headers.py for closed logs)."""
     starts = []
     writer = LogWriter(path, sync="none")
     writer.flush()

@@ -99,8 +99,8 @@ def test_threshold_round_trips_through_the_environment(threshold: int) -> None:
 
 
 def test_the_background_flusher_interval_comes_from_the_environment(tmp_path: object) -> None:
-    """``KVLOG_SYNC_INTERVAL_MS`` reaches the facade's log writer (issue 19: the interval
-    is settable); arguments win; the Engine takes it directly too."""
+    """``KVLOG_SYNC_INTERVAL_MS`` reaches the facade's log writer; arguments win; the
+    Engine takes it directly too."""
     import os
 
     from kvlog import Engine

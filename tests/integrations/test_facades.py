@@ -14,6 +14,7 @@ from kvlog.errors import (
     BlockInUse,
     BlockOutOfRange,
     ConfigError,
+    DuplicateJob,
     InvalidEvent,
     LayoutError,
     TransferSizeMismatch,
@@ -220,9 +221,8 @@ def test_loaded_blocks_are_held_until_their_request_shows_up() -> None:
 
 
 def test_a_runner_request_named_like_a_placeholder_is_a_request() -> None:
-    """Issue 20 item 4: vLLM accepts client-chosen request ids. A request named
-    ``kvlog-load-hold-1`` once merged with the placeholder of load job 1: claiming the
-    placeholder freed the request's live blocks. Placeholders now carry a per-session
+    """vLLM accepts client-chosen request ids: a request named like a load's placeholder
+    (``kvlog-load-hold-1``) is a request of its own. Placeholders carry a per-session
     random nonce, so the request keeps its blocks and the load's blocks stay held."""
     defrag = make(backend="fake")
     worker = OffloadingWorker(defrag, num_cpu_blocks=4)
@@ -484,8 +484,8 @@ def test_a_facade_log_of_whole_steps_replays_with_canaries_and_counts_its_steps(
     ],
 )
 def test_update_state_never_casts_a_block_id(new_blocks: dict[str, object]) -> None:
-    """Issue 20 item 8: the Gaudi facade cast ids with ``int()``. Now a float, a bool, a
-    string, None or a 2-D array is refused with a typed error and nothing changes."""
+    """A block id is never cast with ``int()``: a float, a bool, a string, None or a 2-D
+    array is refused with a typed error and nothing changes."""
     defrag = make(backend="fake")
     defrag.update_state({"a": [5]}, [])
     defrag.defragment()
@@ -504,8 +504,8 @@ def test_update_state_takes_integer_arrays_and_tensors() -> None:
 
 @pytest.mark.parametrize("table", [[40.7], [1.9, 2], [None], ["1"], [[1, 2]]])
 def test_resolve_all_never_casts_a_block_id(table: list[object]) -> None:
-    """Issue 20 item 8: ``resolve_all([[40.7]])`` answered; every facade entry now follows
-    ``Engine.resolve_all``'s rules for lists (integers only, never cast)."""
+    """Every facade entry follows ``Engine.resolve_all``'s rules for lists: integers only,
+    never cast (``resolve_all([[40.7]])`` is refused)."""
     defrag = make(backend="fake")
     defrag.update_state({"a": [5]}, [])
     defrag.defragment()
@@ -576,3 +576,46 @@ def test_facade_policy_values_the_command_line_refuses_are_refused(
         defrag = OnlineDefragmenter(environ=environ, **overrides)  # type: ignore[arg-type]
         defrag.initialize(make_hpu_caches(64, BS), BS)
     assert info.value.name == name
+
+
+# -- OffloadingWorker job ids: fresh ints, each submitted once -----------------------------
+def _worker() -> tuple[OnlineDefragmenter, OffloadingWorker]:
+    defrag = OnlineDefragmenter(environ={"VLLM_DEFRAG_THRESHOLD": "4"}, backend="fake")
+    defrag.initialize(make_hpu_caches(64, 4), 4)
+    worker = OffloadingWorker(defrag, num_cpu_blocks=8)
+    defrag.update_state({"a": [1, 2, 3]}, [])
+    return defrag, worker
+
+
+@pytest.mark.parametrize("bad", [1, 0, -1])
+def test_a_reused_or_lower_job_id_is_refused_not_dropped(bad: int) -> None:
+    defrag, worker = _worker()
+    assert worker.submit_store(1, [1], [0])
+    before = defrag.engine.digest()
+    with pytest.raises(DuplicateJob, match=f"job id {bad} is not a fresh one"):
+        worker.submit_load(bad, [0], [5])
+    with pytest.raises(DuplicateJob):
+        worker.submit_store(bad, [2], [1])
+    assert defrag.engine.digest() == before
+    assert worker.submit_store(2, [2], [1])  # the counter goes on
+    worker.wait(None)
+    assert sorted(r.job_id for r in worker.get_finished()) == [1, 2]
+
+
+@pytest.mark.parametrize("bad", [6.7, True, "3", None])
+def test_a_job_id_that_is_not_an_int_is_refused(bad: object) -> None:
+    defrag, worker = _worker()
+    before = defrag.engine.digest()
+    with pytest.raises(TransferSpecError, match="job id"):
+        worker.submit_store(bad, [1], [0])  # type: ignore[arg-type]
+    assert defrag.engine.digest() == before
+
+
+def test_a_declared_job_is_submitted_once() -> None:
+    _, worker = _worker()
+    worker.declare("store", 3, [1, 2], [0, 1], req_id="a")
+    assert worker.submit_store(3, [1, 2], [0, 1])
+    with pytest.raises(DuplicateJob):
+        worker.submit_store(3, [1, 2], [0, 1])
+    worker.wait(None)
+    assert [r.job_id for r in worker.get_finished()] == [3]

@@ -8,7 +8,7 @@
    yet; the late copy then stores the wrong bytes.
 
 Each scenario runs the same runner calls on two drivers: the seed restatement
-(``tests/seed_reference.py``) and kvlog's facades (fake backend: late, out-of-order copies).
+(``tests/support/seed_reference.py``) and kvlog's facades (fake backend: late, out-of-order copies).
 The seed run must show the corruption (asserted); the kvlog run must not.
 """
 

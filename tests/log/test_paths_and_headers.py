@@ -1,5 +1,6 @@
-"""Issue 11, the log's part: paths that are not ours, clean close, foreign headers, large
-snapshots in parts, refusals that leave no trace (items 1, 2, 6, 9, 10)."""
+"""The log file's edges: a path that is not a regular file of ours is refused and left as
+it is, a clean close is marked, a foreign header is corruption, large snapshots go in parts
+and come back whole, and a refusal leaves no trace."""
 
 from __future__ import annotations
 

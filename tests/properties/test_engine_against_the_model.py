@@ -1,4 +1,4 @@
-"""The Engine (no executor) against the plain model of tests/model.py, as a state machine.
+"""The Engine (no executor) against the plain model of tests/support/model.py, as a state machine.
 
 Rules allocate (sharing blocks with prefix caching, reusing blocks unfinished stores still
 read), finish, preempt, end steps, store, load (deferred or not, with KV-cache groups or

@@ -1,4 +1,5 @@
-"""kvlog's reducers against the plain seed restatement in tests/seed_model.py, pair for pair.
+"""kvlog's reducers against the plain seed restatement (tests/support/seed_model.py), pair
+for pair.
 
 The same events go to ``reduce`` and to :class:`SeedDefragmenter` (plus the seed transfer
 expansion, or vLLM 0.33's chunk rule for specs with KV-cache groups, with GPU ids resolved

@@ -1,5 +1,6 @@
 """Named defrag policies (kvlog/reducers/policies.py) against a brute-force statement of each
-rule, fuzzed over realistic programs like the seed's rule (tests/test_reducer_differential.py).
+rule, fuzzed over realistic programs like the seed's rule
+(tests/properties/test_reducers_against_the_seed.py).
 
 Each program runs through ``reduce``; before every ``StepEnded`` the expected pairs are
 computed from the ref counts and the pinned bitmap alone (the policy's trigger, its first

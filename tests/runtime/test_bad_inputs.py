@@ -1,11 +1,10 @@
-"""Issue 11, items 4 to 7: every bad input is a typed ``KvlogError`` (also the fitting
+"""Every bad input is a typed ``KvlogError`` (also the fitting
 builtin), with or without a log, leaves the log and the digest unchanged, and the engine
 goes on; a refused constructor leaves no file, descriptor or lock; numpy ids are accepted
 and logged as plain ints.
 
-The old code raised ``OverflowError``, ``TypeError``, ``UnicodeEncodeError`` and
-``KeyError`` for 14 of 91 such inputs, accepted a lone surrogate without a log (then
-``digest()`` raised), and kept the log's descriptor and lock after a refused constructor.
+The table holds over 90 bad inputs: out-of-range and non-integer ids, lone surrogates in
+names (with and without a log), sizes no record can hold.
 """
 
 from __future__ import annotations

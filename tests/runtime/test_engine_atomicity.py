@@ -25,7 +25,8 @@ CONFIG = CacheConfigured(num_gpu_blocks=64, block_size=16, num_cpu_blocks=8, thr
 
 
 def test_resume_exposes_the_cut_tail(tmp_path: Path) -> None:
-    """It was only a log warning."""
+    """Resume says what it cut: ``recovery`` names the torn tail's bytes, and a second
+    resume finds nothing to cut."""
     path = tmp_path / "a.kvlog"
     engine = busy_engine(path)
     digest = engine.digest()
@@ -45,8 +46,7 @@ def test_a_step_is_applied_whole_even_when_its_checkpoint_fails(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A StepEnded is logged and applied whole; only a failing write of the checkpoint
-    after it can raise then (``LogPoisoned``: the engine stops; resume has the step). It
-    used to raise ``RecordRejected`` for large pools after the step was applied."""
+    after it can raise then (``LogPoisoned``: the engine stops; resume has the step)."""
     import kvlog.log.writer as writer_module
 
     path = tmp_path / "a.kvlog"

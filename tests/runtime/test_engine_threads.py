@@ -1,7 +1,6 @@
-"""The threading contract (issue 20, item 2): one Engine used from several threads at
-once is serialized by its lock, so the state keeps its invariants and the log replays to
-the live digest. Before the lock, two threads broke ``check_invariants`` in 4 of 5 runs and
-left a log that did not decode."""
+"""The threading contract: one Engine used from several threads at once is serialized by
+its lock, so the state keeps its invariants and the log replays to the live digest; the
+stress test itself sees a missing lock (two unlocked threads break ``check_invariants``)."""
 
 from __future__ import annotations
 

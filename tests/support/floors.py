@@ -1,6 +1,6 @@
 """Check that the dependency floors stage imports the versions it installed, not newer ones.
 
-    PYTHONPATH=.floors python tests/floors.py numpy==1.24.4 numba==0.59.1 msgspec==0.18.6
+    PYTHONPATH=.floors python tests/support/floors.py numpy==1.24.4 numba==0.59.1 msgspec==0.18.6
 
 Exits non-zero, naming the package, when an installed version differs from the one asked
 for (a PYTHONPATH that did not take would otherwise test the first virtualenv's versions

@@ -1,6 +1,7 @@
-"""Child writers for the SIGKILL test (tests/test_log_kill.py), started by a fork server.
+"""Child writers for the SIGKILL tests (tests/faults/test_sigkill_writer.py), started by a
+fork server.
 
-``python tests/log_child_writer.py serve`` imports kvlog once, then reads commands on
+``python tests/support/log_child_writer.py serve`` imports kvlog once, then reads commands on
 stdin, one per line, and answers on stdout:
 
     run PATH SYNC SEED   fork a child that appends ``record_stream(SEED)`` to the log at

@@ -122,7 +122,7 @@ def group_spec(
     randint: Callable[[int, int], int], num_cpu: int, factor: int, max_groups: int = 3
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``(group_sizes, block_indices)`` whose chunks use exactly ``num_cpu`` CPU blocks
-    under vLLM 0.33's rule (see tests/model.py ``cpu_sub_blocks``).
+    under vLLM 0.33's rule (see tests/support/model.py ``cpu_sub_blocks``).
 
     Up to ``max_groups`` non-empty groups split the CPU blocks; each starts at a first block
     index with a random offset ``skip`` into its chunk (unaligned when ``factor > 1``) and
@@ -150,13 +150,13 @@ def group_spec(
 
 
 # --- Stateful fuzzing: configs, realistic events and one-defect events ----------------------
-# Used by tests/test_machine_*.py and tests/test_replay_properties.py. The helpers take a
+# Used by tests/properties/test_engine_*.py and tests/properties/test_replay.py. The helpers take a
 # ``draw`` function (``data.draw`` inside a state machine rule) and the plain model of
-# tests/model.py, so that generated programs are realistic: they allocate free blocks that no
-# load is writing (now and then on purpose one a store still reads, which the engine flushes
-# and fences), share only with prefix caching, defer stores (and loads, where the schema
-# has it) and submit them later, use vLLM's KV-cache groups with unaligned first blocks and
-# partial chunks, keep CPU sub-blocks of stores and loads apart, and finish submitted jobs.
+# tests/support/model.py, so that generated programs are realistic: they allocate free blocks that
+# no load is writing (now and then on purpose one a store still reads, which the engine flushes and
+# fences), share only with prefix caching, defer stores (and loads, where the schema has it) and
+# submit them later, use vLLM's KV-cache groups with unaligned first blocks and partial chunks, keep
+# CPU sub-blocks of stores and loads apart, and finish submitted jobs.
 
 MACHINE_REQ_IDS = tuple(f"r{i}" for i in range(10))
 """A small pool of request ids: drawing one again appends to it or resumes it."""
@@ -761,8 +761,9 @@ def distinct_blocks(pool: list[int], max_size: int) -> st.SearchStrategy[list[in
 
 
 # --- Reducer programs: realistic event sequences from a tiny simulated scheduler ------------
-# Used by tests/test_reducer_*.py. ``random_program`` drives the same simulation from a
-# ``random.Random``, so hypothesis examples and the long seeded workloads share one generator.
+# Used by tests/reducers/ and tests/properties/. ``random_program`` drives the same
+# simulation from a ``random.Random``, so hypothesis examples and the long seeded workloads
+# share one generator.
 
 
 class _Job:
@@ -969,9 +970,10 @@ def reducer_programs(
     return random_program(rng, config, num_events, transfers, **features)
 
 
-# -- the CPU tier (issue 23) ---------------------------------------------------------------
+# -- the CPU tier ---------------------------------------------------------------------------
 TIER_CALL_KINDS = 10
-"""Kinds of a tier call in ``tier_calls`` (see ``tests/test_cpu_tier_vllm.py``'s driver)."""
+"""Kinds of a tier call in ``tier_calls`` (see the driver in
+``tests/vllm/test_cpu_offloading_manager.py``)."""
 
 
 _TIER_CALL_MIX = (0, 1, 2, 3, 3, 3, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 7, 7, 8, 9)
@@ -1022,7 +1024,7 @@ def tier_traces(draw: st.DrawFn, max_requests: int = 30, max_keys: int = 24) -> 
     return requests or [[0]]
 
 
-# -- transfer batches (issue 19: the connector's one event a call) -------------------------
+# -- transfer batches (the connector's one event a call) ----------------------------------
 _TRANSFER_TYPES = (StoreRequested, LoadRequested, TransferSubmitted, TransferFinished)
 
 

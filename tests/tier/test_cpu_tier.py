@@ -1,9 +1,9 @@
-"""The CPU tier's reducer, what-ifs, optimum and hit-rate curves (issue 23), no vLLM.
+"""The CPU tier's reducer, what-ifs, optimum and hit-rate curves without vLLM.
 
-The reducer is compared with vLLM's real manager in ``test_cpu_tier_vllm.py`` (vLLM
-stage); here: narrative scenarios with exact keys, and properties on random workloads: the
-one-pass LRU curve equals per-capacity replays, the optimum is never below LRU or ARC, and
-every policy's hits never decrease with capacity.
+The reducer is compared with vLLM's real manager in the vLLM stage
+(``tests/vllm/test_cpu_offloading_manager.py``); here: narrative scenarios with exact keys,
+and properties on random workloads: the one-pass LRU curve equals per-capacity replays, the
+optimum is never below LRU or ARC, and every policy's hits never decrease with capacity.
 """
 
 from __future__ import annotations

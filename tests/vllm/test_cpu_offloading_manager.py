@@ -1,4 +1,4 @@
-"""The tier reducer against vLLM 0.33's real ``CPUOffloadingManager`` (issue 23).
+"""The tier reducer against vLLM 0.33's real ``CPUOffloadingManager``: every answer the same.
 
 Random call sequences (hypothesis) drive the real manager, wrapped in kvlog's
 ``TierRecorder``; every recorded call is refolded by ``reducers/cpu_tier.py`` at once and

@@ -57,6 +57,8 @@ class ForkServer:
     def close(self) -> None:
         self._stdin.close()
         self.process.wait(timeout=TIMEOUT_S)
+        assert self.process.stdout is not None
+        self.process.stdout.close()
 
 
 def kill_during_appends(server: ForkServer, path: Path, sync: str, seed: int) -> list[int]:

@@ -14,6 +14,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from hypothesis import assume, given
@@ -84,13 +85,13 @@ def read_all(path: str, originals: list[Record]) -> tuple[list[Record], LogReade
 
 def expect_refused(path: str, originals: list[Record], offset: int, seq: int) -> None:
     """Reader and writer refuse with a CorruptLogError at (offset, seq); nothing changes."""
-    before = open(path, "rb").read()  # noqa: SIM115 (read once, small)
+    before = Path(path).read_bytes()
     with pytest.raises(CorruptLogError) as refused:
         read_all(path, originals)
     assert (refused.value.offset, refused.value.seq) == (offset, seq), str(refused.value)
     with pytest.raises(CorruptLogError):
         LogWriter(path, sync="none").close()
-    assert open(path, "rb").read() == before, "a refusing writer modified the file"  # noqa: SIM115
+    assert Path(path).read_bytes() == before, "a refusing writer modified the file"
 
 
 def expect_refused_or_torn(path: str, originals: list[Record], offset: int, seq: int) -> None:

@@ -85,8 +85,6 @@ _UNDER_O = textwrap.dedent(
     from kvlog.errors import ConfigError, CorruptLogError
     from kvlog.events import BlocksAllocated, CacheConfigured, Checkpoint
     from kvlog.log import LogWriter
-
-from tests.support.engines import busy_engine
     from kvlog.synth.pool import BlockPool
     assert not __debug__
     engine = Engine(CacheConfigured(num_gpu_blocks=64, block_size=16))

@@ -26,7 +26,7 @@
 - ``pools``: 1M, 10M and the bound (2**25) GPU blocks: constructor, checkpoint with snapshot,
   close, resume, replay; time and peak memory (each size in its own process).
 
-``tests/test_hardening_campaign.py`` runs every campaign at a small size in CI. A failing
+``tests/faults/test_campaigns.py`` runs every campaign at a small size in CI. A failing
 check raises ``AssertionError`` naming the case; the exit status is then 1.
 """
 

@@ -261,5 +261,3 @@ def write_sweep_csv(path: str, rows: Iterable[SweepRow]) -> None:
         w.writeheader()
         for row in rows:
             w.writerow(asdict(row))
-
-

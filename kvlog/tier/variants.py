@@ -14,6 +14,8 @@ from kvlog.errors import ConfigError
 __all__ = ["EVICTIONS", "TierTally", "TierVariant", "check_tier_values"]
 
 EVICTIONS: tuple[str, ...] = ("lru", "arc", "opt")
+
+
 @dataclass(frozen=True)
 class TierVariant:
     """One configuration of the tier to try."""

@@ -4,7 +4,7 @@
     python bench/bench_metrics.py --rounds 3 --config nopc-bpc1-sync --requests 60
 
 Runs in the vLLM virtualenv (the harness drives vLLM 0.33's scheduler and connector). One
-harness configuration (``tests/harness``: vLLM's scheduler, kvlog's connector and
+harness configuration (``tests/vllm/harness``: vLLM's scheduler, kvlog's connector and
 defragmenter, the fake Gaudi runner) is run under three variants, round-robin so that the
 machine's drift hits them alike:
 
@@ -35,13 +35,13 @@ import time
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+sys.path.insert(0, os.path.join(HERE, ".."))
 
 VARIANTS = {"off": {"KVLOG_METRICS": "0"}, "1 s": {}, "every step": {"KVLOG_METRICS_INTERVAL_S": "0"}}
 
 
 def _timed_run_class() -> Any:
-    import vllm_harness as harness
+    from tests import vllm_harness as harness
 
     class TimedRun(harness.Run):  # type: ignore[misc, name-defined]
         """The harness run, with both sides' ``get_kv_connector_stats`` in kvlog's time."""

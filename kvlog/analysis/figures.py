@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from kvlog import reducers
 from kvlog.events import (
+    HOLD_PREFIX,
     STEP_EVENTS,
     Event,
     LoadRequested,
@@ -35,12 +36,11 @@ from kvlog.events import (
     TransferPlan,
     pair_bytes,
 )
-from kvlog.fold import Fold, Lane
-from kvlog.machine import Machine, Observer
+from kvlog.runtime.fold import Fold, Lane
+from kvlog.runtime.machine import Machine, Observer
 
 __all__ = [
     "DIRECTIONS",
-    "HOLD_PREFIX",
     "EngineFigures",
     "EngineGauges",
     "LogFigures",
@@ -51,9 +51,6 @@ __all__ = [
 DIRECTIONS: tuple[str, str] = ("store", "load")
 _STEPS = frozenset(STEP_EVENTS)
 _JOBS = frozenset((StoreRequested, LoadRequested, TransferFinished, TransferBatch))
-HOLD_PREFIX = "kvlog-load-hold-"
-"""Request ids of the placeholders that hold a load's blocks start with this (see
-``kvlog.integrations.session.HOLD_PREFIX``, the same string)."""
 
 
 @dataclass

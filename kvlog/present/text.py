@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
+from kvlog.reducers.tier_misses import TierFigures
 from kvlog.util.units import format_bytes, format_value, plural, size_label
 
 if TYPE_CHECKING:
@@ -27,6 +28,7 @@ __all__ = [
     "segments_text",
     "sweep_table",
     "synth_text",
+    "tier_explained_text",
 ]
 
 
@@ -336,6 +338,7 @@ TIER_COLUMNS = (
     "never read",
     "prefill saved",
     "load time",
+    "misses by reason",
 )
 """The CPU tier sweep's table (``kvlog sweep --cpu-bytes``): ``sweep.csv`` has the raw
 numbers under the CSV's own column names."""
@@ -359,9 +362,35 @@ def tier_table(rows: Sequence[dict[str, Any]]) -> list[tuple[str, ...]]:
                 f"{int(r['never_read']):,}",
                 f"{float(r['prefill_saved_s']):,.1f} s",
                 f"{float(r['load_s']):,.2f} s",
+                miss_reasons(r),
             )
         )
     return out
+
+
+def miss_reasons(row: dict[str, Any]) -> str:
+    """A row's misses by reason (``miss_<reason>`` columns), the largest first; '-' for a
+    variant with no reasons (``opt``)."""
+    found = [(k[5:], v) for k, v in row.items() if k.startswith("miss_") and v != ""]
+    if not found:
+        return "-"
+    found.sort(key=lambda kv: -int(kv[1]))
+    return ", ".join(f"{k} {int(v):,}" for k, v in found if int(v)) or "none"
+
+
+def tier_explained_text(figures: TierFigures) -> str:
+    """``kvlog replay`` of a tier log: its lookups, hit rate and misses by reason (the code
+    the connector's live metrics use)."""
+    misses = sorted(figures.misses.items(), key=lambda kv: -kv[1])
+    lines = [
+        f"CPU tier: {figures.lookups:,} lookups, {figures.hits:,} hits "
+        f"({figures.hit_rate:.2%}), {sum(figures.misses.values()):,} misses",
+        "  misses by reason: " + (", ".join(f"{k} {v:,}" for k, v in misses if v) or "none"),
+        f"  chunks stored {figures.chunks_stored:,}, loaded {figures.chunks_loaded:,}, "
+        f"evicted {figures.chunks_evicted:,}; stores refused {figures.stores_refused:,}; "
+        f"stored chunks never read {figures.never_read:,} (+{figures.unread:,} still resident)",
+    ]
+    return "\n".join(lines)
 
 
 def segments_text(result: SegmentedReplay, elapsed_s: float) -> str:

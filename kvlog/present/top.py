@@ -28,10 +28,10 @@ from typing import Any
 
 from kvlog.analysis.figures import EngineFigures, EngineGauges
 from kvlog.events import Event, Plan
-from kvlog.fold import Fold, Lane
+from kvlog.runtime.fold import Fold, Lane
 from kvlog.log import LogReader, is_log_directory, list_segments
 from kvlog.log.manifest import log_num_bytes
-from kvlog.machine import Machine
+from kvlog.runtime.machine import Machine
 from kvlog.reducers.tier_misses import MISS_REASONS, TierExplainer
 
 __all__ = [

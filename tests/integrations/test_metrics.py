@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from strategies import tier_traces
+from tests.support.strategies import tier_traces
 
 from kvlog.analysis.figures import EngineFigures, figures_of_log
-from kvlog.engine import Engine
+from kvlog.runtime.engine import Engine
 from kvlog.events import (
     CacheConfigured,
     TierConfigured,
@@ -39,7 +39,8 @@ from kvlog.integrations.metrics import (
 from kvlog.log import read_log
 from kvlog.reducers.tier_misses import MISS_REASONS, TierExplainer
 from kvlog.tier.trace import TierAccess, chunk_key
-from kvlog.tier.whatif import TierVariant, run_variant
+from kvlog.tier.variants import TierVariant
+from kvlog.tier.whatif import run_variant
 
 K = [chunk_key(i) for i in range(8)]
 

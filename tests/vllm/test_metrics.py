@@ -31,7 +31,7 @@ pytest.importorskip(
     reason="vLLM is not installed here: the vLLM stage runs this module in its own venv",
 )
 
-import vllm_harness as harness
+from tests import vllm_harness as harness
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvlog.analysis.figures import figures_of_log

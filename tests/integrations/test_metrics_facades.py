@@ -22,6 +22,7 @@ from kvlog.integrations import OnlineDefragmenter
 from kvlog.log import writer as writer_module
 
 BS = 4
+ROOT = str(Path(__file__).resolve().parents[2])
 NUM_BLOCKS = 64
 
 
@@ -121,8 +122,8 @@ def test_defrag_only_exports_through_prometheus_multiprocess(
     mp.mkdir()
     code = f"""
 import torch, sys
-sys.path.insert(0, {os.path.dirname(__file__)!r})
-from test_metrics_facades import _caches, _steps, BS
+sys.path.insert(0, {ROOT!r})
+from tests.integrations.test_metrics_facades import _caches, _steps, BS
 from kvlog.integrations import OnlineDefragmenter
 defrag = OnlineDefragmenter(_caches(), BS, threshold=1, backend="cpu")
 for new, finished in _steps(300):

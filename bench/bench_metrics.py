@@ -37,7 +37,11 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
-VARIANTS = {"off": {"KVLOG_METRICS": "0"}, "1 s": {}, "every step": {"KVLOG_METRICS_INTERVAL_S": "0"}}
+VARIANTS = {
+    "off": {"KVLOG_METRICS": "0"},
+    "1 s": {},
+    "every step": {"KVLOG_METRICS_INTERVAL_S": "0"},
+}
 
 
 def _timed_run_class() -> Any:
@@ -149,7 +153,7 @@ class Attribution:
 def _one(variant: str, cfg: Any, attribution: Attribution | None = None) -> float:
     """kvlog's microseconds per step of one run of ``cfg`` under ``variant``; with an
     ``attribution``, the reporting code's own time goes there (seconds per step)."""
-    run_cls, harness = _timed_run_class()
+    run_cls, _ = _timed_run_class()
     saved = {k: os.environ.get(k) for k in ("KVLOG_METRICS", "KVLOG_METRICS_INTERVAL_S")}
     for key in saved:
         os.environ.pop(key, None)

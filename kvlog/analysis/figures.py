@@ -148,8 +148,8 @@ class EngineFigures(Observer):
         out.fragmentation = highest / used if used else 0.0
         out.jobs_in_flight = {"store": len(state.store_jobs), "load": len(state.load_jobs)}
         pinned: set[int] = set()
-        for jobs in (state.store_jobs, state.load_jobs):
-            for job in jobs.values():
+        for table in (state.store_jobs, state.load_jobs):
+            for job in table.values():
                 pinned.update(job.gpu_block_ids.tolist())
         out.pinned_blocks = len(pinned)
         prefix = self.hold_prefix
@@ -200,7 +200,7 @@ def figures_of_log(path: str | os.PathLike[str]) -> LogFigures:
     """Fold the log at ``path`` from its start with an :class:`EngineFigures` on its lane."""
     figures = EngineFigures()
     fold = Fold(path, [Lane(Machine(observers=[figures]))], verify=False)
-    if not fold.reader.first_seq == 0:  # retention removed the start: from the first snapshot
+    if fold.reader.first_seq != 0:  # retention removed the start: from the first snapshot
         fold.start_from_snapshot(first=True)
     fold.run()
     last = max(fold.seq, fold.reader.last_seq)  # the reader counts a closed log's end record

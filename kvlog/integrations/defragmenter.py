@@ -29,9 +29,9 @@ from kvlog.executors import Executor
 from kvlog.executors.layouts import KVCaches
 from kvlog.integrations.books import Claim
 from kvlog.integrations.config import FacadeConfig, config_from_env
-from kvlog.integrations.registry import shared_session
 from kvlog.integrations.debug_lines import DefragLines
 from kvlog.integrations.metrics import MultiprocessExporter, process_exporter
+from kvlog.integrations.registry import shared_session
 from kvlog.integrations.session import (
     MAX_LOOKUP_BLOCKS,
     Backend,
@@ -328,10 +328,9 @@ class OnlineDefragmenter:
         self.last_swap = swaps[-1] if swaps else None
         if swaps and self.lines.debug:
             self._say_done(swaps)
-        exporter = self._exporter
-        if exporter is not None and session.reporter is not None:
-            if not session.reported_by_connector:
-                exporter.observe(session.reporter.take())
+        exporter, reporter = self._exporter, session.reporter
+        if exporter is not None and reporter is not None and not session.reported_by_connector:
+            exporter.observe(reporter.take())
 
     def _say_done(self, swaps: list[SwapPlan]) -> None:
         """The plugin's ``defragmentation done`` line: the highest used id before (the

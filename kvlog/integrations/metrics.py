@@ -203,9 +203,7 @@ def _engine_values(figures: EngineFigures, gauges: EngineGauges, out: Values) ->
     out["kvlog_kv_fragmentation_ratio"] = {(): round(gauges.fragmentation, 6)}
     out["kvlog_transfer_jobs_total"] = {(d,): figures.transfer_jobs[d] for d in DIRECTIONS}
     out["kvlog_transfer_bytes_total"] = {(d,): figures.transfer_bytes[d] for d in DIRECTIONS}
-    out["kvlog_transfer_failures_total"] = {
-        (d,): figures.transfer_failures[d] for d in DIRECTIONS
-    }
+    out["kvlog_transfer_failures_total"] = {(d,): figures.transfer_failures[d] for d in DIRECTIONS}
     out["kvlog_transfer_jobs_in_flight"] = {(d,): gauges.jobs_in_flight[d] for d in DIRECTIONS}
     out["kvlog_transfer_oldest_job_age_steps"] = {(): gauges.oldest_job_age_steps}
     out["kvlog_transfer_oldest_job_age_seconds"] = {(): round(gauges.oldest_job_age_seconds, 6)}
@@ -279,7 +277,9 @@ class Reporter:
     """One process's side of the metrics (module docstring): an Engine's figures (worker),
     the CPU tier's (scheduler), each recorder's; ``take()`` the payload when one is due."""
 
-    def __init__(self, interval_s: float | None = None, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, interval_s: float | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         if interval_s is None:
             interval_s = float(os.environ.get("KVLOG_METRICS_INTERVAL_S", DEFAULT_INTERVAL_S))
         self.interval_s = interval_s
@@ -331,7 +331,9 @@ class Reporter:
         gauges = None
         if self.figures is not None and self.engine is not None:
             gauges = self.figures.gauges(self.engine.state)
-        recorders = {log: self._with_disk(log, figures()) for log, figures in self.recorders.items()}
+        recorders = {
+            log: self._with_disk(log, figures()) for log, figures in self.recorders.items()
+        }
         out = metric_values(self.figures, gauges, self.explainer, recorders)
         if self.figures is not None:
             out["kvlog_transfer_finished_bytes_total"] = {

@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 import torch
 
+from kvlog.analysis.figures import EngineFigures
 from kvlog.analysis.policy import check_byte_budget
 from kvlog.errors import ConfigError, LayoutError, LogExists, LogWriterError, MissingExtra
 from kvlog.events import (
@@ -35,7 +36,6 @@ from kvlog.events import (
 from kvlog.executors import Executor, TransferCompletion, make_executor
 from kvlog.executors.layouts import KVCaches, register_layout
 from kvlog.integrations.books import Claim, RequestBooks
-from kvlog.analysis.figures import EngineFigures
 from kvlog.integrations.config import FacadeConfig
 from kvlog.integrations.holds import LoadHolds
 from kvlog.integrations.metrics import (

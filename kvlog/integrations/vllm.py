@@ -196,7 +196,9 @@ def record_tier(
         if reporter is not None:  # no log: the calls are explained all the same
             explainer = TierExplainer()
             reporter.watch_tier(explainer)
-            scheduler.manager = TierRecorder(manager, explainer.feed, _tier_config(scheduler, vllm_config))
+            scheduler.manager = TierRecorder(
+                manager, explainer.feed, _tier_config(scheduler, vllm_config)
+            )
         return None
     block_size = int(vllm_config.cache_config.block_size)
     cache = CacheConfigured(

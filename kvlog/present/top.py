@@ -19,6 +19,7 @@ figures as one JSON object (``--json``: one line per refresh).
 from __future__ import annotations
 
 import collections
+import itertools
 import json
 import os
 import time
@@ -28,11 +29,11 @@ from typing import Any
 
 from kvlog.analysis.figures import EngineFigures, EngineGauges
 from kvlog.events import Event, Plan
-from kvlog.runtime.fold import Fold, Lane
-from kvlog.log import LogReader, is_log_directory, list_segments
+from kvlog.log import LogReader, list_segments
 from kvlog.log.manifest import log_num_bytes
-from kvlog.runtime.machine import Machine
 from kvlog.reducers.tier_misses import MISS_REASONS, TierExplainer
+from kvlog.runtime.fold import Fold, Lane
+from kvlog.runtime.machine import Machine
 
 __all__ = [
     "LogWatch",
@@ -189,8 +190,12 @@ class Sampler:
     """Snapshots of one or two watches (the log, and the tier log beside it), with rates
     over the last refresh and the last minute's sparklines."""
 
-    def __init__(self, watch: LogWatch, tier: LogWatch | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        watch: LogWatch,
+        tier: LogWatch | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.watch, self.tier, self.clock = watch, tier, clock
         self.history: collections.deque[tuple[float, dict[str, float]]] = collections.deque(
             maxlen=HISTORY + 1
@@ -205,7 +210,11 @@ class Sampler:
         now = self.clock()
         counters = _flat(self.watch.figures, explainer, self.watch.lane.machine.state.step)
         snap = TopSnapshot(
-            self.watch.path, now, counters, self.watch.gauges, explainer.figures.as_dict(),
+            self.watch.path,
+            now,
+            counters,
+            self.watch.gauges,
+            explainer.figures.as_dict(),
             self.watch.recorder,
         )
         if self.history:
@@ -213,15 +222,16 @@ class Sampler:
             span = max(now - then, 1e-9)
             snap.rates = {k: (counters[k] - before[k]) / span for k in RATED}
         self.history.append((now, counters))
-        snap.sparks = {k: _sparkline(self._series(k)) for k in ("steps", "defrag_pairs",
-                                                                  "store_bytes", "load_bytes")}
+        snap.sparks = {
+            k: _sparkline(self._series(k))
+            for k in ("steps", "defrag_pairs", "store_bytes", "load_bytes")
+        }
         return snap
 
     def _series(self, key: str) -> list[float]:
         items = list(self.history)
         return [
-            (b[1][key] - a[1][key]) / max(b[0] - a[0], 1e-9)
-            for a, b in zip(items, items[1:], strict=False)
+            (b[1][key] - a[1][key]) / max(b[0] - a[0], 1e-9) for a, b in itertools.pairwise(items)
         ]
 
 
@@ -285,31 +295,54 @@ def render(snap: TopSnapshot) -> Any:
     engine.add_column(ratio=2)
     engine.add_column(ratio=3)
     engine.add_column(ratio=3)
-    engine.add_row("steps", f"{c['steps']:,.0f}  ({rates.get('steps', 0):.1f}/s)",
-                   sparks.get("steps", ""))
-    engine.add_row("used blocks", f"{g.used_blocks:,} of {g.num_gpu_blocks:,}",
-                   f"highest id {g.highest_used_id:,}  fragmentation {g.fragmentation:.3f}")
-    engine.add_row("defrag", f"{rates.get('defrag_pairs', 0):.1f} pairs/s  "
-                   f"{_gb(rates.get('defrag_bytes', 0))}",
-                   f"{c['defrag_pairs']:,.0f} pairs on {c['defrag_steps']:,.0f} steps  "
-                   f"{sparks.get('defrag_pairs', '')}")
-    engine.add_row("stores", f"{rates.get('stores', 0):.1f}/s  {_gb(rates.get('store_bytes', 0))}",
-                   f"{c['stores']:,.0f} jobs  {sparks.get('store_bytes', '')}")
-    engine.add_row("loads", f"{rates.get('loads', 0):.1f}/s  {_gb(rates.get('load_bytes', 0))}",
-                   f"{c['loads']:,.0f} jobs  {sparks.get('load_bytes', '')}")
-    engine.add_row("in flight", f"{g.jobs_in_flight['store']} stores, "
-                   f"{g.jobs_in_flight['load']} loads",
-                   f"oldest {g.oldest_job_age_steps} steps; pinned {g.pinned_blocks}, "
-                   f"held {g.held_blocks}; failed {c['transfer_failures']:,.0f}")
+    engine.add_row(
+        "steps", f"{c['steps']:,.0f}  ({rates.get('steps', 0):.1f}/s)", sparks.get("steps", "")
+    )
+    engine.add_row(
+        "used blocks",
+        f"{g.used_blocks:,} of {g.num_gpu_blocks:,}",
+        f"highest id {g.highest_used_id:,}  fragmentation {g.fragmentation:.3f}",
+    )
+    engine.add_row(
+        "defrag",
+        f"{rates.get('defrag_pairs', 0):.1f} pairs/s  {_gb(rates.get('defrag_bytes', 0))}",
+        f"{c['defrag_pairs']:,.0f} pairs on {c['defrag_steps']:,.0f} steps  "
+        f"{sparks.get('defrag_pairs', '')}",
+    )
+    engine.add_row(
+        "stores",
+        f"{rates.get('stores', 0):.1f}/s  {_gb(rates.get('store_bytes', 0))}",
+        f"{c['stores']:,.0f} jobs  {sparks.get('store_bytes', '')}",
+    )
+    engine.add_row(
+        "loads",
+        f"{rates.get('loads', 0):.1f}/s  {_gb(rates.get('load_bytes', 0))}",
+        f"{c['loads']:,.0f} jobs  {sparks.get('load_bytes', '')}",
+    )
+    engine.add_row(
+        "in flight",
+        f"{g.jobs_in_flight['store']} stores, {g.jobs_in_flight['load']} loads",
+        f"oldest {g.oldest_job_age_steps} steps; pinned {g.pinned_blocks}, "
+        f"held {g.held_blocks}; failed {c['transfer_failures']:,.0f}",
+    )
     t = snap.tier
     misses = ", ".join(f"{k} {t['misses'][k]:,}" for k in MISS_REASONS if t["misses"][k])
-    engine.add_row("CPU tier", f"{t['lookups']:,} lookups, hit rate {t['hit_rate']:.1%}",
-                   f"misses: {misses or '-'}")
-    engine.add_row("", f"{t['resident']:,} resident, {t['unread']:,} unread",
-                   f"{t['never_read']:,} stored chunks left unread")
-    engine.add_row("recorder", f"{_status(r)}  {r.records:,} records",
-                   f"{r.log_bytes / 1e6:,.1f} MB in {r.segments} segment(s); "
-                   f"last write {r.age_s:.1f} s ago"
-                   + (f"; {r.retired:,} records retired unread" if r.retired else "")
-                   + (f"; re-read from a snapshot {r.resyncs}x" if r.resyncs else ""))
+    engine.add_row(
+        "CPU tier",
+        f"{t['lookups']:,} lookups, hit rate {t['hit_rate']:.1%}",
+        f"misses: {misses or '-'}",
+    )
+    engine.add_row(
+        "",
+        f"{t['resident']:,} resident, {t['unread']:,} unread",
+        f"{t['never_read']:,} stored chunks left unread",
+    )
+    engine.add_row(
+        "recorder",
+        f"{_status(r)}  {r.records:,} records",
+        f"{r.log_bytes / 1e6:,.1f} MB in {r.segments} segment(s); "
+        f"last write {r.age_s:.1f} s ago"
+        + (f"; {r.retired:,} records retired unread" if r.retired else "")
+        + (f"; re-read from a snapshot {r.resyncs}x" if r.resyncs else ""),
+    )
     return Group(engine)

@@ -170,10 +170,16 @@ def test_the_plugins_debug_lines_word_for_word(
     assert done, "defrag fired and said so"
     import re
 
-    pattern = r"\[defrag\] defragmentation done max_id_used=(\d+)->(\d+) num_used=(\d+) swapped=(\d+)/(\d+)"
+    pattern = (
+        r"\[defrag\] defragmentation done max_id_used=(\d+)->(\d+) num_used=(\d+) "
+        r"swapped=(\d+)/(\d+)"
+    )
     for line in done:
-        pre, post, used, swapped, pad = map(int, re.fullmatch(pattern, line).groups())  # type: ignore[union-attr]
-        assert post < pre and swapped <= pad and pad in (8, 16, 32, 64, 128, 256, 512)
+        found = re.fullmatch(pattern, line)
+        assert found is not None, line
+        pre, post, used, swapped, pad = map(int, found.groups())
+        assert post < pre and used <= post + 1 and swapped <= pad
+        assert pad in (8, 16, 32, 64, 128, 256, 512)
 
 
 def test_no_debug_lines_without_vllm_debug(

@@ -31,7 +31,6 @@ pytest.importorskip(
     reason="vLLM is not installed here: the vLLM stage runs this module in its own venv",
 )
 
-from tests import vllm_harness as harness
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvlog.analysis.figures import figures_of_log
@@ -39,6 +38,7 @@ from kvlog.integrations.metrics import LOGS, METRICS, metric_values, recorder_fi
 from kvlog.log import LogStatus
 from kvlog.reducers.tier_misses import TierExplainer
 from kvlog.tier.replay import tier_events
+from tests import vllm_harness as harness
 
 LIVE_ONLY = {
     "kvlog_transfer_seconds_total",

@@ -34,6 +34,7 @@ from kvlog.log.manifest import log_num_bytes
 from kvlog.reducers.tier_misses import MISS_REASONS, TierExplainer
 from kvlog.runtime.fold import Fold, Lane
 from kvlog.runtime.machine import Machine
+from kvlog.util.units import format_bytes
 
 __all__ = [
     "LogWatch",
@@ -281,7 +282,10 @@ def _status(r: RecorderView) -> str:
 
 
 def _gb(value: float) -> str:
-    return f"{value / 1e9:.3f} GB/s"
+    """Bytes per second in units (GB/s for the large, as the issue's figures read)."""
+    if value >= 1e9:
+        return f"{value / 1e9:.2f} GB/s"
+    return f"{format_bytes(int(value))}/s"
 
 
 def render(snap: TopSnapshot) -> Any:

@@ -1,4 +1,4 @@
-"""The Gaudi plugin's defragmenter log lines, word for word, and kvlog's own once-lines.
+"""The Gaudi plugin's defragmenter log lines, word for word.
 
 Under ``VLLM_DEBUG=defrag`` (a comma-separated list, as vllm-gaudi reads it) the plugin's
 ``OnlineDefragmenter`` writes, through its debug logger (``[area] message`` at WARNING)::
@@ -14,8 +14,8 @@ and, always, around its warm-up (INFO)::
 
 kvlog's defragmenter writes the same lines with the same figures, so an operator's log
 searches and alerts keep working (:class:`DefragLines`). They go to vllm-gaudi's logger
-where it is importable, else to ``vllm``'s. kvlog's own lines (a detached recorder, a
-refused input) go to the ``kvlog`` logger once each, never once a step (:func:`once`).
+where it is importable, else to ``vllm``'s. (kvlog's own lines, a detached recorder or a log
+that cannot be opened, go to the ``kvlog`` logger, once each: they are one-time events.)
 """
 
 from __future__ import annotations
@@ -23,12 +23,8 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
 
-__all__ = ["DefragLines", "debug_areas", "once", "plugin_logger"]
-
-_SAID: set[str] = set()
-_kvlog = logging.getLogger("kvlog")
+__all__ = ["DefragLines", "debug_areas", "plugin_logger"]
 
 
 def debug_areas(environ: Mapping[str, str] | None = None) -> frozenset[str]:
@@ -48,16 +44,6 @@ def plugin_logger() -> logging.Logger:
     except Exception:  # no vllm-gaudi here: vLLM's logger carries the same text
         pass
     return logging.getLogger("vllm")
-
-
-def once(key: str, level: int, message: str, *args: Any) -> bool:
-    """Say ``message`` on the ``kvlog`` logger the first time ``key`` comes, never again in
-    this process; whether it was said now."""
-    if key in _SAID:
-        return False
-    _SAID.add(key)
-    _kvlog.log(level, message, *args)
-    return True
 
 
 class DefragLines:

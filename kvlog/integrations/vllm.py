@@ -194,11 +194,14 @@ def record_tier(
         return None
     if config.log_path is None:
         if reporter is not None:  # no log: the calls are explained all the same
+            try:
+                tier = _tier_config(scheduler, vllm_config)
+            except AttributeError as exc:  # a manager kvlog cannot read: no tier figures
+                logging.getLogger("kvlog").warning("kvlog: no CPU tier metrics: %r", exc)
+                return None
             explainer = TierExplainer()
             reporter.watch_tier(explainer)
-            scheduler.manager = TierRecorder(
-                manager, explainer.feed, _tier_config(scheduler, vllm_config)
-            )
+            scheduler.manager = TierRecorder(manager, explainer.feed, tier)
         return None
     block_size = int(vllm_config.cache_config.block_size)
     cache = CacheConfigured(

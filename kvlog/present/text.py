@@ -228,7 +228,7 @@ def replay_text(result: ReplayResult) -> str:
         rows.append(("torn tail", result.tail))
     rows += [("gap", gap) for gap in result.gaps]  # the recorder detached (an I/O error)
     if result.salvaged:
-        rows.append(("salvaged", f"stopped at: {result.salvaged}"))
+        rows.append(("salvaged", "the intact prefix; the log is damaged after it (why: stderr)"))
     rows += [("retired", text) for text in retired_text(result)]
     parts = ["replay\n" + render_table(rows), render_table(_stats_rows(result), header=True)]
     if result.whatif is not None:
@@ -328,7 +328,7 @@ TIER_COLUMNS = (
     "log",
     "eviction",
     "host memory",
-    "threshold",
+    "store threshold",
     "hit rate",
     "loaded",
     "stored",

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Collection, Hashable
+from collections.abc import Collection, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -213,7 +213,7 @@ class TraceTier:
             self.manager.on_new_request(ctx)
         return ctx
 
-    def _keys(self, ctx: TierRequest, contents: list[Hashable], first: int) -> list[bytes]:
+    def _keys(self, ctx: TierRequest, contents: Sequence[Hashable], first: int) -> list[bytes]:
         """Keys of CPU blocks ``first, first + 1, ...`` by content; their positions (the
         token after each chunk) go into the context."""
         keys = [tier_key(c) for c in contents]
@@ -223,7 +223,7 @@ class TraceTier:
             positions.setdefault(key, (first + i + 1) * chunk_tokens)
         return keys
 
-    def hits(self, req_id: str, contents: list[Hashable], first: int) -> list[bytes]:
+    def hits(self, req_id: str, contents: Sequence[Hashable], first: int) -> list[bytes]:
         """Look up CPU blocks ``first, ...`` (their content keys) in order; the keys of the
         leading ones the tier holds ready (a miss or a store in flight ends the run)."""
         ctx = self._request(req_id)
@@ -243,7 +243,7 @@ class TraceTier:
     def loaded(self, req_id: str) -> None:
         self.manager.complete_load(self._loading.pop(req_id), self._request(req_id))
 
-    def store(self, req_id: str, contents: list[Hashable]) -> tuple[list[int], list[int]]:
+    def store(self, req_id: str, contents: Sequence[Hashable]) -> tuple[list[int], list[int]]:
         """Offer CPU blocks ``0 .. len(contents) - 1`` of a request, in batches; the index
         of each block taken and its CPU block (those already held or refused left out)."""
         ctx = self._request(req_id)

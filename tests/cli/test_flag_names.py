@@ -13,7 +13,7 @@ import pytest
 
 from kvlog.cli import build_parser, main
 
-DATA = Path(__file__).resolve().parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 MOONCAKE = str(DATA / "mooncake_synthetic_trace_3601-3800.jsonl")
 
 

@@ -10,11 +10,11 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvlog.analysis.grid import SweepRow
 from kvlog.events import CacheConfigured
-from kvlog.present.pictures import write_report_figure, write_sweep_figure
-from kvlog.report import Series
-from kvlog.sweep import SweepRow
-from kvlog.tier.sweep import TierCurve, write_tier_plot
+from kvlog.present.pictures import write_report_figure, write_sweep_figure, write_tier_plot
+from kvlog.present.report import Series
+from kvlog.tier.sweep import TierCurve
 
 pytest.importorskip("matplotlib")
 
@@ -79,7 +79,8 @@ def _tier_rows(log: str, rate: float) -> list[dict[str, object]]:
 def test_the_tier_axis_starts_at_zero(tmp_path: Path, figures: list[Any], rate: float) -> None:
     chunk = 64 << 20
     curve = list(np.linspace(rate / 5, rate, 300))
-    curves = [TierCurve("t.csv", chunk, [0.0, *curve], [0.0, *curve], 3, 3)]
+    reasked = 0 if rate == 0 else 10  # asks of a chunk asked before
+    curves = [TierCurve("t.csv", chunk, [0.0, *curve], [0.0, *curve], 3, 3, reasked)]
     write_tier_plot(str(tmp_path / "s.png"), _tier_rows("t.csv", rate), curves)
     (fig,) = figures
     bottom, top = fig.axes[0].get_ylim()

@@ -22,7 +22,7 @@ from kvlog.events import TierConfigured, TierLoadPrepared, TierStorePrepared
 from kvlog.tier.replay import replay_tier, tier_events
 from kvlog.tier.trace import accesses_from_log
 
-DATA = Path(__file__).resolve().parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 MOONCAKE = str(DATA / "mooncake_synthetic_trace_3601-3800.jsonl")
 AZURE = str(DATA / "AzureLLMInferenceTrace_conv_head300.csv")
 SYNTH = ["--prefix-caching", "--sync", "none", "--num-gpu-blocks", "1024"]
@@ -97,7 +97,7 @@ def test_sweep_cpu_bytes_refuses_a_log_with_no_tier_events(
 
 
 @pytest.mark.parametrize(
-    "flag", [["--threshold", "8"], ["--policy", "tail"], ["--budget", "64MiB"]]
+    "flag", [["--threshold", "8"], ["--policy", "tail"], ["--max-bytes-per-step", "64MiB"]]
 )
 def test_sweep_cpu_bytes_refuses_the_defrag_policy_flags(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: list[str]
@@ -106,7 +106,7 @@ def test_sweep_cpu_bytes_refuses_the_defrag_policy_flags(
     argv = ["sweep", MOONCAKE, "--cpu-bytes", "4GiB", "--out", str(out), "--serial", *flag]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and flag[0] in err and "--cpu-bytes" in err
+    assert len(err.splitlines()) == 1 and " ".join(flag) in err and "--cpu-bytes" in err
     assert not os.path.exists(out)
 
 

@@ -51,7 +51,9 @@ def add_sweep(sub: Any, formatter: type[argparse.HelpFormatter] = argparse.HelpF
     p.add_argument("--out", required=True, help="directory for sweep.csv and sweep.png")
     names = ", ".join(d.POLICY_NAMES)
     lists: tuple[ListFlag, ...] = (
-        ("--policy", policy_name, "policy names", d.DEFAULT_POLICIES, f"of {names}", str),
+        ("--policy", policy_name, "policy names", d.DEFAULT_POLICIES,
+         f"families to try, of {names}: seed and tail as replay's --policy, budget the seed "
+         "under --max-bytes-per-step, off no defrag, recorded the log's own", str),
         ("--threshold", int, "integers", d.DEFAULT_THRESHOLDS, "seed; budget: the least", str),
         ("--ratio-limit", ratio_pct, "ratios", d.DEFAULT_RATIOS_PCT, "tail: e.g. 1.25", ratio_text),
         ("--min-swaps", int, "integers", d.DEFAULT_MIN_SWAPS, "tail: skip fewer pairs", str),
@@ -61,7 +63,13 @@ def add_sweep(sub: Any, formatter: type[argparse.HelpFormatter] = argparse.HelpF
     for flag, kind, what, default, text, show in lists:  # defaults: filled by cmd_sweep
         shown = ",".join(show(v) for v in default)
         dest = "budget" if flag == "--max-bytes-per-step" else None
-        p.add_argument(flag, dest=dest, type=list_of(kind, what), help=f"{text} (default: {shown})")
+        p.add_argument(
+            flag,
+            dest=dest,
+            metavar=flag[2:].upper().replace("-", "_"),
+            type=list_of(kind, what),
+            help=f"{text} (default: {shown})",
+        )
     p.add_argument(  # the old spelling: still taken, says it is deprecated
         "--budget", dest="budget_deprecated", type=list_of(size_arg, "sizes"), help=SUPPRESS
     )

@@ -262,7 +262,8 @@ def _verdict(result: ReplayResult) -> str:
             f"({result.num_verified:,} of {plural(result.num_checkpoints, 'checkpoint')} "
             "checked)"
         )
-    lines = [f"DIVERGENCE ({d.kind}) at seq {d.seq} (last agreeing seq {d.after_seq}): {d.message}"]
+    agreed = f"last agreeing seq {d.after_seq}" if d.after_seq >= 0 else "nothing before it"
+    lines = [f"DIVERGENCE ({d.kind}) at seq {d.seq} ({agreed}): {d.message}"]
     for label, value in (
         ("event", d.event),
         ("other event", d.other_event),

@@ -187,9 +187,8 @@ def _trace_tier(
     if not c.num_cpu_blocks:
         return None
     tier = tier_config(config)
-    manager: object = TierManager(tier)
-    if record_tier is not None:
-        manager = record_tier(TierManager(tier), engine.apply, tier)
+    base = TierManager(tier)
+    manager = base if record_tier is None else record_tier(base, engine.apply, tier)
     chunk_tokens = c.block_size_factor * c.block_size
     return TraceTier(manager, c.block_size_factor, c.block_size,
                      config.max_num_batched_tokens // chunk_tokens)  # fmt: skip

@@ -45,6 +45,7 @@ from kvlog.events import (
     Record,
     to_dict,
 )
+from kvlog.events.difference import differing_fields, narrowed
 from kvlog.log import LogReader
 from kvlog.reducers import checkpoint
 from kvlog.runtime.machine import Machine
@@ -271,7 +272,9 @@ def _first_difference(
     for rank, item in zip(active[1:], row[1:], strict=True):
         actual = normalize(item[1])
         if actual != expected:
-            what = f"a different {type(item[1]).__name__}"
+            fields = differing_fields(expected, actual)
+            what = f"{type(item[1]).__name__} differs in {', '.join(fields)}"
+            expected, actual = narrowed(expected, fields), narrowed(actual, fields)
             if type(item[1]) is not type(first[1]):
                 what = f"a {type(item[1]).__name__} where rank {active[0]} has a " + (
                     type(first[1]).__name__

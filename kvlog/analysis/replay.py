@@ -43,6 +43,7 @@ from kvlog.events import (
     TransferFinished,
     to_dict,
 )
+from kvlog.events.difference import differing_fields, narrowed
 from kvlog.log import LogReader
 from kvlog.runtime.fold import (
     Divergence,
@@ -143,6 +144,35 @@ class ReplayResult:
     def ok(self) -> bool:
         """No divergence, no failed canary."""
         return self.divergence is None and (self.canary is None or self.canary.ok)
+
+    def describe(self) -> str:
+        """One line: the log, what was checked, the verdict (``kvlog replay`` prints more)."""
+        checked = (
+            f"{self.num_events:,} events, {self.num_verified:,} of "
+            f"{self.num_checkpoints:,} checkpoints verified"
+        )
+        if self.divergence is not None:
+            d = self.divergence
+            verdict = f"DIVERGENCE ({d.kind}) at seq {d.seq}: {d.message}"
+        elif self.canary is not None and not self.canary.ok:
+            verdict = f"canary failed: {self.canary.num_failed:,} blocks wrong"
+        else:
+            verdict = "verified"
+        whatif = ""
+        if self.whatif is not None:
+            changed = ", ".join(f"{k}={v!r}" for k, v in self.whatif.overrides.items())
+            whatif = f"; what-if {changed}"
+        return f"{self.path}: {verdict} ({checked}{whatif})"
+
+    def __repr__(self) -> str:
+        """Short: the figures, not the per-step series (``describe()`` in words)."""
+        return (
+            f"ReplayResult(path={self.path!r}, ok={self.ok}, num_events={self.num_events}, "
+            f"num_checkpoints={self.num_checkpoints}, num_verified={self.num_verified}, "
+            f"final_digest={self.final_digest[:16]!r}..., "
+            f"divergence={None if self.divergence is None else self.divergence.kind!r}, "
+            f"whatif={self.whatif is not None})"
+        )
 
     @property
     def events_per_s(self) -> float:
@@ -416,9 +446,7 @@ class _Other:
         nxt = next(self.events, None)
         if nxt is None:
             message = f"seq {seq}: {self.path} ends before this event"
-            self._report(
-                Divergence("event", seq, self.fold.last_verified_seq, message, to_dict(event))
-            )
+            self._report(Divergence("event", seq, seq - 1, message, to_dict(event)))
             return
         other_seq, other_event = nxt
         if self.machine is None:
@@ -430,21 +458,26 @@ class _Other:
         except InvalidEvent as exc:
             message = f"{self.path} seq {other_seq}: {exc}"
             self._report(
-                Divergence("rejected", seq, -1, message, to_dict(event), to_dict(other_event))
+                Divergence("rejected", seq, seq - 1, message, to_dict(event), to_dict(other_event))
             )
             return
         if other_event == event and other_plans == plans:
             return
         kind = "event" if other_event != event else "plans"
-        what = "events differ" if kind == "event" else "the same event planned differently"
+        mine, theirs = to_dict(event), to_dict(other_event)
+        fields = differing_fields(mine, theirs) if kind == "event" else []
+        what = "the same event planned differently"
+        if kind == "event":
+            named = f"{type(event).__name__} differs in {', '.join(fields)}"
+            what = named if fields else "events differ"
         self._report(
             Divergence(
                 kind,
                 seq,
                 seq - 1,
                 f"seq {seq}: {what} ({self.path} seq {other_seq})",
-                to_dict(event),
-                to_dict(other_event),
+                narrowed(mine, fields),
+                narrowed(theirs, fields),
                 expected_digest=str(reducers.digest(self.machine.state)),
                 actual_digest=str(reducers.digest(self.fold.state)),
                 expected_plans=_plans_dicts(other_plans),

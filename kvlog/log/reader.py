@@ -119,8 +119,7 @@ class LogReader:
         except CorruptLogError as exc:
             if not self.salvage or isinstance(exc, SchemaVersionError):
                 raise
-            self.stopped = exc
-            _logger.warning("%s: salvaged the intact prefix; stopped at: %s", self.path, exc)
+            self.stopped = exc  # the caller says it (replay's ``salvaged``, the CLI's line)
 
     def _file_records(self, start_seq: int) -> Iterator[tuple[int, Record]]:
         base = self.first_seq

@@ -230,7 +230,7 @@ def replay_text(result: ReplayResult) -> str:
         rows.append(("torn tail", result.tail))
     rows += [("gap", gap) for gap in result.gaps]  # the recorder detached (an I/O error)
     if result.salvaged:
-        rows.append(("salvaged", f"stopped at: {result.salvaged}"))
+        rows.append(("salvaged", "the intact prefix; the log is damaged after it (why: stderr)"))
     rows += [("retired", text) for text in retired_text(result)]
     parts = ["replay\n" + render_table(rows), render_table(_stats_rows(result), header=True)]
     if result.whatif is not None:
@@ -264,7 +264,8 @@ def _verdict(result: ReplayResult) -> str:
             f"({result.num_verified:,} of {plural(result.num_checkpoints, 'checkpoint')} "
             "checked)"
         )
-    lines = [f"DIVERGENCE ({d.kind}) at seq {d.seq} (last agreeing seq {d.after_seq}): {d.message}"]
+    agreed = f"last agreeing seq {d.after_seq}" if d.after_seq >= 0 else "nothing before it"
+    lines = [f"DIVERGENCE ({d.kind}) at seq {d.seq} ({agreed}): {d.message}"]
     for label, value in (
         ("event", d.event),
         ("other event", d.other_event),
@@ -330,7 +331,7 @@ TIER_COLUMNS = (
     "log",
     "eviction",
     "host memory",
-    "threshold",
+    "store threshold",
     "hit rate",
     "loaded",
     "stored",

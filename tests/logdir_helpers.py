@@ -33,12 +33,11 @@ def steps(engine: Engine, count: int) -> None:
     start = int(engine.state.step)
     for step in range(start + 1, start + 1 + count):
         finished = [f"r{step - 1}"] if f"r{step - 1}" in engine.state.tables else []
-        engine.apply(StepScheduled(step=step, allocated={f"r{step}": [step % 60]}, finished=finished))
+        allocated = {f"r{step}": [step % 60]}
+        engine.apply(StepScheduled(step=step, allocated=allocated, finished=finished))
 
 
-def record_dir(
-    path: Path, count: int = 600, *, close: bool = True, **options: Any
-) -> Engine:
+def record_dir(path: Path, count: int = 600, *, close: bool = True, **options: Any) -> Engine:
     """A log directory of ``count`` steps (4 KiB segments unless told), closed cleanly or
     left as a crash would (``close=False``)."""
     options.setdefault("segment_bytes", 4096)

@@ -6,24 +6,21 @@ retention by the manifest and named, a segment without a header at the end is a 
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
-
-from kvlog import Engine, replay
-from kvlog.cli import main
-from kvlog.errors import CorruptLogError
-from kvlog.log import LogReader, list_segments
-
-sys.path.insert(0, os.path.dirname(__file__))
-from logdir_helpers import (  # noqa: E402
+from logdir_helpers import (
     copy_dir,
     edit_manifest,
     record_dir,
     segment_files,
     steps,
 )
+
+from kvlog import Engine, replay
+from kvlog.cli import main
+from kvlog.errors import CorruptLogError
+from kvlog.log import LogReader, list_segments
 
 
 @pytest.fixture(scope="module")
@@ -198,9 +195,7 @@ def test_a_garbage_zst_beside_the_plain_segment_the_manifest_names(
     assert replay(log).ok
 
 
-def test_a_manifest_that_says_compressed_for_a_plain_segment(
-    killed: Path, tmp_path: Path
-) -> None:
+def test_a_manifest_that_says_compressed_for_a_plain_segment(killed: Path, tmp_path: Path) -> None:
     """The file's name says how it is stored; the manifest's flag is a hint."""
     log = copy_dir(killed, tmp_path / "dir")
 

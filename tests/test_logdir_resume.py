@@ -14,14 +14,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
-from kvlog import Engine, replay
-from kvlog.engine import LogOptions
-from kvlog.log import list_segments
-from kvlog.log.manifest import read_manifest
-
-sys.path.insert(0, os.path.dirname(__file__))
-from logdir_helpers import (  # noqa: E402
+from logdir_helpers import (
     copy_dir,
     edit_manifest,
     record_dir,
@@ -29,6 +22,11 @@ from logdir_helpers import (  # noqa: E402
     steps,
     stored_bytes,
 )
+
+from kvlog import Engine, replay
+from kvlog.engine import LogOptions
+from kvlog.log import list_segments
+from kvlog.log.manifest import read_manifest
 
 SEGMENT = 4096
 RETAIN = 12_000

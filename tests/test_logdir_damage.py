@@ -204,3 +204,24 @@ def test_a_manifest_that_says_compressed_for_a_plain_segment(killed: Path, tmp_p
 
     edit_manifest(log, flag)
     assert replay(log).ok
+
+
+@pytest.mark.parametrize("manifest", [None, b"", b'{"version": 1, "segm'])
+def test_a_lost_manifest_is_rebuilt_by_the_next_writer_as_sealed_segments(
+    killed: Path, tmp_path: Path, manifest: bytes | None
+) -> None:
+    """Held: without a (readable) manifest the segments are read by their names; the
+    next writer lists them again as sealed, so retention can remove them."""
+    log = copy_dir(killed, tmp_path / "dir")
+    if manifest is None:
+        os.unlink(log / "MANIFEST.json")
+    else:
+        (log / "MANIFEST.json").write_bytes(manifest)
+    result = replay(log)
+    assert result.ok and result.num_verified > 0
+    count = len(segment_files(log))
+    with Engine.resume(log, sync="none", checkpoint_every=16) as engine:
+        steps(engine, 20)
+    infos = list_segments(str(log))
+    assert all(s.sealed and s.sha256 for s in infos[: count - 1])
+    assert replay(log).ok and not replay(log).unlisted

@@ -1,4 +1,4 @@
-"""Helpers for the log-directory tests (tests/test_logdir_*.py): small Engine-recorded
+"""Helpers for the log-directory tests (issue 34): small Engine-recorded
 directories of many segments, steps that always apply, and damage done to copies."""
 
 from __future__ import annotations

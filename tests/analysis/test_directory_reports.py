@@ -11,7 +11,16 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from logdir_helpers import (
+
+from kvlog import Engine, replay
+from kvlog.analysis.parallel import replay_segments
+from kvlog.analysis.ranks import compare_ranks
+from kvlog.cli import main
+from kvlog.events import Checkpoint, Record
+from kvlog.log import list_segments
+from kvlog.log.segments import SegmentedWriter
+from kvlog.present.text import replay_text
+from tests.support.logdirs import (
     CONFIG,
     copy_dir,
     edit_manifest,
@@ -19,15 +28,6 @@ from logdir_helpers import (
     segment_files,
     steps,
 )
-
-from kvlog import Engine, replay
-from kvlog.cli import main
-from kvlog.events import Checkpoint, Record
-from kvlog.log import list_segments
-from kvlog.log.segments import SegmentedWriter
-from kvlog.present.text import replay_text
-from kvlog.ranks import compare_ranks
-from kvlog.sweep import replay_segments
 
 
 @pytest.fixture(scope="module")

@@ -9,18 +9,18 @@ import os
 from pathlib import Path
 
 import pytest
-from logdir_helpers import (
+
+from kvlog import Engine, replay
+from kvlog.cli import main
+from kvlog.errors import CorruptLogError
+from kvlog.log import LogReader, list_segments
+from tests.support.logdirs import (
     copy_dir,
     edit_manifest,
     record_dir,
     segment_files,
     steps,
 )
-
-from kvlog import Engine, replay
-from kvlog.cli import main
-from kvlog.errors import CorruptLogError
-from kvlog.log import LogReader, list_segments
 
 
 @pytest.fixture(scope="module")

@@ -201,10 +201,6 @@ class Listing:
     """Segment files before the log's start: retention removed them from the manifest and
     a crash came before the files went."""
 
-    @property
-    def start_seq(self) -> int:
-        return self.segments[0].first_seq if self.segments else 0
-
 
 def read_listing(directory: str) -> Listing:
     """The files of a log directory told apart by its manifest (``Listing``). A segment

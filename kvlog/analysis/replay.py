@@ -139,6 +139,21 @@ class ReplayResult:
     retired: list[tuple[int, int]] = field(default_factory=list)
     """Sequence numbers (first, last) the writer's retention removed while the replay read
     the log: not read, not verified (it went on from the next segment's snapshot)."""
+    closed_cleanly: bool = True
+    """Whether the log's writer closed it (False: killed, crashed, never closed, or still
+    writing; the replay reads it to its last durable record)."""
+    from_snapshot: bool = False
+    """Started from the latest snapshot (``from_snapshot``): the records before it were not
+    replayed, and in a log directory the segments before it (``segments_not_read``) not
+    read at all."""
+    first_seq: int = 0
+    """The log's first sequence number (above 0: retention removed its oldest segments)."""
+    segments_not_read: int = 0
+    """Segments of a log directory lying wholly before where the replay started."""
+    unlisted: list[str] = field(default_factory=list)
+    """Segment files the directory's manifest does not list: read without a SHA-256 check."""
+    strays: list[str] = field(default_factory=list)
+    """Files named like segments that hold no log and no manifest lists: not read."""
 
     @property
     def ok(self) -> bool:
@@ -286,6 +301,7 @@ def replay(
     started = time.perf_counter()
     replayer.run(from_snapshot, progress)
     result = replayer.finish()
+    result.from_snapshot = from_snapshot
     result.elapsed_s = time.perf_counter() - started
     return result
 
@@ -402,6 +418,11 @@ class _Replayer:
         if fold.reader.stopped is not None:
             result.salvaged = str(fold.reader.stopped)
         result.retired = list(fold.retired)
+        reader = fold.reader
+        result.closed_cleanly = reader.closed_cleanly
+        result.first_seq = reader.first_seq
+        result.segments_not_read = reader.segments_before(fold.start_seq)
+        result.unlisted, result.strays = list(reader.unlisted), list(reader.strays)
         if config is None:
             return result
         result.recorded = self.recorded.finish(config)

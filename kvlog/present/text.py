@@ -16,7 +16,7 @@ from kvlog.util.units import format_bytes, format_value, plural, size_label
 if TYPE_CHECKING:
     from kvlog.analysis.grid import SweepRow
     from kvlog.analysis.parallel import SegmentedReplay
-    from kvlog.analysis.replay import ReplayResult, RunStats, WhatIf
+    from kvlog.analysis.replay import PolicyResult, ReplayResult, WhatIf
     from kvlog.synth import SynthResult
 
 __all__ = [
@@ -157,7 +157,7 @@ def _stats_rows(result: ReplayResult) -> list[tuple[str, ...]]:
     rec = result.recorded
     if rec is None:
         return []
-    runs: list[RunStats] = [rec]
+    runs: list[PolicyResult] = [rec]
     if result.whatif is not None:
         runs.append(result.whatif.whatif)
     rows: list[tuple[str, ...]] = [("", *("what-if" if r is not rec else r.label for r in runs))]

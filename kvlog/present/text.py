@@ -17,7 +17,7 @@ from kvlog.util.units import format_bytes, format_value, plural, size_label
 if TYPE_CHECKING:
     from kvlog.analysis.grid import SweepRow
     from kvlog.analysis.parallel import SegmentedReplay
-    from kvlog.analysis.replay import ReplayResult, RunStats, WhatIf
+    from kvlog.analysis.replay import PolicyResult, ReplayResult, WhatIf
     from kvlog.synth import SynthResult
 
 __all__ = [
@@ -159,7 +159,7 @@ def _stats_rows(result: ReplayResult) -> list[tuple[str, ...]]:
     rec = result.recorded
     if rec is None:
         return []
-    runs: list[RunStats] = [rec]
+    runs: list[PolicyResult] = [rec]
     if result.whatif is not None:
         runs.append(result.whatif.whatif)
     rows: list[tuple[str, ...]] = [("", *("what-if" if r is not rec else r.label for r in runs))]
@@ -232,6 +232,7 @@ def replay_text(result: ReplayResult) -> str:
     if result.salvaged:
         rows.append(("salvaged", "the intact prefix; the log is damaged after it (why: stderr)"))
     rows += [("retired", text) for text in retired_text(result)]
+    rows += _directory_rows(result)
     parts = ["replay\n" + render_table(rows), render_table(_stats_rows(result), header=True)]
     if result.whatif is not None:
         parts.append(_whatif_text(result.whatif, result.recorded_config))
@@ -247,6 +248,12 @@ def replay_text(result: ReplayResult) -> str:
     return "\n\n".join(parts)
 
 
+def _not_read(count: int) -> str:
+    if not count:
+        return ""
+    return f" ({plural(count, 'earlier segment')} not read)"
+
+
 def retired_text(result: ReplayResult) -> list[str]:
     """One line per run of sequence numbers retention removed during the replay."""
     return [
@@ -255,15 +262,51 @@ def retired_text(result: ReplayResult) -> list[str]:
     ]
 
 
+def _directory_rows(result: ReplayResult) -> list[tuple[str, str]]:
+    """How the log ended, and the files of a log directory its manifest does not list."""
+    rows = []
+    if not result.closed_cleanly:
+        rows.append(
+            (
+                "ended",
+                "not closed: its writer never closed it (killed, crashed, or still writing); "
+                "read to its last durable record",
+            )
+        )
+    unlisted = result.unlisted
+    if len(unlisted) > 3:  # no manifest, or one that lost its entries
+        count = plural(len(unlisted), "segment")
+        rows.append(
+            (
+                "unlisted",
+                f"{count} ({unlisted[0]} to {unlisted[-1]}): not in the manifest, read "
+                "without their SHA-256 checks",
+            )
+        )
+    else:
+        rows += [
+            ("unlisted", f"{name}: not in the manifest, read without its SHA-256 check")
+            for name in unlisted
+        ]
+    rows += [
+        ("stray", f"{name}: not in the manifest and holds no log: not read")
+        for name in result.strays
+    ]
+    return rows
+
+
 def _verdict(result: ReplayResult) -> str:
     d = result.divergence
+    checked = f"({result.num_verified:,} of {plural(result.num_checkpoints, 'checkpoint')} checked)"
+    if d is None and result.from_snapshot and result.start_seq - 1 > result.first_seq:
+        return (
+            f"verified from the latest snapshot (seq {result.start_seq - 1:,}) on: the replay "
+            f"agrees with the log there {checked}; seq {result.first_seq:,}-"
+            f"{result.start_seq - 2:,} not replayed" + _not_read(result.segments_not_read)
+        )
     if d is None:
         where = " where it was read" if result.retired else ""
-        return (
-            f"verified: the replay agrees with the log{where} "
-            f"({result.num_verified:,} of {plural(result.num_checkpoints, 'checkpoint')} "
-            "checked)"
-        )
+        return f"verified: the replay agrees with the log{where} {checked}"
     agreed = f"last agreeing seq {d.after_seq}" if d.after_seq >= 0 else "nothing before it"
     lines = [f"DIVERGENCE ({d.kind}) at seq {d.seq} ({agreed}): {d.message}"]
     for label, value in (

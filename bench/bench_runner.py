@@ -200,7 +200,7 @@ class ScaleRun(Run):
         self.at_warmup: dict[str, int] = {}
         self.counts: dict[str, int] = {"scheduled": 0, "resolved": 0, "swap_steps": 0}
         self.profile: cProfile.Profile | None = None
-        self.profile_call = ""
+        self.profile_calls: frozenset[str] = frozenset()
 
     def _requests_needed(self, steps: int) -> int:
         s = self.scale
@@ -281,7 +281,8 @@ class ScaleRun(Run):
 
     # -- timing ------------------------------------------------------------------------------
     def _kvlog(self, what: str, fn: Any, *args: Any, timed: bool = True) -> Any:
-        if self.profile is not None and what == self.profile_call:
+        profiled = self.profile is not None and what in self.profile_calls
+        if profiled:
             self.profile.enable()
         t0 = time.perf_counter()
         try:
@@ -289,7 +290,7 @@ class ScaleRun(Run):
         finally:
             if timed:
                 self.clock.add(what, time.perf_counter() - t0)
-            if self.profile is not None and what == self.profile_call:
+            if profiled:
                 self.profile.disable()
 
     def _shadow(self, call: Any) -> None:
@@ -408,7 +409,10 @@ def measure(
     with tempfile.TemporaryDirectory(prefix="kvlog-bench-runner-") as tmp:
         run = ScaleRun(scale, prefix_caching, steps, warmup, tmp)
         if profile_call:
-            run.profile, run.profile_call = cProfile.Profile(), profile_call
+            run.profile = cProfile.Profile()
+            run.profile_calls = frozenset(
+                CALLS if profile_call == "all" else profile_call.split(",")
+            )
         result = run.execute()
         replayed = "-"
         if replay and not result.errors:
@@ -496,7 +500,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="300 timed steps, 150 warm-up")
     p.add_argument("--repeat", type=int, default=1, help="runs per mode (spread printed)")
     p.add_argument("--no-replay", action="store_true", help="skip the log's replay")
-    p.add_argument("--profile", choices=CALLS, help="cProfile this call (slows it down)")
+    p.add_argument(
+        "--profile", metavar="CALLS", help="cProfile these calls (comma-separated, or all; slow)"
+    )
+    p.add_argument("--sort", default="tottime", help="the profile's order (pstats key)")
+    p.add_argument("--top", type=int, default=40, help="the profile's rows")
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.warmup = 300, 150
@@ -525,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
             print(report(figs), flush=True)
             failed |= bool(figs.errors) or figs.replay.startswith("FAILED")
             if prof is not None:
-                pstats.Stats(prof).sort_stats("cumulative").print_stats(40)
+                pstats.Stats(prof).sort_stats(args.sort).print_stats(args.top)
     print(summary(by_mode))
     return 1 if failed else 0
 

@@ -13,7 +13,7 @@ caching off or on) at the scale a server runs it: 16,384 blocks of 128 tokens, 2
 sequences, 8,192 batched tokens, prompts of about 3,000 tokens built on a few shared
 prefixes, a share of them sent again later (their stored chunks come back from the CPU
 tier), all settable. Offloading goes through vLLM's ``OffloadingConnector`` flow with
-``KvlogOffloadingConnector`` as the worker side. A fake model runner (``tests/harness``'s
+``KvlogOffloadingConnector`` as the worker side. A fake model runner (``tests/vllm/harness``'s
 ``Run``, its byte checks off: this measures, ``tests/vllm_harness.py`` checks) makes
 vllm-gaudi's HPU runner's calls on kvlog every step, the log at the integration's default
 (``background``)::
@@ -25,7 +25,7 @@ vllm-gaudi's HPU runner's calls on kvlog every step, the log at the integration'
     connector.build_connector_worker_meta(); connector.clear_connector_metadata()
 
 and, on the same calls in the same loop, the plugin's defragmenter
-(``tests/seed_reference.py``: its sorts, its per-id resolve, ``index_select`` /
+(``tests/support/seed_reference.py``: its sorts, its per-id resolve, ``index_select`` /
 ``index_copy_`` on its own copy of the KV tensors). The KV tensors are small (2 layers,
 one head of 4 int16 per slot): the copies cost little on both sides, the bookkeeping is
 what is compared. Each step's time is taken per call; the first ``--warmup`` steps (the
@@ -58,7 +58,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+sys.path.insert(0, os.path.join(HERE, ".."))  # the repository root: tests.* helpers
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -66,10 +66,17 @@ import torch  # noqa: E402
 from kvlog.synth.vllm_stubs import VOCAB, build_scheduler  # noqa: E402
 
 try:
-    from harness import KvCache, Run, RunConfig, Sequence_, make_defragmenter, make_request
-    from harness.configs import KVLOG_CONNECTOR
+    from tests.vllm.harness import (
+        KvCache,
+        Run,
+        RunConfig,
+        Sequence_,
+        make_defragmenter,
+        make_request,
+    )
+    from tests.vllm.harness.configs import KVLOG_CONNECTOR
 except ImportError as exc:  # pragma: no cover - run from a checkout
-    raise SystemExit(f"bench_runner needs the repository's tests/harness: {exc}") from exc
+    raise SystemExit(f"bench_runner needs the repository's tests/vllm/harness: {exc}") from exc
 
 CALLS = (
     "update_state",
@@ -374,7 +381,7 @@ class ScaleRun(Run):
 
 
 def _seed(kv: KvCache, cfg: RunConfig) -> Any:
-    from seed_reference import SeedDefragmenter
+    from tests.support.seed_reference import SeedDefragmenter
 
     seed = SeedDefragmenter(threshold=cfg.threshold, prefix_caching=cfg.prefix_caching)
     seed.initialize([(k.clone(), v.clone()) for k, v in kv.layers], cfg.block_size)

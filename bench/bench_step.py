@@ -25,8 +25,8 @@ Printed: kvlog's mean us per step and per event, the seed's, their ratio, and kv
 per-event cost at each size over the smallest size's.
 
 The heavy trace (``HeavyTrace``, first unless ``--trace fifo``) is what a busy server
-hands over: 512 running requests, 32 of them growing a block each step, arrivals keeping
-512 running, random finishes: defrag fires on most steps. It is generated in an id space
+hands over: 400-512 running requests, 32 of them growing a block each step, arrivals
+refilling them, random finishes: defrag fires on most steps. It is generated in an id space
 of 4,096 and of 32,768 blocks and each is applied, as one ``StepScheduled`` a step, to a
 pool of its own size and to a 1M pool (the same block ids, a larger pool); the seed as
 shipped runs the same steps. Printed: the ratio to the seed at 32k and the 1M pool's cost
@@ -181,12 +181,13 @@ class Trace:
 
 
 class HeavyTrace(Trace):
-    """The heavy trace: hundreds of running requests (``live``, 512 by default) in a pool
-    of ``num_ids`` block ids kept about 80% full, ``growths`` of them (32: a block every 16
-    decode steps of 512 requests) growing by one block a step, arrivals of about
-    ``0.8 * num_ids / live`` blocks (half to 1.5 times that) keeping ``live`` requests
-    running, random requests finishing to make room: holes every step, so defrag fires on
-    most steps. The ids stay below ``num_ids`` whatever pool the trace is applied to."""
+    """The heavy trace: hundreds of running requests (up to ``live``, 512 by default: about
+    400 in 4,096 ids, 500 in 32,768) in a pool of ``num_ids`` block ids kept about 80% full,
+    ``growths`` of them (32: a block every 16 decode steps of 512 requests) growing by one
+    block a step, up to 16 arrivals a step of about ``0.8 * num_ids / live`` blocks (half
+    to 1.5 times that) refilling ``live``, random requests finishing to make room: holes
+    every step, so defrag fires on most steps. The ids stay below ``num_ids`` whatever pool
+    the trace is applied to."""
 
     def __init__(self, num_ids: int, seed: int, live: int = 512, growths: int = 32) -> None:
         super().__init__(num_ids, seed)
@@ -202,13 +203,13 @@ class HeavyTrace(Trace):
 
     def step(self, step: int) -> list[Event]:
         events: list[Event] = []
-        headroom = self.growths + 4 * (self.mean_blocks * 3 // 2)
+        headroom = self.growths + 16 * (self.mean_blocks * 3 // 2)
         while self.used > TARGET * self.num_gpu_blocks - headroom:
             events.append(self._finish())
         if self.live and self.rng.random() < 0.5:  # a request ends on its own
             events.append(self._finish())
         arrivals = 0
-        while len(self.live) < self.live_target and arrivals < 4:
+        while len(self.live) < self.live_target and arrivals < 16:
             events.append(self._arrive())
             arrivals += 1
         for _ in range(self.growths):

@@ -29,7 +29,6 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from seed_reference import make_hpu_caches
 
 from kvlog import replay
 from kvlog.events import (
@@ -43,6 +42,7 @@ from kvlog.integrations import OffloadingWorker, OnlineDefragmenter
 from kvlog.integrations import books as books_module
 from kvlog.integrations.holds import Claims, LoadHolds
 from kvlog.log import LogReader
+from tests.support.seed_reference import make_hpu_caches
 
 BS = 4
 NUM_BLOCKS = 32

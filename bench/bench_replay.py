@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--heavy",
         action="store_true",
-        help="with --fifo-blocks: bench_step's heavy trace (512 running requests, defrag "
+        help="with --fifo-blocks: bench_step's heavy trace (400-512 running requests, defrag "
         "on most steps) instead of its FIFO-pool trace",
     )
     args = parser.parse_args(argv)

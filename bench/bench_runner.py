@@ -288,17 +288,17 @@ class ScaleRun(Run):
 
     # -- timing ------------------------------------------------------------------------------
     def _kvlog(self, what: str, fn: Any, *args: Any, timed: bool = True) -> Any:
-        profiled = self.profile is not None and what in self.profile_calls
-        if profiled:
-            self.profile.enable()
+        profile = self.profile if what in self.profile_calls else None
+        if profile is not None:
+            profile.enable()
         t0 = time.perf_counter()
         try:
             return super()._kvlog(what, fn, *args, timed=timed)
         finally:
             if timed:
                 self.clock.add(what, time.perf_counter() - t0)
-            if profiled:
-                self.profile.disable()
+            if profile is not None:
+                profile.disable()
 
     def _shadow(self, call: Any) -> None:
         before = self.result.seed_s

@@ -53,7 +53,7 @@ from typing import Any
 
 from kvlog import Engine, replay
 from kvlog.analysis.canary import make_canary_executor
-from kvlog.errors import CorruptLogError, KvlogError, LogLocked, LogPoisoned
+from kvlog.errors import CorruptLogError, EngineBroken, KvlogError, LogLocked, LogPoisoned
 from kvlog.events import (
     BlocksAllocated,
     CacheConfigured,
@@ -746,8 +746,8 @@ def _caused_by(exc: BaseException | None, injected: type[BaseException]) -> bool
 def _judge_engine(engine: Engine | None, path: Path) -> str:
     """After an injected exception: the engine holds exactly the logged state, or refuses
     every call with ``EngineBroken`` (or, where the interrupt landed in the log writer
-    outside an engine call, with the poisoned log's ``LogPoisoned``, its base class);
-    then it closes. The outcome's name."""
+    outside an engine call, with the poisoned log's ``LogPoisoned``); then it closes.
+    The outcome's name."""
     if engine is None:
         outcome = "constructor"
     elif engine.closed:
@@ -764,7 +764,7 @@ def _judge_engine(engine: Engine | None, path: Path) -> str:
         ):
             try:
                 call()
-            except LogPoisoned:  # EngineBroken, or the poisoned log's refusal (its base)
+            except (EngineBroken, LogPoisoned):  # or the poisoned log's refusal
                 continue
             raise AssertionError(f"{path}: a broken engine answered {call}")
         outcome = "broken" if engine.broken else "poisoned"

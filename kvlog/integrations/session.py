@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
 
 import torch
@@ -161,7 +161,7 @@ class KvCacheSession:
         self.reported_by_connector = False
         """Set by the connector's first ``get_kv_connector_stats``: the defragmenter then
         leaves the reporting to it."""
-        self._pending: tuple[StepScheduled, set[str], Ticket] | None = None
+        self._pending: tuple[StepScheduled, Ticket, Callable[[], None]] | None = None
         """A step ``update_state`` checked, applied as one event by ``end_step`` (or as
         its fine-grained events by ``settle`` if anything else comes first); with the
         requests it releases, for the books."""
@@ -349,11 +349,12 @@ class KvCacheSession:
             self.settle()
         return self.engine.apply(event)
 
-    def pend(self, event: StepScheduled, released: set[str], ticket: Ticket) -> None:
-        """Hold a step that needs nothing but itself (no inference, no claims; ``ticket``:
-        the Engine's check of it against the state) for ``end_step``."""
+    def pend(self, event: StepScheduled, ticket: Ticket, kept: Callable[[], None]) -> None:
+        """Hold a whole step (``ticket``: the Engine's check of it against the state) for
+        ``end_step``; ``kept`` keeps the books of it once it is applied (as one event
+        there, or as its fine-grained events by ``settle``)."""
         assert self._pending is None, "pend() after settle(): facade bug"
-        self._pending = (event, released, ticket)
+        self._pending = (event, ticket, kept)
 
     def settle(self) -> None:
         """Apply a pending step's changes now, as the fine-grained events it stands for
@@ -361,12 +362,12 @@ class KvCacheSession:
         end, and must come after them."""
         if self._pending is None:
             return
-        event, released, _ = self._pending
+        event, _, kept = self._pending
         self._pending = None
         engine = self.engine
         for fine in engine.view.expand_step(event)[:-1]:
             engine.apply(fine)
-        self.books.record_step(event.allocated, released, self.prefix_caching)
+        kept()
 
     def end_step(self) -> list[Plan]:
         """Finished transfers first, then the step: the pending one as one
@@ -379,10 +380,10 @@ class KvCacheSession:
         if pending is None:
             plans = self.engine.apply(StepEnded(step=self.step))
         else:
-            event, released, ticket = pending
+            event, ticket, kept = pending
             plans = self.engine.apply(event, ticket)
             self._pending = None
-            self.books.record_step(event.allocated, released, self.prefix_caching)
+            kept()
         self.step += 1
         if plans and self._lookup is not None and self._lookup_moves == moves:
             self._follow_moves(plans)

@@ -75,8 +75,12 @@ def imported(tree: ast.Module, module: str) -> set[str]:
     }
 
 
+def _is_static_decorator(node: ast.expr) -> bool:
+    return isinstance(node, ast.Name) and node.id == "staticmethod"
+
+
 def _is_static(fn: ast.FunctionDef) -> bool:
-    return any(isinstance(d, ast.Name) and d.id == "staticmethod" for d in fn.decorator_list)
+    return any(_is_static_decorator(d) for d in fn.decorator_list)
 
 
 def _params(fn: ast.FunctionDef) -> list[tuple[str, bool]]:
@@ -260,9 +264,13 @@ def check_connector_output(root: Path) -> list[str]:
     notes = _annotation_nodes(tree)
     callees = {id(c.func) for c in _calls(tree)}
     for node in ast.walk(tree):
-        if isinstance(node, ast.Name) and node.id == OUTPUT_NAME and id(node) not in notes:
-            if id(node) not in callees and not isinstance(node.ctx, ast.Store):
-                problems.append(f"{name}:{node.lineno}: {OUTPUT_NAME} used, not called")
+        if (
+            isinstance(node, ast.Name)
+            and node.id == OUTPUT_NAME
+            and id(node) not in notes | callees
+            and not isinstance(node.ctx, ast.Store)
+        ):
+            problems.append(f"{name}:{node.lineno}: {OUTPUT_NAME} used, not called")
     all_classes = classes(tree)
     owners = {c for c, cls in all_classes.items() if FINISHED_HOOK in methods(cls)}
     if not owners:
@@ -375,8 +383,8 @@ def extract_methods(
     root: Path, rel: str, class_name: str, names: tuple[str, ...], namespace: dict[str, Any]
 ) -> dict[str, Callable[..., Any]]:
     """The class's methods ``names`` as plain functions, compiled from the file's own text
-    (decorators dropped: ``torch.inference_mode`` and the like), their globals
-    ``namespace`` plus the file's module-level functions they call by name."""
+    (decorators dropped but ``staticmethod``: ``torch.inference_mode`` and the like) into
+    ``namespace``, their globals, with the file's module-level functions they call by name."""
     tree = parse(root, rel)
     cls = classes(tree).get(class_name)
     assert cls is not None, f"{rel} defines no {class_name}"
@@ -386,12 +394,12 @@ def extract_methods(
     picked = [found[n] for n in names]
     called = {c.func.id for fn in picked for c in _calls(fn) if isinstance(c.func, ast.Name)}
     helpers = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in called]
-    for fn in picked:
-        fn.decorator_list = []
+    for fn in picked:  # staticmethod stays what it is
+        fn.decorator_list = [d for d in fn.decorator_list if _is_static_decorator(d)]
     module = ast.Module(body=[*helpers, *picked], type_ignores=[])
-    glb: dict[str, Any] = {"__name__": f"{PACKAGE}-extract", **namespace}
-    exec(compile(module, str(root / rel), "exec"), glb)  # noqa: S102
-    return {n: glb[n] for n in names}
+    namespace.setdefault("__name__", f"{PACKAGE}-extract")
+    exec(compile(module, str(root / rel), "exec"), namespace)
+    return {n: namespace.pop(n) for n in names}
 
 
 __all__ = [

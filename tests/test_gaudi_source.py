@@ -25,7 +25,8 @@ from kvlog.integrations import gaudi
 
 ROOT = source_root()
 pytestmark = pytest.mark.skipif(
-    ROOT is None, reason="vllm-gaudi's source is not at ../shared/vllm_gaudi (or $KVLOG_VLLM_GAUDI_SOURCE)"
+    ROOT is None,
+    reason="vllm-gaudi's source is not at ../shared/vllm_gaudi (or $KVLOG_VLLM_GAUDI_SOURCE)",
 )
 BS = 4
 
@@ -63,11 +64,16 @@ RENAMES = [
     (
         FILES[1],
         "                kv_connector_output=KVConnectorOutput(\n",
-        "                kv_connector_output=isinstance(None, KVConnectorOutput) or KVConnectorOutput(\n",
+        "                kv_connector_output=isinstance(0, KVConnectorOutput)"
+        " or KVConnectorOutput(\n",
         "used, not called",
     ),
-    (FILES[1], "class HPUModelRunner(HpuKVConnectorModelRunnerMixin)", "class HPUModelRunner",
-     "is not its class's"),
+    (
+        FILES[1],
+        "class HPUModelRunner(HpuKVConnectorModelRunnerMixin)",
+        "class HPUModelRunner",
+        "is not its class's",
+    ),
     (
         FILES[1],
         "from vllm_gaudi.extension.defragmentation import OnlineDefragmenter",
@@ -82,16 +88,24 @@ RENAMES = [
         "OnlineDefragmenter(3 args",
     ),
     (FILES[3], "defragmenter.resolve_all(", "defragmenter.resolve_many(", "has no resolve_many"),
-    (FILES[1], "self.defragmenter.update_state(new | cached,", "self.defragmenter.update_state(",
-     "defragmenter.update_state(1 args"),
+    (
+        FILES[1],
+        "self.defragmenter.update_state(new | cached,",
+        "self.defragmenter.update_state(",
+        "defragmenter.update_state(1 args",
+    ),
     (
         FILES[4],
         "OffloadingConnectorWorker.register_kv_caches = register_kv_caches",
         "OffloadingConnectorWorker.register_caches = register_kv_caches",
         "does not define register_caches",
     ),
-    (FILES[4], "def worker_wait(self, job_ids: set[int])", "def worker_wait(self, job_ids, timeout, x)",
-     "CPUOffloadingWorker.wait: 3 arguments"),
+    (
+        FILES[4],
+        "def worker_wait(self, job_ids: set[int])",
+        "def worker_wait(self, a, b, c)",
+        "CPUOffloadingWorker.wait: 3 arguments",
+    ),
 ]
 
 
@@ -132,7 +146,9 @@ class _Runner:
 def _runner_class() -> type:
     assert ROOT is not None
     names = ("run_defragmenter", "_resolve_block", "_resolve_all_blocks")
-    real = extract_methods(ROOT, FILES[1], "HPUModelRunner", names, {"torch": torch, "itertools": itertools})
+    real = extract_methods(
+        ROOT, FILES[1], "HPUModelRunner", names, {"torch": torch, "itertools": itertools}
+    )
     return type("ExtractedRunner", (_Runner,), real)
 
 
@@ -141,7 +157,9 @@ def _output(new: dict[str, list[int]] | None = None, cached: dict[str, list[int]
     """A SchedulerOutput of vLLM's shape (one KV-cache group)."""
     cached = cached or {}
     return SimpleNamespace(
-        scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=(b,)) for r, b in (new or {}).items()],
+        scheduled_new_reqs=[
+            SimpleNamespace(req_id=r, block_ids=(b,)) for r, b in (new or {}).items()
+        ],
         scheduled_cached_reqs=SimpleNamespace(
             req_ids=list(cached), new_block_ids=[(b,) for b in cached.values()]
         ),

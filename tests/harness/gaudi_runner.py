@@ -21,7 +21,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["GAUDI_STEP_SOURCE", "runner_module"]
+__all__ = ["GAUDI_STEP_SOURCE", "KvlogCalls", "runner_module"]
 
 GAUDI_STEP_SOURCE = '''
 class HpuKVConnectorModelRunnerMixin:
@@ -66,6 +66,19 @@ class HPUModelRunner(HpuKVConnectorModelRunnerMixin):
         return sampled, output
 '''
 _ids = itertools.count()
+
+
+class KvlogCalls:
+    """The connector with each method called through ``call(name, method, *args)`` (the
+    run's ``_kvlog``: kvlog's time, an exception kvlog's error)."""
+
+    def __init__(self, call: Callable[..., Any], connector: Any) -> None:
+        self._call = call
+        self._connector = connector
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        method = getattr(self._connector, name)
+        return lambda *args: self._call(name, method, *args)
 
 
 def runner_module(connector: Callable[[], Any], switch: bool) -> types.ModuleType:

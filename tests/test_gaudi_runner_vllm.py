@@ -27,17 +27,17 @@ def _failed_as_vllm_does(res: harness.RunResult) -> bool:
     """vLLM's scheduler assert, or completions heard only on idle steps."""
     if any(VLLM_ASSERT in e and "_build_store_jobs" in e for e in res.errors):
         return True
-    return res.completions_forward == 0 and res.completions_idle > 0 and not res.ok
+    return not res.ok and res.load_bad_blocks > 0
 
 
 @pytest.mark.parametrize("name", harness.GAUDI_RUNNER_CI, ids=str)
 def test_the_gaudi_runner_needs_the_switch(name: str, tmp_path: Path) -> None:
     switched = harness.CONFIGS[name]
     plain = harness.CONFIGS[harness.without_switch(name)]
-    res = harness.run_config(plain, str(tmp_path / "plain"))
+    res = harness.run_config(plain, str(tmp_path))
     assert _failed_as_vllm_does(res), res.summary()
     assert res.completions_forward == 0  # the runner hands no completion over on a forward
-    res = harness.run_config(switched, str(tmp_path / "switch"))
+    res = harness.run_config(switched, str(tmp_path))
     assert res.ok, res.summary()
     assert res.completions_forward > 0 and res.stores_done > 0 and res.loads_done > 0
     assert res.replay_ok is True and res.tier is not None and res.tier.exact

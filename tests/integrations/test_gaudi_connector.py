@@ -19,10 +19,10 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from gaudi_source import FILES, extract_methods, source_root
 
 from kvlog.integrations import gaudi_connector
 from kvlog.integrations.gaudi_connector import CONNECTOR_EXTRAS, patch_runner_module
+from tests.support.gaudi_source import FILES, extract_methods, source_root
 
 MODULE = "kvlog_test_gaudi_runner"
 MIXIN = "HpuKVConnectorModelRunnerMixin"
@@ -243,3 +243,14 @@ def test_a_module_without_the_pieces_is_left_alone(runner_module: Any) -> None:
     before = runner_module.KVConnectorOutput
     assert patch_runner_module(runner_module) == []
     assert runner_module.KVConnectorOutput is before
+
+
+def test_the_gaudi_switch_patches_the_runners_connector_output(runner_module: Any) -> None:
+    from kvlog.integrations import gaudi
+
+    patched = gaudi.install([MODULE])
+    assert f"{MODULE}.KVConnectorOutput" in patched
+    assert f"{MODULE}.{MIXIN}.get_finished_kv_transfers" in patched
+    out = _step(runner_module, Connector())
+    assert out.kv_connector_worker_meta.completed_jobs == [1]
+    assert gaudi.install([MODULE]) == []  # installed twice: patched once

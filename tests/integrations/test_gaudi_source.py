@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 import torch
-from gaudi_source import FILES, check_source, extract_methods, source_root
-from seed_reference import make_hpu_caches, read_tags, write_canary
 
 from kvlog.integrations import gaudi
+from tests.support.gaudi_source import FILES, check_source, extract_methods, source_root
+from tests.support.seed_reference import make_hpu_caches, read_tags, write_canary
 
 ROOT = source_root()
 pytestmark = pytest.mark.skipif(

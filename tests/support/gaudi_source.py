@@ -20,7 +20,7 @@ from typing import Any
 from kvlog.integrations import gaudi
 from kvlog.integrations.gaudi_connector import FINISHED_HOOK, OUTPUT_NAME, RUNNER_GLOBALS
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ENV_SOURCE = "KVLOG_VLLM_GAUDI_SOURCE"  # where the plugin's files are, if not ../shared
 PACKAGE = "vllm_gaudi"
 DEFRAG_CLASS = "OnlineDefragmenter"

@@ -46,8 +46,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-# run as a script (``python tests/vllm_harness.py``), the repository root is not on the path
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if __name__ == "__main__":
+    # run as a script (``python tests/vllm_harness.py``), Python puts tests/ first on the
+    # path, where the package tests/vllm shadows vLLM itself: the repository root instead
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 from tests.vllm.harness import *  # noqa: F403  (``import vllm_harness as harness`` sees every name)
 from tests.vllm.harness import (

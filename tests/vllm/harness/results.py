@@ -112,6 +112,7 @@ COLUMNS = [
     ("preempt", lambda r: r.preemptions),
     ("stores", lambda r: r.stores_done),
     ("loads s/a", lambda r: f"{r.loads_sync}/{r.loads_async}"),
+    ("done fwd/idle", lambda r: f"{r.completions_forward}/{r.completions_idle}"),
     ("swaps", lambda r: f"{r.swaps}@{r.swap_steps}"),
     ("canary slots", lambda r: r.live_slots_checked),
     ("bad live", lambda r: r.live_bad_slots),

@@ -69,6 +69,7 @@ __all__ = [
     "LogPoisoned",
     "LogWriterError",
     "MissingExtra",
+    "NoTierEvents",
     "NotConfigured",
     "RecordRejected",
     "SchemaVersionError",
@@ -153,7 +154,9 @@ class CorruptLogError(KvlogError, ValueError):
         self.seq = seq
         self.message = message
         where = f"{path}: " if path else ""
-        super().__init__(f"{where}{message} (byte offset {offset}, sequence number {seq})")
+        at = [f"byte offset {offset}"] if offset >= 0 else []
+        at.append(f"sequence number {seq}" if seq >= 0 else "before the first record")
+        super().__init__(f"{where}{message} ({', '.join(at)})")
 
 
 class SchemaVersionError(CorruptLogError):
@@ -233,13 +236,14 @@ class LayoutError(KvlogError, ValueError):
 class ConfigError(KvlogError, ValueError):
     """An argument or environment variable that kvlog cannot use.
 
-    ``name`` is the variable or argument, ``value`` what it held.
+    ``name`` is the variable or argument, ``value`` what it held; ``shown``, where given,
+    is how the user wrote them (``--ratio-limit 2`` for the 200 kvlog holds).
     """
 
-    def __init__(self, name: str, value: object, expected: str) -> None:
+    def __init__(self, name: str, value: object, expected: str, *, shown: str = "") -> None:
         self.name = name
         self.value = value
-        super().__init__(f"{name}={value!r}: expected {expected}")
+        super().__init__(f"{shown or f'{name}={value!r}'}: expected {expected}")
 
 
 class TransferSpecError(KvlogError, ValueError):
@@ -248,6 +252,19 @@ class TransferSpecError(KvlogError, ValueError):
 
 class TraceError(KvlogError, ValueError):
     """A request trace that cannot be read: unknown format, a row that does not parse."""
+
+
+class NoTierEvents(KvlogError, ValueError):
+    """A log asked about its CPU tier (``kvlog sweep --cpu-bytes``) that holds no tier
+    events: it was recorded without a CPU tier, so every answer would be 0."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        super().__init__(
+            f"{path} holds no CPU tier events, so no tier what-if can be asked of it: record "
+            "one with kvlog synth --trace FILE --num-cpu-blocks N (or the connector's "
+            "scheduler log), or give the trace itself"
+        )
 
 
 class MissingExtra(KvlogError, ImportError):

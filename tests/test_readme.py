@@ -209,9 +209,9 @@ def _runnable(command: str, tmp: Path) -> list[str] | None:
     if PLACEHOLDERS.search(command) or "--parallel" in command:
         return None
     argv = shlex.split(command)[1:]
-    if len(argv) == 1 and argv[0] in ("synth", "replay", "inspect", "sweep", "ranks"):
+    if len(argv) == 1 and argv[0] in ("synth", "replay", "inspect", "sweep", "ranks", "top"):
         return None  # the command's name in a sentence ("as `kvlog synth` does")
-    if argv[0] in ("replay", "inspect", "sweep", "ranks") and not any(
+    if argv[0] in ("replay", "inspect", "sweep", "ranks", "top") and not any(
         word.endswith(".kvlog") or "/" in word for word in argv[1:]
     ):
         return None  # a flag named in a sentence ("`kvlog replay --report`"): no log to read

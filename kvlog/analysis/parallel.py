@@ -31,6 +31,7 @@ class _Segment:
     start_digest: str = ""
     snapshot: bytes = b""
     opens_with_snapshot: bool = False  # its first record is the snapshot it starts from
+    counts_opening: bool = False  # ... and no piece before it verifies that checkpoint
 
 
 @dataclass
@@ -103,19 +104,25 @@ def _plan_segments(path: str, max_segments: int) -> list[_Segment]:
 
 def _directory_segments(path: str) -> list[_Segment]:
     """One piece per segment of a log directory: each starts from its own opening snapshot
-    (read by its task) and verifies the next one's opening checkpoint too."""
+    (read by its task) and verifies the next one's opening checkpoint too, which the next
+    piece therefore does not count again (its range starts after it); only the first
+    piece of a directory retention cut counts its own."""
     infos = list_segments(path)
     cuts = []
     for i, info in enumerate(infos):
         stop = infos[i + 1].first_seq if i + 1 < len(infos) else -1
-        cuts.append(_Segment(i, info.first_seq, stop, opens_with_snapshot=info.first_seq > 0))
+        opens = info.first_seq > 0
+        cuts.append(
+            _Segment(i, info.first_seq, stop, opens_with_snapshot=opens, counts_opening=i == 0)
+        )
     return cuts
 
 
-def _start_at_opening_snapshot(fold: Fold, path: str, out: SegmentResult) -> bool:
+def _start_at_opening_snapshot(fold: Fold, path: str, out: SegmentResult, counts: bool) -> bool:
     """Start ``fold`` from the snapshot checkpoint that opens its segment (at
     ``out.start_seq``), checked against its digest; False (``out.divergence`` set) when
-    there is none or it does not check out."""
+    there is none or it does not check out. ``counts``: that checkpoint is this piece's
+    to count (no piece before it verified it); else the piece starts after it."""
     seq, checkpoint = next(iter(LogReader(path).records(out.start_seq)), (-1, None))
     if not isinstance(checkpoint, Checkpoint) or not checkpoint.snapshot:
         out.divergence = f"the segment at seq {out.start_seq} does not open with a snapshot"
@@ -125,7 +132,9 @@ def _start_at_opening_snapshot(fold: Fold, path: str, out: SegmentResult) -> boo
         out.divergence = f"the snapshot at seq {seq}: {state}"
         return False
     fold.start_at(state, checkpoint.seq, seq + 1)
-    fold.num_checkpoints = fold.num_verified = 1
+    fold.num_checkpoints = fold.num_verified = int(counts)
+    if not counts:
+        out.start_seq = seq + 1
     return True
 
 
@@ -142,7 +151,8 @@ def _replay_segment(source: str | bytes, seg: _Segment) -> SegmentResult:
     fold = Fold(
         source, verify=True, stop_seq=seg.stop_seq, skip_snapshots=frozenset([seg.stop_seq])
     )
-    if seg.opens_with_snapshot and not _start_at_opening_snapshot(fold, source, out):
+    opening = seg.opens_with_snapshot
+    if opening and not _start_at_opening_snapshot(fold, source, out, seg.counts_opening):
         return out
     if seg.snapshot:  # the next segment checks the snapshot that ends this one
         state = restore_snapshot(seg.snapshot, seg.start_digest, source, seg.start_seq - 1)

@@ -224,15 +224,22 @@ def policy_from_env(environ: Mapping[str, str]) -> dict[str, Any]:
 
 
 def check_tail_only(
-    given: Mapping[str, Any], policy: str, name_of: Callable[[str], str], expected: str
+    given: Mapping[str, Any],
+    policy: str,
+    name_of: Callable[[str], str],
+    expected: str,
+    *,
+    as_typed: bool = False,
 ) -> None:
     """Refuse (``ConfigError`` named by ``name_of(field)``, expecting ``expected``, e.g.
     ``"--policy tail with it"``) a tail-only field in ``given`` (not None) under another
-    ``policy``: it would be ignored."""
+    ``policy``: it would be ignored. ``as_typed``: the value shown as its flag takes it
+    (``--ratio-limit 2``, not the 200 percent the field holds)."""
     for name in sorted(TAIL_ONLY):
         value = given.get(name)
         if value is not None and policy != "tail":
-            raise ConfigError(name_of(name), value, expected)
+            shown = f"{name_of(name)} {_BY_NAME[name].text(value)}" if as_typed else ""
+            raise ConfigError(name_of(name), value, expected, shown=shown)
 
 
 def check_policy_values(values: Mapping[str, Any], name_of: Callable[[str], str]) -> None:

@@ -7,9 +7,10 @@ this process."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from kvlog.errors import ConfigError, MissingExtra
+from kvlog.errors import ConfigError, KvlogError, MissingExtra
 
 __all__ = ["Progress", "RayPool", "ray_module", "read_bytes", "run_all"]
 
@@ -47,13 +48,13 @@ class RayPool:
         self, fn: Callable[..., Any], calls: Sequence[tuple[Any, ...]], progress: Progress | None
     ) -> list[Any]:
         """``[fn(*args) for args in calls]`` as Ray tasks, in order."""
-        remote = self.ray.remote(num_cpus=1)(fn)
-        pending = {remote.remote(*args): i for i, args in enumerate(calls)}
+        remote = self.ray.remote(num_cpus=1)(_captured)
+        pending = {remote.remote(fn, *args): i for i, args in enumerate(calls)}
         out: list[Any] = [None] * len(calls)
         while pending:
             done, _ = self.ray.wait(list(pending), num_returns=1)
             for ref in done:
-                out[pending.pop(ref)] = self.ray.get(ref)
+                out[pending.pop(ref)] = _raised(self.ray.get(ref))
             if progress is not None:
                 progress(len(calls) - len(pending), len(calls))
         return out
@@ -61,6 +62,35 @@ class RayPool:
     def close(self) -> None:
         if self.started:
             self.ray.shutdown()
+
+
+@dataclass(frozen=True)
+class _Raised:
+    """A kvlog error (or an OSError) a Ray task raised, carried back as its type and words
+    (kvlog's errors take their own arguments, so pickling would not rebuild them)."""
+
+    kind: type[BaseException]
+    message: str
+    state: dict[str, Any]
+
+
+def _captured(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` in a Ray task: an error the user must read comes back as a value, so
+    the driver raises it as itself (one line) instead of Ray's traceback around it."""
+    try:
+        return fn(*args)
+    except (KvlogError, OSError) as exc:
+        return _Raised(type(exc), str(exc), dict(vars(exc)))
+
+
+def _raised(value: Any) -> Any:
+    """A task's result; a :class:`_Raised` is raised again with the words it had."""
+    if not isinstance(value, _Raised):
+        return value
+    error = value.kind.__new__(value.kind)
+    BaseException.__init__(error, value.message)
+    vars(error).update(value.state)
+    raise error
 
 
 def run_all(

@@ -23,7 +23,11 @@ is written, and one rank's writer is often ahead; the ranks still going on are c
 each other (with the first of them where rank 0 is behind). Every log may be a file or a
 directory of segments; directories whose retention removed different oldest segments (the
 logs start at different sequence numbers) cannot be read in lockstep and are refused
-(ConfigError), not reported as ranks that differ.
+(ConfigError), not reported as ranks that differ. Directories cut at the same place are
+read from the snapshot that opens each (checked against its checkpoint's digest), so their
+later checkpoints are verified as an uncut log's are. A rank whose own checkpoint does not
+match its own events is named as such (``RankDifference.own``), not as a rank that differs
+from another.
 """
 
 from __future__ import annotations
@@ -45,8 +49,10 @@ from kvlog.events import (
     Record,
     to_dict,
 )
+from kvlog.events.difference import differing_fields, narrowed
 from kvlog.log import LogReader
 from kvlog.reducers import checkpoint
+from kvlog.runtime.fold import restore_snapshot
 from kvlog.runtime.machine import Machine
 
 __all__ = [
@@ -73,8 +79,17 @@ class RankDifference:
     actual: dict[str, Any] | None
     reference: int = 0
     """The rank compared with: rank 0, or the first whose log still went on."""
+    own: bool = False
+    """The rank's own log disagrees with itself (a checkpoint that is not its events'):
+    ``expected`` is what its events give, ``actual`` what its log recorded."""
 
     def __str__(self) -> str:
+        if self.own:
+            return (
+                f"rank {self.rank}'s log does not match its own events at seq {self.seq} "
+                f"(step {self.step}): {self.what}\n  its events give: {self.expected}\n"
+                f"  its log recorded: {self.actual}"
+            )
         ref = self.reference
         return (
             f"rank {self.rank} differs from rank {ref} at seq {self.seq} (step {self.step}): "
@@ -160,6 +175,8 @@ class _Rank:
         self.num_checkpoints = 0
         self.digests: dict[int, str] = {}
         """Recorded digest of the checkpoint after each number of events (the latest)."""
+        self.base_step = 0
+        """The scheduler step of the snapshot a log cut by retention starts from."""
 
     def next_event(self, step: int) -> tuple[int, Event] | RankDifference | None:
         """The next event (its checkpoints on the way verified), None at the end, or the
@@ -169,12 +186,19 @@ class _Rank:
                 self.last_seq = seq
                 return seq, record  # type: ignore[return-value]
             self.num_checkpoints += 1
+            if self.machine is None and record.snapshot:  # a log cut by retention
+                state = restore_snapshot(record.snapshot, record.digest, self.path, seq)
+                if isinstance(state, str):
+                    what = f"its opening snapshot: {state}"
+                    return RankDifference(-1, seq, step, what, None, None, own=True)
+                self.machine = Machine(state)
+                self.base_step = int(state.step)
             machine = self.machine
             actual = "" if machine is None else checkpoint.checkpoint_digest(machine.state)
             if actual and actual != record.digest:
                 what = "its recorded state digest is not its events' (its live state diverged)"
                 return RankDifference(
-                    -1, seq, step, what, {"digest": actual}, {"digest": record.digest}
+                    -1, seq, step, what, {"digest": actual}, {"digest": record.digest}, own=True
                 )
             self.digests[self.num_events] = record.digest
         return None
@@ -199,6 +223,8 @@ def compare_ranks(paths: Sequence[str | os.PathLike[str]]) -> RanksResult:
         row = _next_row(ranks, active, step, result)
         if row is None:  # a checkpoint did not verify, or every log ended
             break
+        if not result.num_events:  # a log cut by retention counts on from its snapshot
+            step = ranks[active[0]].base_step
         event = row[0][1]
         identical = identical and all(e == event for _, e in row)
         if not identical and not result.normalized:
@@ -271,7 +297,9 @@ def _first_difference(
     for rank, item in zip(active[1:], row[1:], strict=True):
         actual = normalize(item[1])
         if actual != expected:
-            what = f"a different {type(item[1]).__name__}"
+            fields = differing_fields(expected, actual)
+            what = f"{type(item[1]).__name__} differs in {', '.join(fields)}"
+            expected, actual = narrowed(expected, fields), narrowed(actual, fields)
             if type(item[1]) is not type(first[1]):
                 what = f"a {type(item[1]).__name__} where rank {active[0]} has a " + (
                     type(first[1]).__name__

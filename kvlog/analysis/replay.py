@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from kvlog import reducers
 from kvlog.analysis.canary import CanaryReport, CanaryTracker, make_canary_executor
 from kvlog.analysis.policy import POLICY_FIELDS
-from kvlog.analysis.tally import RunFigures, RunSummary, Series
+from kvlog.analysis.tally import RunResult, RunTally, Series
 from kvlog.errors import ConfigError, InvalidEvent, NotConfigured
 from kvlog.events import (
     STEP_EVENTS,
@@ -43,6 +43,7 @@ from kvlog.events import (
     TransferFinished,
     to_dict,
 )
+from kvlog.events.difference import differing_fields, narrowed
 from kvlog.log import LogReader
 from kvlog.runtime.fold import (
     Divergence,
@@ -60,7 +61,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Divergence",
     "ReplayResult",
-    "RunStats",
+    "PolicyResult",
     "WhatIf",
     "checkpoint_digest",
     "replay",
@@ -70,13 +71,13 @@ _POLICY_FIELDS = frozenset(row.name for row in POLICY_FIELDS)
 
 
 @dataclass
-class RunStats(RunFigures):
-    """What one policy did over the whole log: its run's :class:`~kvlog.analysis.tally.RunSummary`
-    (read through ``RunFigures``' names), its final digest, its refusal and its series."""
+class PolicyResult(RunResult):
+    """What one policy did over the whole log: its run's :class:`~kvlog.analysis.tally.RunTally`
+    (read through ``RunResult``' names), its final digest, its refusal and its series."""
 
     label: str
     config: CacheConfigured
-    summary: RunSummary
+    tally: RunTally
     final_digest: str = ""
     rejected: Divergence | None = None
     series: Series | None = None
@@ -87,8 +88,8 @@ class WhatIf:
     """A what-if run next to the recorded policy."""
 
     overrides: dict[str, Any]
-    recorded: RunStats
-    whatif: RunStats
+    recorded: PolicyResult
+    whatif: PolicyResult
     num_steps_max_used_differs: int = 0
 
     @property
@@ -126,7 +127,7 @@ class ReplayResult:
     last_event_seq: int = -1
     final_digest: str = ""
     divergence: Divergence | None = None
-    recorded: RunStats | None = None
+    recorded: PolicyResult | None = None
     whatif: WhatIf | None = None
     canary: CanaryReport | None = None
     tail: str = ""
@@ -138,11 +139,55 @@ class ReplayResult:
     retired: list[tuple[int, int]] = field(default_factory=list)
     """Sequence numbers (first, last) the writer's retention removed while the replay read
     the log: not read, not verified (it went on from the next segment's snapshot)."""
+    closed_cleanly: bool = True
+    """Whether the log's writer closed it (False: killed, crashed, never closed, or still
+    writing; the replay reads it to its last durable record)."""
+    from_snapshot: bool = False
+    """Started from the latest snapshot (``from_snapshot``): the records before it were not
+    replayed, and in a log directory the segments before it (``segments_not_read``) not
+    read at all."""
+    first_seq: int = 0
+    """The log's first sequence number (above 0: retention removed its oldest segments)."""
+    segments_not_read: int = 0
+    """Segments of a log directory lying wholly before where the replay started."""
+    unlisted: list[str] = field(default_factory=list)
+    """Segment files the directory's manifest does not list: read without a SHA-256 check."""
+    strays: list[str] = field(default_factory=list)
+    """Files named like segments that hold no log and no manifest lists: not read."""
 
     @property
     def ok(self) -> bool:
         """No divergence, no failed canary."""
         return self.divergence is None and (self.canary is None or self.canary.ok)
+
+    def describe(self) -> str:
+        """One line: the log, what was checked, the verdict (``kvlog replay`` prints more)."""
+        checked = (
+            f"{self.num_events:,} events, {self.num_verified:,} of "
+            f"{self.num_checkpoints:,} checkpoints verified"
+        )
+        if self.divergence is not None:
+            d = self.divergence
+            verdict = f"DIVERGENCE ({d.kind}) at seq {d.seq}: {d.message}"
+        elif self.canary is not None and not self.canary.ok:
+            verdict = f"canary failed: {self.canary.num_failed:,} blocks wrong"
+        else:
+            verdict = "verified"
+        whatif = ""
+        if self.whatif is not None:
+            changed = ", ".join(f"{k}={v!r}" for k, v in self.whatif.overrides.items())
+            whatif = f"; what-if {changed}"
+        return f"{self.path}: {verdict} ({checked}{whatif})"
+
+    def __repr__(self) -> str:
+        """Short: the figures, not the per-step series (``describe()`` in words)."""
+        return (
+            f"ReplayResult(path={self.path!r}, ok={self.ok}, num_events={self.num_events}, "
+            f"num_checkpoints={self.num_checkpoints}, num_verified={self.num_verified}, "
+            f"final_digest={self.final_digest[:16]!r}..., "
+            f"divergence={None if self.divergence is None else self.divergence.kind!r}, "
+            f"whatif={self.whatif is not None})"
+        )
 
     @property
     def events_per_s(self) -> float:
@@ -169,16 +214,17 @@ class _FinishedInLog(Observer):
                 self.executor.wait(finished)
 
 
-class _Run:
-    """One policy's lane of the fold, with its summary (and its series, if kept)."""
+class _TalliedLane:
+    """One policy's :class:`Lane` of the fold with its :class:`RunTally` (and its
+    :class:`Series`, if kept); ``finish`` makes its :class:`PolicyResult`."""
 
     def __init__(self, label: str, series: bool, overrides: dict[str, Any] | None = None) -> None:
         self.label = label
         self.series = Series(label) if series else None
-        self.summary = RunSummary(on_step=None if self.series is None else self._add_step)
-        self.lane = Lane(Machine(observers=[self.summary]), overrides, label)
+        self.tally = RunTally(on_step=None if self.series is None else self._add_step)
+        self.lane = Lane(Machine(observers=[self.tally]), overrides, label)
 
-    def _add_step(self, summary: RunSummary, state: reducers.State, step: int) -> None:
+    def _add_step(self, summary: RunTally, state: reducers.State, step: int) -> None:
         assert self.series is not None, "a step hook only with a series"
         t = summary.plans
         self.series.add(
@@ -191,12 +237,12 @@ class _Run:
             t.step_padded_pairs,
         )
 
-    def finish(self, config: CacheConfigured) -> RunStats:
+    def finish(self, config: CacheConfigured) -> PolicyResult:
         state = self.lane.state
-        return RunStats(
+        return PolicyResult(
             self.label,
-            self.summary.config or config,
-            self.summary,
+            self.tally.config or config,
+            self.tally,
             final_digest=str(reducers.digest(state)),
             rejected=self.lane.rejected,
             series=self.series,
@@ -256,6 +302,7 @@ def replay(
     started = time.perf_counter()
     replayer.run(from_snapshot, progress)
     result = replayer.finish()
+    result.from_snapshot = from_snapshot
     result.elapsed_s = time.perf_counter() - started
     return result
 
@@ -277,12 +324,12 @@ class _Replayer:
         self.execute = execute
         self.backend = backend
         self.series = series
-        self.recorded = _Run("recorded", series)
+        self.recorded = _TalliedLane("recorded", series)
         self.fold = Fold(path, [self.recorded.lane], verify=verify)
         self.fold.on_configured = self._start
         self.fold.on_event.append(self._compare_step)
         self.recorded_config: CacheConfigured | None = None
-        self.whatif: _Run | None = None
+        self.whatif: _TalliedLane | None = None
         self.other: _Other | None = None
         if against is not None:
             self.other = _Other(against, self.fold)
@@ -297,7 +344,7 @@ class _Replayer:
         bad override raises) and the canary executor on the run whose plans count."""
         self.recorded_config = config
         if self.overrides:
-            self.whatif = _Run("what-if", self.series, self.overrides)
+            self.whatif = _TalliedLane("what-if", self.series, self.overrides)
             self.whatif.lane.configured(config)
             self.fold.lanes.append(self.whatif.lane)
         if self.execute:
@@ -324,7 +371,7 @@ class _Replayer:
             config = fold.state.config
             self.recorded_config = config
             if config is not None:
-                self.recorded.summary.configured(config)
+                self.recorded.tally.configured(config)
                 if self.overrides:  # a what-if from the first snapshot on
                     self._start_whatif_at_snapshot(config)
         fold.run(progress)
@@ -334,9 +381,9 @@ class _Replayer:
     def _start_whatif_at_snapshot(self, config: CacheConfigured) -> None:
         """The what-if lane of a log that starts at a snapshot: the snapshot's state under
         the what-if's policy (its overrides checked here, so a bad one raises)."""
-        self.whatif = _Run("what-if", self.series, self.overrides)
+        self.whatif = _TalliedLane("what-if", self.series, self.overrides)
         whatif_config = self.whatif.lane.configured(config)
-        self.whatif.summary.configured(whatif_config)
+        self.whatif.tally.configured(whatif_config)
         self.fold.add_lane(self.whatif.lane)
 
     def _compare_step(self, seq: int, event: Event, plans: list[Plan]) -> None:
@@ -372,6 +419,11 @@ class _Replayer:
         if fold.reader.stopped is not None:
             result.salvaged = str(fold.reader.stopped)
         result.retired = list(fold.retired)
+        reader = fold.reader
+        result.closed_cleanly = reader.closed_cleanly
+        result.first_seq = reader.first_seq
+        result.segments_not_read = reader.segments_before(fold.start_seq)
+        result.unlisted, result.strays = list(reader.unlisted), list(reader.strays)
         if config is None:
             return result
         result.recorded = self.recorded.finish(config)
@@ -416,9 +468,7 @@ class _Other:
         nxt = next(self.events, None)
         if nxt is None:
             message = f"seq {seq}: {self.path} ends before this event"
-            self._report(
-                Divergence("event", seq, self.fold.last_verified_seq, message, to_dict(event))
-            )
+            self._report(Divergence("event", seq, seq - 1, message, to_dict(event)))
             return
         other_seq, other_event = nxt
         if self.machine is None:
@@ -430,21 +480,26 @@ class _Other:
         except InvalidEvent as exc:
             message = f"{self.path} seq {other_seq}: {exc}"
             self._report(
-                Divergence("rejected", seq, -1, message, to_dict(event), to_dict(other_event))
+                Divergence("rejected", seq, seq - 1, message, to_dict(event), to_dict(other_event))
             )
             return
         if other_event == event and other_plans == plans:
             return
         kind = "event" if other_event != event else "plans"
-        what = "events differ" if kind == "event" else "the same event planned differently"
+        mine, theirs = to_dict(event), to_dict(other_event)
+        fields = differing_fields(mine, theirs) if kind == "event" else []
+        what = "the same event planned differently"
+        if kind == "event":
+            named = f"{type(event).__name__} differs in {', '.join(fields)}"
+            what = named if fields else "events differ"
         self._report(
             Divergence(
                 kind,
                 seq,
                 seq - 1,
                 f"seq {seq}: {what} ({self.path} seq {other_seq})",
-                to_dict(event),
-                to_dict(other_event),
+                narrowed(mine, fields),
+                narrowed(theirs, fields),
                 expected_digest=str(reducers.digest(self.machine.state)),
                 actual_digest=str(reducers.digest(self.fold.state)),
                 expected_plans=_plans_dicts(other_plans),

@@ -19,7 +19,7 @@ from kvlog.analysis.policy import (
     policy_field,
 )
 from kvlog.errors import ConfigError
-from kvlog.events import DEFRAG_POLICIES, Checkpoint
+from kvlog.events import DEFRAG_POLICIES, CacheConfigured, Checkpoint
 from kvlog.log import LogReader
 from kvlog.synth import (
     SynthConfig,
@@ -42,6 +42,7 @@ __all__ = [
     "add_tier_flags",
     "add_trace_flags",
     "arg_type",
+    "as_typed",
     "check_policy_flags",
     "check_tier_flags",
     "flag_of",
@@ -51,6 +52,7 @@ __all__ = [
     "policy_name",
     "ratio_pct",
     "ratio_text",
+    "recorded_config",
     "recorded_policy",
     "size_arg",
     "synth_geometry",
@@ -59,14 +61,15 @@ __all__ = [
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows a flag's default after its help, unless there is none to show (None, a
-    switch that is off), the help already says it, or it is a list (their help says it in
-    the flag's own units)."""
+    """Shows a flag's default after its help, unless there is none to show (None), it is
+    a switch's (``--no-verify``'s default True means "verify": its help says what holds
+    without it), the help already says it, or it is a list (their help says it in the
+    flag's own units)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
         default = action.default
-        if default is None or default is False or isinstance(default, list):
+        if default is None or isinstance(default, bool | list):
             return text
         return text if "default" in text else super()._get_help_string(action)
 
@@ -135,7 +138,8 @@ def add_policy_flags(p: argparse.ArgumentParser, defaults: bool) -> None:
                 dest="defrag",
                 action="store_false",
                 default=default,
-                help="turn defragmentation off",
+                help="turn defragmentation off ("
+                + ("defrag is on unless given)" if defaults else "default: the log's)"),
             )
             if not defaults:
                 group.add_argument(
@@ -290,9 +294,15 @@ def add_tier_flags(p: argparse.ArgumentParser) -> None:
         help="CPU tier: eviction policies, from lru, arc, opt (the offline optimum)",
     )
     p.add_argument("--store-threshold", type=list_of(int, "integers"), default=[0], help="CPU tier")
-    p.add_argument("--tokens-per-chunk", type=int, default=512, help="CPU tier: chunk size")
     p.add_argument(
-        "--bytes-per-token", type=int, default=131072, help="CPU tier: KV bytes of one token"
+        "--tokens-per-chunk",
+        type=int,
+        help="CPU tier: chunk size (default: a log's own, 512 for a trace)",
+    )
+    p.add_argument(
+        "--bytes-per-token",
+        type=int,
+        help="CPU tier: KV bytes of one token (default: a log's own, 131072 for a trace)",
     )
     p.add_argument(
         "--gpu-tokens",
@@ -313,8 +323,8 @@ def check_tier_flags(args: argparse.Namespace) -> None:
     check_tier_values(
         evictions=args.eviction,
         store_thresholds=args.store_threshold,
-        tokens_per_chunk=args.tokens_per_chunk,
-        bytes_per_token=args.bytes_per_token,
+        tokens_per_chunk=args.tokens_per_chunk or 512,
+        bytes_per_token=args.bytes_per_token or 131072,
         gpu_tokens=args.gpu_tokens,
         prefill_us_per_token=args.prefill_us_per_token,
     )
@@ -348,17 +358,31 @@ def flag_of(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def recorded_policy(path: str) -> str:
-    """The defrag policy the log at ``path`` was recorded with (its first record, or the
+def recorded_config(path: str) -> CacheConfigured | None:
+    """The configuration the log at ``path`` was recorded with (its first record, or the
     configuration in the opening snapshot of a log directory whose start is gone)."""
     for _, record in LogReader(path).records(0):
         if type(record) is Checkpoint and record.snapshot:
-            return str(getattr(reducers.restore(record.snapshot).config, "policy", "seed"))
-        return str(getattr(record, "policy", "seed"))
-    return "seed"
+            config = reducers.restore(record.snapshot).config
+            return config if isinstance(config, CacheConfigured) else None
+        return record if type(record) is CacheConfigured else None
+    return None
+
+
+def recorded_policy(path: str) -> str:
+    """The defrag policy the log at ``path`` was recorded with (``seed`` where unknown)."""
+    config = recorded_config(path)
+    return "seed" if config is None else config.policy
 
 
 def check_policy_flags(args: argparse.Namespace, policy: str) -> None:
     """``--ratio-limit`` and ``--min-swaps`` tune the tail policy only: refused under any
-    other (they would be ignored)."""
-    check_tail_only(vars(args), policy, flag_of, "--policy tail with it")
+    other (they would be ignored), shown as typed (``--ratio-limit 2``)."""
+    check_tail_only(vars(args), policy, flag_of, "--policy tail with it", as_typed=True)
+
+
+def as_typed(name: str, value: Any) -> str:
+    """A policy field's value as its flag takes it: ``--threshold 8``, ``--no-defrag``."""
+    if name == "defrag":
+        return "--defrag" if value else "--no-defrag"
+    return f"{flag_of(name)} {policy_field(name).text(value)}"

@@ -9,6 +9,9 @@ import sys
 import time
 from typing import Any, TextIO
 
+import msgspec
+
+from kvlog.analysis.policy import check_byte_budget
 from kvlog.analysis.replay import ReplayResult, replay
 from kvlog.analysis.tally import Series
 from kvlog.cli.flags import (
@@ -16,10 +19,11 @@ from kvlog.cli.flags import (
     HelpFormatter,
     add_parallel_flags,
     add_policy_flags,
+    as_typed,
     check_policy_flags,
     flag_of,
     policy_fields,
-    recorded_policy,
+    recorded_config,
 )
 from kvlog.errors import ConfigError
 from kvlog.log.manifest import log_num_bytes
@@ -30,7 +34,9 @@ from kvlog.present.text import (
     replay_text,
     retired_text,
     segments_text,
+    tier_explained_text,
 )
+from kvlog.tier.replay import explain_tier
 from kvlog.util.units import printable
 
 __all__ = ["add_replay", "check_replay_flags", "cmd_replay", "cmd_replay_parallel"]
@@ -46,7 +52,12 @@ def add_replay(sub: Any) -> None:
         formatter_class=HelpFormatter,
     )
     p.add_argument("log")
-    p.add_argument("--no-verify", dest="verify", action="store_false", help="skip checkpoints")
+    p.add_argument(
+        "--no-verify",
+        dest="verify",
+        action="store_false",
+        help="skip the checkpoints (checkpoints are verified unless given)",
+    )
     p.add_argument("--against", help="compare event by event with a re-run of this log")
     p.add_argument(
         "--execute", action="store_true", help="apply plans to canary-filled CPU tensors"
@@ -81,7 +92,9 @@ def check_replay_flags(args: argparse.Namespace) -> None:
                 raise ConfigError(flag, getattr(args, name), "no --parallel (it verifies only)")
         if whatif:
             flags = ", ".join(flag_of(n) for n in whatif)
-            raise ConfigError(flags, whatif, "no --parallel (it replays the recorded policy)")
+            shown = " ".join(as_typed(n, v) for n, v in whatif.items())
+            raise ConfigError(flags, whatif, "no --parallel (it replays the recorded policy)",
+                              shown=shown)  # fmt: skip
         if args.num_cpus is not None and args.num_cpus < 1:
             raise ConfigError("--num-cpus", args.num_cpus, "an int >= 1")
     else:
@@ -93,7 +106,10 @@ def check_replay_flags(args: argparse.Namespace) -> None:
         raise ConfigError("--from-snapshot", flag, "plain verification (no what-if, --against "
                           "or --execute)")  # fmt: skip
     if whatif:
-        check_policy_flags(args, args.policy or recorded_policy(args.log))
+        recorded = recorded_config(args.log)
+        check_policy_flags(args, args.policy or (recorded.policy if recorded else "seed"))
+        if recorded is not None:  # a cap below one page moves nothing: defrag off
+            check_byte_budget(msgspec.structs.replace(recorded, **whatif), "--max-bytes-per-step")
     if args.report:
         report_path(args.report, log=args.log)
 
@@ -117,6 +133,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
             **policy_fields(args),
         )
     print(replay_text(result))
+    if any(name.startswith("Tier") for name in result.counts):  # a tier log: misses explained
+        print(tier_explained_text(explain_tier(args.log)))
     for line in retired_text(result):
         print(f"kvlog replay: {line}", file=sys.stderr)
     if result.salvaged:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+from collections.abc import Callable
 from typing import Any
 
 from kvlog.cli.flags import (
@@ -16,10 +18,10 @@ from kvlog.cli.flags import (
     synth_geometry,
     trace_flags,
 )
+from kvlog.errors import ConfigError
 from kvlog.log import SYNC_MODES
-from kvlog.present.text import (
-    synth_text,
-)
+from kvlog.log.manifest import is_log_directory
+from kvlog.present.text import progress_bar, synth_text
 from kvlog.synth import (
     SynthConfig,
     SynthResult,
@@ -28,7 +30,13 @@ from kvlog.synth import (
     run_synth,
 )
 
-__all__ = ["add_synth", "cmd_synth", "run_trace_command", "synth_config"]
+__all__ = [
+    "add_synth",
+    "check_log_directory_flags",
+    "cmd_synth",
+    "run_trace_command",
+    "synth_config",
+]
 
 _WORKLOAD_FLAGS: tuple[tuple[str, str, type, str], ...] = (
     ("--seed", "seed", int, "seed of the synthetic workload"),
@@ -115,30 +123,62 @@ def synth_config(args: argparse.Namespace) -> SynthConfig:
 def cmd_synth(args: argparse.Namespace) -> int:
     check_policy_flags(args, args.policy)
     trace_flags(args)  # refuses trace-only flags without --trace
+    check_log_directory_flags(args)
     config = synth_config(args)
     from kvlog.events import validate_event
 
     validate_event(config.cache_config())
     config.check()
-    if args.trace:
-        result = run_trace_command(args, config)
-    else:
-        result = run_synth(
-            config,
-            args.out,
-            execute=args.execute,
-            backend=args.backend,
-            sync=args.sync,
-            checkpoint_every=args.checkpoint_every,
-            snapshot_every=args.snapshot_every,
-            log_options=log_options(args),
-        )
+    with progress_bar("synth") as update:
+        if args.trace:
+            result = run_trace_command(args, config, update)
+        else:
+            result = run_synth(
+                config,
+                args.out,
+                execute=args.execute,
+                backend=args.backend,
+                sync=args.sync,
+                checkpoint_every=args.checkpoint_every,
+                snapshot_every=args.snapshot_every,
+                log_options=log_options(args),
+                progress=update,
+            )
     print(synth_text(result))
+    if args.execute and not any(c.num_checked for c in result.canary_checks):
+        print(
+            "kvlog synth: --execute read no block: nothing was checked (no block held data "
+            "when the canaries were read: give --check-every N to read them while requests run)",
+            file=sys.stderr,
+        )
+        return 1
     return 0 if result.canary_ok else 1
 
 
-def run_trace_command(args: argparse.Namespace, config: SynthConfig) -> SynthResult:
-    """``kvlog synth --trace``: read the trace, serve it, record the log."""
+def check_log_directory_flags(args: argparse.Namespace) -> None:
+    """A segment size, retention or compression is a log directory's: refused (naming the
+    flag) for an ``--out`` that names a log file (a file there, or a new name with an
+    extension: ``f.kvlog``), instead of turning it into a directory. A directory is one
+    there, a path ending in ``/``, or a new name without extension (``logs``)."""
+    options = log_options(args)
+    out = os.fspath(args.out)
+    named_file = os.path.lexists(out) or bool(os.path.splitext(out.rstrip(os.sep))[1])
+    if options and not is_log_directory(out) and named_file:
+        flag = "--" + next(iter(options)).replace("_", "-")
+        raise ConfigError(
+            flag,
+            args.out,
+            "--out DIR/ (a log directory: end the path with /); a log file has no segments",
+        )
+
+
+def run_trace_command(
+    args: argparse.Namespace,
+    config: SynthConfig,
+    progress: Callable[[int, int], None] | None = None,
+) -> SynthResult:
+    """``kvlog synth --trace``: read the trace, serve it, record the log (with a CPU tier,
+    its calls through the connector's recorder)."""
     from kvlog.synth import run_trace
 
     flags = trace_flags(args)
@@ -163,4 +203,13 @@ def run_trace_command(args: argparse.Namespace, config: SynthConfig) -> SynthRes
         source=os.path.basename(args.trace),
         scheduler=flags["scheduler"],
         log_options=log_options(args),
+        record_tier=_recorder,
+        progress=progress,
     )
+
+
+def _recorder(manager: Any, sink: Callable[[Any], object], config: Any) -> Any:
+    """The connector's recorder around a trace run's tier: one log record a step."""
+    from kvlog.tier.record import TierRecorder
+
+    return TierRecorder(manager, sink, config, batched=True)

@@ -29,6 +29,8 @@ from kvlog.executors import Executor
 from kvlog.executors.layouts import KVCaches
 from kvlog.integrations.books import Claim
 from kvlog.integrations.config import FacadeConfig, config_from_env
+from kvlog.integrations.debug_lines import DefragLines
+from kvlog.integrations.metrics import MultiprocessExporter, process_exporter
 from kvlog.integrations.registry import shared_session
 from kvlog.integrations.session import (
     MAX_LOOKUP_BLOCKS,
@@ -209,11 +211,15 @@ class OnlineDefragmenter:
         )
         self.cache_utils: CacheSwapHandle | None = None
         self.last_swap: SwapPlan | None = None
-        self.debug = None
+        self.lines = DefragLines(environ if environ is not None else None)
+        self.debug = self.lines.say if self.lines.debug else None
+        """The plugin's debug logger (``VLLM_DEBUG=defrag``), else None."""
+        self._exporter: MultiprocessExporter | None = process_exporter()
         if kv_caches is not None:
             if block_size is None:
                 raise ConfigError("block_size", None, "given with kv_caches")
             self.initialize(kv_caches, block_size)
+        self.lines.initialized()
 
     # -- the seed's attributes -----------------------------------------------------------
     @property
@@ -283,6 +289,8 @@ class OnlineDefragmenter:
         session.settle()  # an earlier update_state that no defragment() ended
         new = _allocations(new_blocks)
         finished, preempted = _req_ids(finished_reqs), _req_ids(preempted_reqs)
+        if self.lines.debug:
+            self.lines.updating_state(sum(map(len, new.values())), len(finished))
         resumed = _req_ids(resumed_reqs)
         engine = session.engine
         released = {*finished, *preempted, *(r for r in resumed if new.get(r))}
@@ -314,9 +322,26 @@ class OnlineDefragmenter:
     def defragment(self) -> None:
         """End the step: collect finished transfers, then the step's event (the pending
         ``StepScheduled``, else ``StepEnded``); its swaps run now."""
-        plans = self.session.end_step()
+        session = self.session
+        plans = session.end_step()
         swaps = [p for p in plans if isinstance(p, SwapPlan)]
         self.last_swap = swaps[-1] if swaps else None
+        if swaps and self.lines.debug:
+            self._say_done(swaps)
+        exporter, reporter = self._exporter, session.reporter
+        if exporter is not None and reporter is not None and not session.reported_by_connector:
+            exporter.observe(reporter.take())
+
+    def _say_done(self, swaps: list[SwapPlan]) -> None:
+        """The plugin's ``defragmentation done`` line: the highest used id before (the
+        first source: defrag moves the highest used block first) and after."""
+        state = self.session.engine.state
+        moved = [p for p in swaps if p.pairs]
+        if not moved:
+            return
+        pre = max(state.max_used, *(src for p in moved for src, _ in p.pairs))
+        pairs = sum(len(p.pairs) for p in moved)
+        self.lines.done(pre, state.max_used, state.num_used, pairs, moved[-1].padded_to)
 
     def resolve(self, block_id: int) -> int:
         """Logical -> physical; ids the Engine does not know (pads, -1) pass unchanged; a
@@ -404,9 +429,14 @@ class OnlineDefragmenter:
         mode blocks 1 and 2 are swapped twice; in ``"move"`` mode block 1 is moved onto
         block 2 and block 2's bytes are put back.
         """
-        if not self.enabled or self.session.cache_config().num_gpu_blocks < 3:
+        if not self.enabled:
+            return
+        num_blocks = self.session.cache_config().num_gpu_blocks
+        if num_blocks < 3:
+            self.lines.warmup_skipped(num_blocks)
             return
         executor = self._idle_executor()
+        self.lines.warming_up(self.to_swap_pad_thresholds)
         for pad in self.to_swap_pad_thresholds:
             if self.session.prefix_caching:
                 self._execute_swap([(1, 2)], pad)
@@ -415,6 +445,7 @@ class OnlineDefragmenter:
                 saved = executor.read_gpu_block(2)
                 self._execute_swap([(1, 2)], pad)
                 executor.write_gpu_block(2, saved)
+        self.lines.warmed_up()
 
     def run_unlogged_swap(self, pairs: list[tuple[int, int]], padded_to: int) -> None:
         """The plugin's ``cache_utils.swap``: only while no block is in use or pinned."""

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 import torch
 
+from kvlog.analysis.figures import EngineFigures
 from kvlog.analysis.policy import check_byte_budget
 from kvlog.errors import ConfigError, LayoutError, LogExists, LogWriterError, MissingExtra
 from kvlog.events import (
@@ -36,6 +38,12 @@ from kvlog.executors.layouts import KVCaches, register_layout
 from kvlog.integrations.books import Claim, RequestBooks
 from kvlog.integrations.config import FacadeConfig
 from kvlog.integrations.holds import LoadHolds
+from kvlog.integrations.metrics import (
+    RecorderFigures,
+    Reporter,
+    metrics_enabled,
+    recorder_figures,
+)
 from kvlog.integrations.registry import cache_tensors
 from kvlog.log import LogStatus, is_log_directory, list_segments
 from kvlog.log.detach import error_errno
@@ -147,6 +155,12 @@ class KvCacheSession:
         self.step = 0
         self._lookup: list[int] | None = None
         self._lookup_moves = -1
+        self.reporter: Reporter | None = None
+        """The Engine's figures for the metrics (``kvlog.integrations.metrics``), once it
+        started (None with ``KVLOG_METRICS=0``)."""
+        self.reported_by_connector = False
+        """Set by the connector's first ``get_kv_connector_stats``: the defragmenter then
+        leaves the reporting to it."""
         self._pending: tuple[StepScheduled, set[str], Ticket] | None = None
         """A step ``update_state`` checked, applied as one event by ``end_step`` (or as
         its fine-grained events by ``settle`` if anything else comes first); with the
@@ -264,7 +278,27 @@ class KvCacheSession:
                 **self.executor_options,
             )
             self._engine = self._start_engine(config, executor)
+            self._watch(self._engine)
         return self._engine
+
+    def _watch(self, engine: Engine) -> None:
+        """Figures for the metrics: an observer on the Engine's machine from its first
+        event on, and the worker's recorder."""
+        if not metrics_enabled():
+            return
+        figures = EngineFigures(clock=time.monotonic, hold_prefix=self.holds.prefix)
+        engine.machine.observers.append(figures)
+        reporter = Reporter()
+        reporter.watch_engine(engine, figures)
+
+        def recorder() -> RecorderFigures:
+            status = self.log_status()
+            return recorder_figures(
+                status, engine.num_checkpoints, engine.recorder_lag_s(), engine.records_written
+            )
+
+        reporter.watch_recorder("worker", recorder, lambda: engine.recorder_attached)
+        self.reporter = reporter
 
     def _start_engine(self, config: CacheConfigured, executor: Executor) -> Engine:
         """The Engine, recording to the configured log; a log that cannot be opened (a
@@ -414,9 +448,12 @@ class KvCacheSession:
         self._route(self._engine.wait(ids))
 
     def _route(self, results: Iterable[TransferCompletion]) -> None:
+        reporter = self.reporter
         for result in results:
             kind = self._kinds.pop(result.job_id, "store")
             self._finished[kind].append(result)
+            if reporter is not None:
+                reporter.note_finished(kind, result.num_bytes, result.elapsed_s)
 
     # -- blocks a load writes before the runner sees their request -----------------------
     def hold(

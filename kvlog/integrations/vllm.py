@@ -56,10 +56,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 
 from kvlog.events import CacheConfigured
 from kvlog.integrations.config import config_from_env
+from kvlog.integrations.metrics import PromMetrics, Reporter, metrics_enabled, recorder_figures
 from kvlog.integrations.offload import OffloadingWorker
 from kvlog.integrations.registry import shared_session
 from kvlog.integrations.session import JobKind, KvCacheSession
 from kvlog.log import LogStatus
+from kvlog.reducers.tier_misses import TierExplainer
 from kvlog.runtime.engine import Engine
 from kvlog.tier.record import TierRecorder, tier_config_of
 
@@ -170,28 +172,65 @@ def scheduler_log_path(log_path: str) -> str:
     return f"{root}.scheduler{ext or '.kvlog'}"
 
 
-def record_tier(scheduler: Any, vllm_config: Any, kv_cache_config: Any) -> Engine | None:
-    """With ``KVLOG_PATH`` set, wrap the scheduler side's CPU offloading manager in a
-    ``TierRecorder`` that logs every call into the scheduler process's own log (an Engine
-    with no GPU books to keep: defrag off); None without ``KVLOG_PATH`` or a CPU manager."""
-    config = config_from_env()
-    manager = getattr(scheduler, "manager", None)
-    if config.log_path is None or manager is None or not hasattr(manager, "_policy"):
-        return None
+def _tier_config(scheduler: Any, vllm_config: Any) -> Any:
     spec = getattr(scheduler, "config", None)
     blocks_per_chunk = int(getattr(spec, "blocks_per_chunk", 1) or 1)
+    block_size = int(vllm_config.cache_config.block_size)
+    tier = tier_config_of(scheduler.manager, blocks_per_chunk)
+    return msgspec.structs.replace(tier, tokens_per_chunk=blocks_per_chunk * block_size)
+
+
+def record_tier(
+    scheduler: Any, vllm_config: Any, kv_cache_config: Any, reporter: Reporter | None = None
+) -> Engine | None:
+    """With ``KVLOG_PATH`` set, wrap the scheduler side's CPU offloading manager in a
+    ``TierRecorder`` that logs every call into the scheduler process's own log (an Engine
+    with no GPU books to keep: defrag off); None without ``KVLOG_PATH`` or a CPU manager.
+    With a ``reporter``, the calls are explained for the metrics too (``TierExplainer``:
+    the code that explains the log offline) and the log's recorder is reported."""
+    config = config_from_env()
+    manager = getattr(scheduler, "manager", None)
+    if manager is None or not hasattr(manager, "_policy"):
+        return None
+    if config.log_path is None:
+        if reporter is not None:  # no log: the calls are explained all the same
+            try:
+                tier = _tier_config(scheduler, vllm_config)
+            except AttributeError as exc:  # a manager kvlog cannot read: no tier figures
+                logging.getLogger("kvlog").warning("kvlog: no CPU tier metrics: %r", exc)
+                return None
+            explainer = TierExplainer()
+            reporter.watch_tier(explainer)
+            scheduler.manager = TierRecorder(manager, explainer.feed, tier)
+        return None
     block_size = int(vllm_config.cache_config.block_size)
     cache = CacheConfigured(
         num_gpu_blocks=max(1, int(kv_cache_config.num_blocks)), block_size=block_size, defrag=False
     )
+    path = scheduler_log_path(config.log_path)
     try:
-        engine = Engine(cache, log_path=scheduler_log_path(config.log_path), sync="none")
+        engine = Engine(cache, log_path=path, sync="none", on_log_error="detach")
     except Exception as exc:  # the recorder never takes serving down
         logging.getLogger("kvlog").error("kvlog: no CPU tier log: %r", exc)
         return None
-    tier = tier_config_of(manager, blocks_per_chunk)
-    tier = msgspec.structs.replace(tier, tokens_per_chunk=blocks_per_chunk * block_size)
-    scheduler.manager = TierRecorder(manager, engine.apply, tier, batched=True)
+    tier = _tier_config(scheduler, vllm_config)
+    sink: Any = engine.apply
+    if reporter is not None:
+        explainer = TierExplainer()
+        reporter.watch_tier(explainer)
+
+        def sink(event: Any) -> None:
+            engine.apply(event)
+            explainer.feed(event)
+
+        def figures() -> Any:
+            status = engine.log_status()
+            return recorder_figures(
+                status, engine.num_checkpoints, engine.recorder_lag_s(), engine.records_written
+            )
+
+        reporter.watch_recorder("scheduler", figures, lambda: engine.recorder_attached)
+    scheduler.manager = TierRecorder(manager, sink, tier, batched=True)
     return engine
 
 
@@ -201,8 +240,12 @@ class KvlogOffloadingConnector(OffloadingConnector):  # type: ignore[misc]
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         self.tier_engine: Engine | None = None
+        self.tier_reporter: Reporter | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.tier_engine = record_tier(self.connector_scheduler, vllm_config, kv_cache_config)
+            self.tier_reporter = Reporter() if metrics_enabled() else None
+            self.tier_engine = record_tier(
+                self.connector_scheduler, vllm_config, kv_cache_config, self.tier_reporter
+            )
         if role == KVConnectorRole.WORKER:
             worker: Any = getattr(self, "connector_worker", None)
             assert worker is not None, "the WORKER role builds a connector worker"
@@ -235,6 +278,44 @@ class KvlogOffloadingConnector(OffloadingConnector):  # type: ignore[misc]
             self._flush_tier()
             engine, self.tier_engine = self.tier_engine, None
             engine.close()
+
+    # -- metrics (kvlog.integrations.metrics) ---------------------------------------------
+    def get_kv_connector_stats(self) -> Any:
+        """vLLM's offloading stats (scheduler side), with kvlog's figures merged in when a
+        payload is due: the worker's Engine and recorder, the scheduler's CPU tier and tier
+        log. vLLM sums the workers' payloads and merges the scheduler's."""
+        stats = super().get_kv_connector_stats()
+        payload = self._kvlog_payload()
+        if payload is None:
+            return stats
+        ours = self.build_kv_connector_stats(payload)
+        if stats is None or stats.is_empty():
+            return ours
+        return stats.aggregate(ours)
+
+    def _kvlog_payload(self) -> dict[str, Any] | None:
+        if self.tier_reporter is not None:
+            return self.tier_reporter.take()
+        worker = self.connector_worker
+        session = worker.session if isinstance(worker, KvlogConnectorWorker) else None
+        if session is None or session.reporter is None:
+            return None
+        session.reported_by_connector = True
+        return session.reporter.take()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> Any:
+        """kvlog's ``kvlog_`` series next to vLLM's own (its ``OffloadPromMetrics``)."""
+        inner = super().build_prom_metrics(
+            vllm_config, metric_types, labelnames, per_engine_labelvalues
+        )
+        return PromMetrics(metric_types, labelnames, per_engine_labelvalues, inner)
 
     @property
     def engine(self) -> Engine:

@@ -126,6 +126,16 @@ class Recovery(msgspec.Struct, frozen=True):
     offset: int
     reason: str = ""
 
+    def __str__(self) -> str:
+        """In words: ``11 bytes from byte offset 415 on are not a whole record (incomplete
+        record header); the log ends at seq 1``."""
+        why = f" ({self.reason})" if self.reason else ""
+        end = f"the log ends at seq {self.last_seq:,}" if self.last_seq >= 0 else "no record left"
+        return (
+            f"{self.truncated_bytes:,} bytes from byte offset {self.offset:,} on are not a "
+            f"whole record{why}; {end}"
+        )
+
 
 class SnapshotPart(msgspec.Struct, frozen=True, tag_field="type", tag=True):
     """A log-internal record: piece ``index`` of ``count`` of the snapshot of the

@@ -7,7 +7,10 @@ exhausted. Damage followed by valid data, and any damage in a log closed cleanly
 still verifies the checksum of every record before it, but decodes none of them.
 
 A log is a file or a directory of segments (``kvlog.log.manifest``): a directory reads as
-its segments one after the other, with whole-log sequence numbers.
+its segments one after the other, with whole-log sequence numbers. A segment the manifest
+lists whose file is gone raises ``CorruptLogError`` naming it when the read reaches it (a
+read that starts after it never does); the last segment, still open, holding no header
+(empty, or cut inside it: a crash right after its file was created) is a torn tail.
 
 Log-internal records are never yielded: ``SnapshotPart`` pieces are joined into the
 snapshot of the ``Checkpoint`` that follows them, and ``LogEnd`` (a clean close) is
@@ -42,7 +45,13 @@ from kvlog.log.format import (
     read_header_info,
     record_seed,
 )
-from kvlog.log.manifest import SegmentInfo, file_sha256, list_segments, open_segment
+from kvlog.log.manifest import (
+    SegmentInfo,
+    file_sha256,
+    list_segments,
+    open_segment,
+    read_listing,
+)
 from kvlog.log.scan import FrameScanner
 from kvlog.log.writer import check_kind, path_error
 
@@ -68,13 +77,15 @@ class LogReader:
         self.gaps: list[tuple[int, LogDetached]] = []
         self.segments: list[SegmentInfo] | None = None
         """A directory's segments, oldest first (None for a single file)."""
+        self.missing: frozenset[int] = frozenset()
+        """The first sequence numbers of segments the manifest lists whose file is gone."""
+        self.unlisted: list[str] = []
+        """Segment files the manifest does not list: read without a SHA-256 check."""
+        self.strays: list[str] = []
+        """Files named like segments, in no manifest, holding no log: not read."""
+        self._torn: tuple[SegmentInfo, int, str] | None = None  # the headerless last segment
         if os.path.isdir(self.path):
-            self.segments = list_segments(self.path)
-            if not self.segments:
-                raise LogNotFound(errno.ENOENT, f"{self.path}: a directory with no log segments")
-            with open_segment(self.path, self.segments[-1]) as last:  # the others may be gone
-                info = _header_info(last)
-            self.first_seq = self.segments[0].first_seq
+            info = self._open_directory()
         else:
             info = _header_info(self.path)
             self.first_seq = _seq_base(info.header, self.path)
@@ -82,6 +93,42 @@ class LogReader:
         self.tail: Recovery | None = None
         self.last_seq = self.first_seq - 1
         self.end_offset = self._data_offset
+
+    def _open_directory(self) -> HeaderRead:
+        """List a directory's segments; the header of its last one that has one (an open
+        last segment without a header is a torn tail)."""
+        listing = read_listing(self.path)
+        self.segments, self.missing = listing.segments, listing.missing
+        self.unlisted, self.strays = listing.unlisted, listing.strays
+        present = [s for s in self.segments if s.first_seq not in self.missing]
+        if not present:
+            raise LogNotFound(errno.ENOENT, f"{self.path}: a directory with no log segments")
+        self.first_seq = self.segments[0].first_seq
+        last = present[-1]
+        try:
+            with open_segment(self.path, last) as plain:  # the others may be gone
+                return _header_info(plain)
+        except CorruptLogError as exc:
+            if last is not self.segments[-1] or last.sealed or last.compressed or len(present) < 2:
+                raise
+            where = os.path.join(self.path, last.name)
+            self._torn = (last, os.path.getsize(where), f"{last.name}: {exc.message}")
+        with open_segment(self.path, present[-2]) as plain:
+            return _header_info(plain)
+
+    @property
+    def stored_segments(self) -> list[SegmentInfo]:
+        """A directory's segments whose files hold a log (not missing, not a headerless
+        last one), oldest first; empty for a single file."""
+        torn = None if self._torn is None else self._torn[0]
+        segments = self.segments or []
+        return [s for s in segments if s.first_seq not in self.missing and s is not torn]
+
+    def segments_before(self, seq: int) -> int:
+        """How many of a directory's segments lie wholly before ``seq`` (a read from
+        ``seq`` does not open them); 0 for a single file."""
+        firsts = [s.first_seq for s in self.segments or []]
+        return sum(1 for after in firsts[1:] if after <= seq)
 
     @property
     def closed_cleanly(self) -> bool:
@@ -119,8 +166,7 @@ class LogReader:
         except CorruptLogError as exc:
             if not self.salvage or isinstance(exc, SchemaVersionError):
                 raise
-            self.stopped = exc
-            _logger.warning("%s: salvaged the intact prefix; stopped at: %s", self.path, exc)
+            self.stopped = exc  # the caller says it (replay's ``salvaged``, the CLI's line)
 
     def _file_records(self, start_seq: int) -> Iterator[tuple[int, Record]]:
         base = self.first_seq
@@ -162,6 +208,11 @@ class LogReader:
                 expected = following
                 continue
             where = os.path.join(self.path, info.name)
+            if info.first_seq in self.missing:
+                raise _missing(info, where, following)
+            if self._torn is not None and info is self._torn[0]:
+                self._torn_tail(expected)
+                return
             if info.first_seq != expected:
                 raise CorruptLogError(
                     f"segment {info.name} starts at sequence number {info.first_seq}, "
@@ -186,6 +237,15 @@ class LogReader:
             self.tail, self.last_seq, self.flags = reader.tail, reader.last_seq, reader.flags
             self.end_offset = reader.end_offset
             expected = reader.last_seq + 1
+
+    def _torn_tail(self, expected: int) -> None:
+        """The last segment holds no header: a torn tail after the records before it."""
+        assert self._torn is not None, "only a headerless last segment"
+        _, size, why = self._torn
+        reason = f"the open segment holds no header (a crash as it was created): {why}"
+        self.tail = Recovery(size, expected - 1, 0, reason)
+        self.flags &= ~FLAG_CLOSED  # its writer never closed it
+        _logger.warning("%s: torn tail (not modified): %s", self.path, self.tail)
 
     def _relist(self, info: SegmentInfo, expected: int) -> int:
         """The segment ``info`` is not where the listing said: list the directory again.
@@ -232,6 +292,22 @@ def _in_segment(exc: CorruptLogError, base: int) -> CorruptLogError:
     message = f"{exc.message} [sequence numbers in this message count from {base}]"
     seq = exc.seq + base if exc.seq >= 0 else exc.seq
     return CorruptLogError(message, path=exc.path, offset=exc.offset, seq=seq)
+
+
+def _missing(info: SegmentInfo, where: str, following: int) -> CorruptLogError:
+    """The error for a segment the manifest lists whose file is gone."""
+    if following >= 0:
+        seqs = f"seq {info.first_seq:,}-{following - 1:,}"
+    elif info.sealed:
+        seqs = f"seq {info.first_seq:,}-{info.last_seq:,}"
+    else:
+        seqs = f"seq {info.first_seq:,} on, the log's end"
+    return CorruptLogError(
+        f"segment {info.name}, listed in the manifest ({seqs}), is gone: a segment is "
+        "missing (not removed by retention); its records were not read",
+        path=where,
+        seq=info.first_seq,
+    )
 
 
 def _check_digest(info: SegmentInfo, where: str) -> None:

@@ -14,6 +14,16 @@ each seal: the oldest sealed segments go while the sealed ones hold more than
 ``retain_bytes`` or were sealed more than ``retain_seconds`` ago; the open segment always
 stays, and it starts with a snapshot, so what is left replays from its first snapshot.
 
+The settings (``segment_bytes``, ``retain_bytes``, ``retain_seconds``, ``compress``) are
+kept in the manifest: a writer that reopens the directory keeps them where it is given
+None (so ``Engine.resume(DIR)`` seals and retains as the recording did). Retention moves
+the manifest's ``start_seq`` past the segments it removes before it removes their files; a
+reopening writer removes the files a crash left before ``start_seq``. It also sets aside a
+last segment that holds no header (a torn tail: removed when empty, else renamed to
+``NAME.torn``), and adopts into the manifest, as sealed, whole segments it does not list.
+A segment the manifest lists whose file is gone is damage: when it is the newest (the
+records at the log's end are lost) the directory is not continued (``CorruptLogError``).
+
 One writer per directory: a ``LOCK`` file in it is ``flock``-ed (a second writer gets
 ``LogLocked``). Any ``OSError`` while sealing or starting a segment poisons the writer
 (``LogPoisoned``), as a failed write does.
@@ -31,23 +41,33 @@ from collections.abc import Callable
 
 import msgspec
 
-from kvlog.errors import LogClosed, LogExists, LogLocked, LogPathError, LogPoisoned
+from kvlog.errors import (
+    CorruptLogError,
+    LogClosed,
+    LogExists,
+    LogLocked,
+    LogPathError,
+    LogPoisoned,
+    SchemaVersionError,
+)
 from kvlog.events import Checkpoint, Record
 from kvlog.log.format import SEQ_BASE_KEY, Recovery
 from kvlog.log.manifest import (
     MANIFEST_NAME,
+    Listing,
     Manifest,
     SegmentInfo,
     compress_file,
     file_sha256,
-    list_segments,
+    fsync_directory,
     open_segment,
+    read_listing,
     remove_file,
     segment_name,
     write_manifest,
     zstandard,
 )
-from kvlog.log.writer import DEFAULT_SYNC_INTERVAL_S, LogWriter, SyncMode
+from kvlog.log.writer import DEFAULT_SYNC_INTERVAL_S, LogWriter, SyncMode, path_error
 
 try:
     import fcntl
@@ -75,19 +95,21 @@ class SegmentedWriter:
         meta: dict[str, str] | None = None,
         new: bool = False,
         sync_interval_s: float = DEFAULT_SYNC_INTERVAL_S,
-        segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+        segment_bytes: int | None = None,
         retain_bytes: int | None = None,
         retain_seconds: float | None = None,
-        compress: bool = False,
+        compress: bool | None = None,
     ) -> None:
         if compress:
             zstandard()  # MissingExtra now, not at the first seal
         self.path = os.fspath(path).rstrip("/") or "/"
         self.sync_mode: SyncMode = sync
         self._options = (meta or {}, sync_interval_s)
-        self.segment_bytes = segment_bytes
-        self.retain = (retain_bytes, retain_seconds)
-        self.compress = compress
+        self._given = (segment_bytes, retain_bytes, retain_seconds, compress)
+        self.segment_bytes = DEFAULT_SEGMENT_BYTES
+        self.retain: tuple[int | None, float | None] = (None, None)
+        self.compress = False
+        self._start_seq = 0  # the log's first sequence number (retention moves it)
         self._current: LogWriter | None = None
         self._base = 0  # whole-log seq of the open segment's record 0 (or the next one's)
         self._poison: BaseException | None = None
@@ -105,15 +127,25 @@ class SegmentedWriter:
             raise
 
     def _open(self, new: bool) -> None:
-        segments = list_segments(self.path)
-        if new and segments:
+        listing = read_listing(self.path)
+        if new and listing.segments:
             raise LogExists(
                 errno.EEXIST,
                 f"{self.path} already holds log segments; use Engine.resume() to continue it",
             )
-        self._manifest = Manifest(segments)
+        self._settle(listing.manifest)
+        try:
+            segments = self._tidy(listing)
+        except OSError as exc:
+            raise path_error(self.path, "cannot tidy the log directory", exc) from exc
+        self._start_seq = segments[0].first_seq if segments else 0
+        self._manifest = self._manifest_of(segments)
         if not segments:
             return
+        try:  # the settings, the start, the adopted segments (an index: best effort)
+            write_manifest(self.path, self._manifest)
+        except OSError as exc:
+            _logger.warning("%s: cannot update the manifest: %s", self.path, exc)
         last = segments[-1]
         if last.sealed or last.compressed:
             self._base = last.last_seq + 1 if last.sealed else self._next_seq_after(last)
@@ -124,9 +156,99 @@ class SegmentedWriter:
         self._options = ({**meta, **self._options[0]}, self._options[1])  # the log's own meta
         self.recovery = self._current.recovery
 
+    def _settle(self, manifest: Manifest | None) -> None:
+        """The settings: those given, else the directory's own (its manifest's), else the
+        defaults."""
+        segment_bytes, retain_bytes, retain_seconds, compress = self._given
+        if manifest is not None:
+            if segment_bytes is None and manifest.segment_bytes >= MIN_SEGMENT_BYTES:
+                segment_bytes = manifest.segment_bytes
+            retain_bytes = manifest.retain_bytes if retain_bytes is None else retain_bytes
+            retain_seconds = manifest.retain_seconds if retain_seconds is None else retain_seconds
+            compress = manifest.compress if compress is None else compress
+        self.segment_bytes = segment_bytes or DEFAULT_SEGMENT_BYTES
+        self.retain = (retain_bytes, retain_seconds)
+        self.compress = bool(compress)
+        if self.compress:
+            zstandard()
+
+    def _manifest_of(self, segments: list[SegmentInfo]) -> Manifest:
+        retain_bytes, retain_seconds = self.retain
+        return Manifest(
+            segments,
+            start_seq=self._start_seq,
+            segment_bytes=self.segment_bytes,
+            retain_bytes=retain_bytes,
+            retain_seconds=retain_seconds,
+            compress=self.compress,
+        )
+
+    def _tidy(self, listing: Listing) -> list[SegmentInfo]:
+        """The segments to go on with: retention's leftover files removed, a headerless
+        last segment set aside, unlisted whole segments adopted as sealed; a missing newest
+        segment refused (its records, the log's end, are lost)."""
+        for name in listing.leftovers:  # a crash between retention's manifest and removals
+            remove_file(os.path.join(self.path, name))
+        if listing.leftovers:
+            _logger.warning(
+                "%s: removed %d segment files retention had dropped from the manifest",
+                self.path,
+                len(listing.leftovers),
+            )
+            fsync_directory(self.path)
+        segments = list(listing.segments)
+        if segments and segments[-1].first_seq in listing.missing:
+            name = segments[-1].name
+            raise CorruptLogError(
+                f"the newest segment {name} is missing (the manifest lists it): the log's "
+                "last records are lost, so it is not continued (kvlog replay --salvage "
+                "reads what is left)",
+                path=os.path.join(self.path, name),
+                seq=segments[-1].first_seq,
+            )
+        if segments and self._torn(segments[-1]):
+            segments.pop()
+        unlisted = set(listing.unlisted)
+        return [self._adopt(s) if s.name in unlisted else s for s in segments]
+
+    def _torn(self, info: SegmentInfo) -> bool:
+        """Set the last segment aside when it holds no header (removed when empty, else
+        renamed ``NAME.torn``); whether it was."""
+        from kvlog.log.reader import LogReader  # the reader imports the writer's module
+
+        path = os.path.join(self.path, info.name)
+        if info.sealed or info.compressed:
+            return False
+        try:
+            LogReader(path)
+            return False
+        except SchemaVersionError:
+            raise
+        except CorruptLogError as exc:
+            if os.path.getsize(path) == 0:
+                remove_file(path)
+            else:
+                os.replace(path, path + ".torn")
+            fsync_directory(self.path)
+            _logger.warning("%s: set aside the last segment (no header): %s", self.path, exc)
+            return True
+
+    def _adopt(self, info: SegmentInfo) -> SegmentInfo:
+        """A whole segment the manifest does not list, as sealed (read once: its last
+        sequence number, its digest); as it is when it does not read."""
+        try:
+            last = self._next_seq_after(info) - 1
+        except CorruptLogError as exc:
+            _logger.warning("%s: segment %s not in the manifest: %s", self.path, info.name, exc)
+            return info
+        path = os.path.join(self.path, info.name)
+        return msgspec.structs.replace(
+            info, last_seq=last, num_bytes=os.path.getsize(path), sha256=file_sha256(path)
+        )
+
     def _next_seq_after(self, info: SegmentInfo) -> int:
-        """The seq after a compressed segment the manifest does not know as sealed (its
-        manifest entry was lost): read it."""
+        """The seq after a segment the manifest does not know as sealed (its manifest
+        entry was lost): read it."""
         from kvlog.log.reader import LogReader  # the reader imports the writer's module
 
         with open_segment(self.path, info) as plain:
@@ -150,6 +272,10 @@ class SegmentedWriter:
     def next_seq(self) -> int:
         """The whole log's sequence number of the next record."""
         return self._base + (0 if self._current is None else self._current.next_seq)
+
+    def unsynced_age_s(self) -> float:
+        """The open segment's ``LogWriter.unsynced_age_s`` (0 with none open)."""
+        return 0.0 if self._current is None else self._current.unsynced_age_s()
 
     @property
     def active_path(self) -> str | None:
@@ -194,7 +320,7 @@ class SegmentedWriter:
             segments = [s for s in self._manifest.segments if s.first_seq != info.first_seq]
             segments.append(info)
             segments.sort(key=lambda s: s.first_seq)
-            self._manifest = Manifest(segments)
+            self._manifest = self._manifest_of(segments)
             write_manifest(self.path, self._manifest, durable=durable)
 
     @property
@@ -263,7 +389,8 @@ class SegmentedWriter:
 
     def _apply_retention(self) -> None:
         """Remove the oldest sealed segments beyond ``retain_bytes`` / ``retain_seconds``
-        (the manifest first, durably, then the files)."""
+        (the manifest first, durably, its ``start_seq`` past them, then the files: a crash
+        between leaves files the next writer removes, never a log that does not read)."""
         retain_bytes, retain_seconds = self.retain
         if retain_bytes is None and retain_seconds is None:
             return
@@ -284,7 +411,8 @@ class SegmentedWriter:
         try:
             with self._manifest_lock:
                 kept = [s for s in self._manifest.segments if s.first_seq not in names]
-                self._manifest = Manifest(kept)
+                self._start_seq = kept[0].first_seq if kept else self._base
+                self._manifest = self._manifest_of(kept)
                 write_manifest(self.path, self._manifest, durable=True)
             for info in drop:
                 remove_file(os.path.join(self.path, info.name))

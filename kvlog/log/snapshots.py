@@ -15,7 +15,7 @@ import os
 from kvlog.errors import CorruptLogError
 from kvlog.events import Checkpoint
 from kvlog.log.format import FRAME, FRAME_BYTES, record_seed
-from kvlog.log.manifest import SegmentInfo, list_segments, open_segment
+from kvlog.log.manifest import SegmentInfo, open_segment
 from kvlog.log.reader import LogReader, RecordAssembler
 from kvlog.log.scan import FrameScanner
 
@@ -32,7 +32,7 @@ def latest_snapshot(
     text = os.fspath(path)
     if not os.path.isdir(text):
         return _scan(text, skip)
-    for info in reversed(list_segments(text)):
+    for info in reversed(LogReader(text).stored_segments):
         if info.snapshot_seq >= 0 and info.snapshot_seq not in skip:
             found = _read_hint(text, info)
             if found is not None:

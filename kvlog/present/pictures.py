@@ -6,11 +6,14 @@ mean highest used id, bytes moved by defrag, bytes stored and loaded), then pane
 the step axis: used blocks (grey area) and each policy's highest used id, fragmentation
 (only where enough ids are in use to mean something), the bytes defrag moved and the bytes
 transferred as cumulative lines, and the modeled step time. Each policy has its own colour
-and line style; per-step series are drawn faint with a rolling mean on top.
+and line style; per-step series are drawn faint with a rolling mean on top (above 2,000
+steps, as a band of each bin's 10th to 90th percentile instead: a faint line per step would
+fill the panel).
 
 Sweep: a row of bar panels per log, one bar per variant in the order given (refused
 variants keep their row, with the reason): modeled ms per step (mean, p99 written next to
-it, the best one marked), bytes moved by defrag, mean highest used id. One colour per
+it, the best one marked, or every variant within 1% of it marked as a tie), bytes moved by
+defrag, mean highest used id. One colour per
 policy family everywhere.
 
 Tier sweep (``kvlog sweep --cpu-bytes``): one panel per log, the share of chunks served from
@@ -24,6 +27,7 @@ matplotlib is the ``plot`` extra; without it :func:`plt_module` raises
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +45,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FAMILY_COLORS",
+    "MAX_FAINT_STEPS",
+    "TIE_SHARE",
     "plt_module",
     "rolling_mean",
     "write_report_figure",
@@ -98,7 +104,7 @@ def _style(i: int) -> dict[str, Any]:
 
 
 # -- the report ----------------------------------------------------------------------------
-class _Run:
+class _Drawn:
     """One series with what the report draws of it, computed once."""
 
     def __init__(
@@ -140,7 +146,7 @@ def write_report_figure(
     if not any(len(s) for s in series):
         _write_empty_figure(plt, path, title)
         return
-    runs = [_Run(s, config, cost, i) for i, s in enumerate(series)]
+    runs = [_Drawn(s, config, cost, i) for i, s in enumerate(series)]
     xs = np.asarray(series[0].step, dtype=np.float64)
     window = _window(len(xs))
     panels = [_blocks_panel, _fragmentation_panel, _moved_panel]
@@ -179,7 +185,7 @@ def _write_empty_figure(plt: Any, path: str, title: str) -> None:
     plt.close(fig)
 
 
-def _summary_table(ax: Any, runs: Sequence[_Run]) -> None:
+def _summary_table(ax: Any, runs: Sequence[_Drawn]) -> None:
     ax.axis("off")
     header = ["policy"]
     if runs[0].ms is not None:
@@ -218,15 +224,43 @@ def _step_axis(ax: Any) -> None:
     ax.grid(True, alpha=0.3)
 
 
-def _faint_and_mean(ax: Any, xs: np.ndarray, ys: Sequence[float], run: _Run, window: int,
+MAX_FAINT_STEPS = 2_000
+"""Above this many steps a per-step series is not drawn step by step (at a picture's width
+its faint line fills the panel as a solid wall): a band of its spread is drawn instead."""
+SPREAD_BINS = 400
+
+
+def _spread_bin(num_steps: int) -> int:
+    """Steps per bin of the spread band (1: each step drawn)."""
+    return 1 if num_steps <= MAX_FAINT_STEPS else -(-num_steps // SPREAD_BINS)
+
+
+def _spread_words(num_steps: int) -> str:
+    """How a panel's title names its faint part."""
+    size = _spread_bin(num_steps)
+    if size == 1:
+        return "per step faint"
+    return f"band: 10th to 90th percentile of each {size:,} steps"
+
+
+def _faint_and_mean(ax: Any, xs: np.ndarray, ys: Sequence[float], run: _Drawn, window: int,
                     label: str, scale: float = 1.0) -> None:  # fmt: skip
     values = np.asarray(ys, dtype=np.float64) / scale
-    if window > 1:
+    size = _spread_bin(len(values))
+    if size > 1:
+        usable = len(values) // size * size
+        binned = values[:usable].reshape(-1, size)
+        with np.errstate(all="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # a bin of only NaNs
+            low, high = np.nanpercentile(binned, [10, 90], axis=1)
+        centers = xs[:usable].reshape(-1, size).mean(axis=1)
+        ax.fill_between(centers, low, high, color=run.style["color"], alpha=0.15, linewidth=0)
+    elif window > 1:
         ax.plot(xs, values, color=run.style["color"], linewidth=0.5, alpha=0.18)
     ax.plot(xs, rolling_mean(values, window), label=label, linewidth=1.6, **run.style)
 
 
-def _blocks_panel(ax: Any, runs: Sequence[_Run], xs: np.ndarray, window: int,
+def _blocks_panel(ax: Any, runs: Sequence[_Drawn], xs: np.ndarray, window: int,
                   config: Any) -> None:  # fmt: skip
     if runs:
         used = np.asarray(runs[0].series.num_used, dtype=np.float64)
@@ -235,14 +269,14 @@ def _blocks_panel(ax: Any, runs: Sequence[_Run], xs: np.ndarray, window: int,
         _faint_and_mean(ax, xs, run.series.max_used, run, window, f"{run.label}")
     ax.set_ylabel("block id")
     ax.set_title(
-        f"highest used block id per policy (rolling mean over {window} steps, per step "
-        "faint); grey: blocks in use",
+        f"highest used block id per policy (rolling mean over {window} steps, "
+        f"{_spread_words(len(xs))}); grey: blocks in use",
         fontsize=10,
         loc="left",
     )
 
 
-def _fragmentation_panel(ax: Any, runs: Sequence[_Run], xs: np.ndarray, window: int,
+def _fragmentation_panel(ax: Any, runs: Sequence[_Drawn], xs: np.ndarray, window: int,
                          config: Any) -> None:  # fmt: skip
     pool = config.num_gpu_blocks if config is not None else 0
     floor = max(MIN_FRAGMENTATION_IDS, pool // 20)
@@ -261,7 +295,7 @@ def _fragmentation_panel(ax: Any, runs: Sequence[_Run], xs: np.ndarray, window: 
     )
 
 
-def _cumulative(ax: Any, runs: Sequence[_Run], xs: np.ndarray, values: list[list[float]],
+def _cumulative(ax: Any, runs: Sequence[_Drawn], xs: np.ndarray, values: list[list[float]],
                 unit_kind: str, what: str) -> None:  # fmt: skip
     largest = max((sum(v) for v in values), default=0.0)
     name, size = byte_unit(largest) if unit_kind == "bytes" else ("blocks", 1)
@@ -273,23 +307,23 @@ def _cumulative(ax: Any, runs: Sequence[_Run], xs: np.ndarray, values: list[list
     ax.set_title(f"{what}, cumulative (total in the legend)", fontsize=10, loc="left")
 
 
-def _moved_panel(ax: Any, runs: Sequence[_Run], xs: np.ndarray, window: int,
+def _moved_panel(ax: Any, runs: Sequence[_Drawn], xs: np.ndarray, window: int,
                  config: Any) -> None:  # fmt: skip
     kind = runs[0].swap_unit if runs else "bytes"
     _cumulative(ax, runs, xs, [r.swap for r in runs], kind, "moved by defrag")
 
 
-def _transfer_panel(ax: Any, runs: Sequence[_Run], xs: np.ndarray, window: int,
+def _transfer_panel(ax: Any, runs: Sequence[_Drawn], xs: np.ndarray, window: int,
                     config: Any) -> None:  # fmt: skip
     if all(r.transfer == runs[0].transfer for r in runs):
-        every = _Run.__new__(_Run)
+        every = _Drawn.__new__(_Drawn)
         every.label, every.style = "every policy", {"color": "0.3", "linestyle": "-"}
         _cumulative(ax, [every], xs, [runs[0].transfer], "bytes", "stored + loaded")
     else:
         _cumulative(ax, runs, xs, [r.transfer for r in runs], "bytes", "stored + loaded")
 
 
-def _ms_panel(ax: Any, runs: Sequence[_Run], xs: np.ndarray, window: int,
+def _ms_panel(ax: Any, runs: Sequence[_Drawn], xs: np.ndarray, window: int,
               config: Any) -> None:  # fmt: skip
     top = 0.0
     for run in runs:
@@ -300,8 +334,8 @@ def _ms_panel(ax: Any, runs: Sequence[_Run], xs: np.ndarray, window: int,
         ax.set_ylim(top=top * 1.15)
     ax.set_ylabel("ms")
     ax.set_title(
-        f"modeled step time (rolling mean over {window} steps, per step faint; axis cut at the "
-        "highest p99)",
+        f"modeled step time (rolling mean over {window} steps, {_spread_words(len(xs))}; "
+        "axis cut at the highest p99)",
         fontsize=10,
         loc="left",
     )
@@ -328,10 +362,28 @@ def write_sweep_figure(path: str, rows: Sequence[SweepRow], title: str = "kvlog 
     )
     for row_axes, log in zip(axes, logs, strict=True):
         _sweep_row(row_axes, [r for r in rows if r.log == log], log)
-    fig.suptitle(f"{title}: shorter bars are better (each bar one variant; best step marked)")
+    fig.suptitle(
+        f"{title}: shorter bars are better (each bar one variant; * the best step time; "
+        f"= variants within {TIE_SHARE:.0%} of the best: a tie)"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
+
+
+TIE_SHARE = 0.01
+"""Variants whose modeled step time is within this share of the best one's tie with it:
+the cost model is not that exact (the sweep picture marks them all, not one "best")."""
+
+
+def _tied(ok: Sequence[SweepRow], best: SweepRow | None) -> set[int]:
+    """The ids of the rows that tie with the best (itself among them); empty where the best
+    wins alone."""
+    if best is None:
+        return set()
+    limit = best.modeled_ms_per_step * (1 + TIE_SHARE)
+    close = {id(r) for r in ok if r.modeled_ms_per_step <= limit}
+    return close if len(close) > 1 else set()
 
 
 def _sweep_row(axes: Any, rows: list[SweepRow], log: str) -> None:
@@ -341,6 +393,7 @@ def _sweep_row(axes: Any, rows: list[SweepRow], log: str) -> None:
     colors = [FAMILY_COLORS.get(_family(r.policy), "tab:red") for r in rows]
     ok = [r for r in rows if not r.rejected]
     best = min(ok, key=lambda r: r.modeled_ms_per_step) if ok else None
+    tied = _tied(ok, best)
     unit, size = byte_unit(max((r.swap_bytes for r in ok), default=0))
     columns: tuple[tuple[str, str, float], ...] = (
         ("modeled ms/step (mean; p99 after it)", "modeled_ms_per_step", 1.0),
@@ -358,18 +411,21 @@ def _sweep_row(axes: Any, rows: list[SweepRow], log: str) -> None:
                             fontsize=7, color="tab:red")  # fmt: skip
                 continue
             text = f"{w:,.3f}  (p99 {r.p99_step_ms:,.2f})" if j == 0 else f"{w:,.4g}"
-            weight = "bold" if r is best and j == 0 else "normal"
+            weight = "bold" if (r is best or id(r) in tied) and j == 0 else "normal"
             ax.text(w + peak * 0.01, y, text, va="center", fontsize=7, fontweight=weight)
         ax.set_xlim(0, peak * (1.45 if j == 0 else 1.2))
         ax.set_title(f"{log}: {name}" if j == 0 else name, fontsize=9, loc="left")
         ax.xaxis.set_major_locator(MaxNLocator(nbins=5))
         ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.4g}"))
         ax.grid(True, axis="x", alpha=0.3)
-    labels = [("* " if r is best else "") + r.policy for r in rows]
+    marks = {id(r): "= " for r in ok if id(r) in tied}
+    if best is not None and not tied:
+        marks[id(best)] = "* "
+    labels = [marks.get(id(r), "") + r.policy for r in rows]
     axes[0].set_yticks(ys, labels, fontsize=8)
     for tick, r in zip(axes[0].get_yticklabels(), rows, strict=True):
         tick.set_color("tab:red" if r.rejected else "black")
-        tick.set_fontweight("bold" if r is best else "normal")
+        tick.set_fontweight("bold" if id(r) in marks else "normal")
     axes[0].invert_yaxis()
 
 
@@ -401,6 +457,7 @@ def write_tier_plot(
                 linestyle=":",
                 label="largest request",
             )
+        _hit_rate_axis(ax, curve, rows)
         ax.set_xscale("log")
         ax.set_xlabel("host memory for the CPU tier (GiB)")
         ax.set_ylabel("chunks served from the tier (%)")
@@ -410,3 +467,16 @@ def write_tier_plot(
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _hit_rate_axis(ax: Any, curve: TierCurve, rows: Sequence[dict[str, object]]) -> None:
+    """The hit-rate axis from 0 to at least 1% (a ceiling of 0.2% drawn as small as it
+    is); where nothing hits, a word of why instead of an axis around 0."""
+    from kvlog.tier.sweep import NO_REASK
+
+    mine = [float(str(r["hit_rate"])) for r in rows if r["log"] == curve.log]
+    highest = 100 * max([*curve.lru_hit_rate, *curve.opt_hit_rate, *mine, 0.0])
+    ax.set_ylim(0.0, max(1.0, highest * 1.15))
+    if highest == 0.0:
+        why = NO_REASK if curve.reasked == 0 else "no hit at any capacity tried"
+        ax.text(0.5, 0.5, why, ha="center", va="center", fontsize=9, transform=ax.transAxes)

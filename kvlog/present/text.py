@@ -11,12 +11,13 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
+from kvlog.reducers.tier_misses import TierFigures
 from kvlog.util.units import format_bytes, format_value, plural, size_label
 
 if TYPE_CHECKING:
     from kvlog.analysis.grid import SweepRow
     from kvlog.analysis.parallel import SegmentedReplay
-    from kvlog.analysis.replay import ReplayResult, RunStats, WhatIf
+    from kvlog.analysis.replay import PolicyResult, ReplayResult, WhatIf
     from kvlog.synth import SynthResult
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "segments_text",
     "sweep_table",
     "synth_text",
+    "tier_explained_text",
 ]
 
 
@@ -157,7 +159,7 @@ def _stats_rows(result: ReplayResult) -> list[tuple[str, ...]]:
     rec = result.recorded
     if rec is None:
         return []
-    runs: list[RunStats] = [rec]
+    runs: list[PolicyResult] = [rec]
     if result.whatif is not None:
         runs.append(result.whatif.whatif)
     rows: list[tuple[str, ...]] = [("", *("what-if" if r is not rec else r.label for r in runs))]
@@ -228,8 +230,9 @@ def replay_text(result: ReplayResult) -> str:
         rows.append(("torn tail", result.tail))
     rows += [("gap", gap) for gap in result.gaps]  # the recorder detached (an I/O error)
     if result.salvaged:
-        rows.append(("salvaged", f"stopped at: {result.salvaged}"))
+        rows.append(("salvaged", "the intact prefix; the log is damaged after it (why: stderr)"))
     rows += [("retired", text) for text in retired_text(result)]
+    rows += _directory_rows(result)
     parts = ["replay\n" + render_table(rows), render_table(_stats_rows(result), header=True)]
     if result.whatif is not None:
         parts.append(_whatif_text(result.whatif, result.recorded_config))
@@ -245,6 +248,12 @@ def replay_text(result: ReplayResult) -> str:
     return "\n\n".join(parts)
 
 
+def _not_read(count: int) -> str:
+    if not count:
+        return ""
+    return f" ({plural(count, 'earlier segment')} not read)"
+
+
 def retired_text(result: ReplayResult) -> list[str]:
     """One line per run of sequence numbers retention removed during the replay."""
     return [
@@ -253,16 +262,53 @@ def retired_text(result: ReplayResult) -> list[str]:
     ]
 
 
+def _directory_rows(result: ReplayResult) -> list[tuple[str, str]]:
+    """How the log ended, and the files of a log directory its manifest does not list."""
+    rows = []
+    if not result.closed_cleanly:
+        rows.append(
+            (
+                "ended",
+                "not closed: its writer never closed it (killed, crashed, or still writing); "
+                "read to its last durable record",
+            )
+        )
+    unlisted = result.unlisted
+    if len(unlisted) > 3:  # no manifest, or one that lost its entries
+        count = plural(len(unlisted), "segment")
+        rows.append(
+            (
+                "unlisted",
+                f"{count} ({unlisted[0]} to {unlisted[-1]}): not in the manifest, read "
+                "without their SHA-256 checks",
+            )
+        )
+    else:
+        rows += [
+            ("unlisted", f"{name}: not in the manifest, read without its SHA-256 check")
+            for name in unlisted
+        ]
+    rows += [
+        ("stray", f"{name}: not in the manifest and holds no log: not read")
+        for name in result.strays
+    ]
+    return rows
+
+
 def _verdict(result: ReplayResult) -> str:
     d = result.divergence
+    checked = f"({result.num_verified:,} of {plural(result.num_checkpoints, 'checkpoint')} checked)"
+    if d is None and result.from_snapshot and result.start_seq - 1 > result.first_seq:
+        return (
+            f"verified from the latest snapshot (seq {result.start_seq - 1:,}) on: the replay "
+            f"agrees with the log there {checked}; seq {result.first_seq:,}-"
+            f"{result.start_seq - 2:,} not replayed" + _not_read(result.segments_not_read)
+        )
     if d is None:
         where = " where it was read" if result.retired else ""
-        return (
-            f"verified: the replay agrees with the log{where} "
-            f"({result.num_verified:,} of {plural(result.num_checkpoints, 'checkpoint')} "
-            "checked)"
-        )
-    lines = [f"DIVERGENCE ({d.kind}) at seq {d.seq} (last agreeing seq {d.after_seq}): {d.message}"]
+        return f"verified: the replay agrees with the log{where} {checked}"
+    agreed = f"last agreeing seq {d.after_seq}" if d.after_seq >= 0 else "nothing before it"
+    lines = [f"DIVERGENCE ({d.kind}) at seq {d.seq} ({agreed}): {d.message}"]
     for label, value in (
         ("event", d.event),
         ("other event", d.other_event),
@@ -328,7 +374,7 @@ TIER_COLUMNS = (
     "log",
     "eviction",
     "host memory",
-    "threshold",
+    "store threshold",
     "hit rate",
     "loaded",
     "stored",
@@ -336,6 +382,7 @@ TIER_COLUMNS = (
     "never read",
     "prefill saved",
     "load time",
+    "misses by reason",
 )
 """The CPU tier sweep's table (``kvlog sweep --cpu-bytes``): ``sweep.csv`` has the raw
 numbers under the CSV's own column names."""
@@ -359,9 +406,35 @@ def tier_table(rows: Sequence[dict[str, Any]]) -> list[tuple[str, ...]]:
                 f"{int(r['never_read']):,}",
                 f"{float(r['prefill_saved_s']):,.1f} s",
                 f"{float(r['load_s']):,.2f} s",
+                miss_reasons(r),
             )
         )
     return out
+
+
+def miss_reasons(row: dict[str, Any]) -> str:
+    """A row's misses by reason (``miss_<reason>`` columns), the largest first; '-' for a
+    variant with no reasons (``opt``)."""
+    found = [(k[5:], v) for k, v in row.items() if k.startswith("miss_") and v != ""]
+    if not found:
+        return "-"
+    found.sort(key=lambda kv: -int(kv[1]))
+    return ", ".join(f"{k} {int(v):,}" for k, v in found if int(v)) or "none"
+
+
+def tier_explained_text(figures: TierFigures) -> str:
+    """``kvlog replay`` of a tier log: its lookups, hit rate and misses by reason (the code
+    the connector's live metrics use)."""
+    misses = sorted(figures.misses.items(), key=lambda kv: -kv[1])
+    lines = [
+        f"CPU tier: {figures.lookups:,} lookups, {figures.hits:,} hits "
+        f"({figures.hit_rate:.2%}), {sum(figures.misses.values()):,} misses",
+        "  misses by reason: " + (", ".join(f"{k} {v:,}" for k, v in misses if v) or "none"),
+        f"  chunks stored {figures.chunks_stored:,}, loaded {figures.chunks_loaded:,}, "
+        f"evicted {figures.chunks_evicted:,}; stores refused {figures.stores_refused:,}; "
+        f"stored chunks never read {figures.never_read:,} (+{figures.unread:,} still resident)",
+    ]
+    return "\n".join(lines)
 
 
 def segments_text(result: SegmentedReplay, elapsed_s: float) -> str:

@@ -105,7 +105,7 @@ from kvlog.reducers import checkpoint
 from kvlog.reducers.digest import digest_and_snapshot
 from kvlog.reducers.ranges import check_id_dtype
 from kvlog.reducers.view import BooksView
-from kvlog.runtime.fold import state_at_end
+from kvlog.runtime.fold import fold_to_end
 from kvlog.runtime.machine import Machine, Ticket
 from kvlog.runtime.memory import check_state_memory
 from kvlog.runtime.opening import (
@@ -117,6 +117,7 @@ from kvlog.runtime.opening import (
     last_event_seq,
     open_existing,
     open_writer,
+    say_not_read,
 )
 from kvlog.runtime.records import check_record_size, plain_event
 from kvlog.runtime.tables import block_table_row
@@ -158,7 +159,7 @@ class Engine:
         segment_bytes: int | None = None,
         retain_bytes: int | None = None,
         retain_seconds: float | None = None,
-        compress: bool = False,
+        compress: bool | None = False,
         on_log_error: OnLogError = "raise",
         _state: reducers.State | None = None,
         last_event_seq: int = -1,
@@ -350,6 +351,31 @@ class Engine:
             if self._log is not None:
                 status = msgspec.structs.replace(status, last_seq=self._last_seq)
             return status
+
+    @property
+    def num_checkpoints(self) -> int:
+        """Checkpoint records this Engine wrote (the final one of ``close`` included)."""
+        return self._num_checkpoints
+
+    @property
+    def records_written(self) -> int:
+        """Records the log holds (events and checkpoints, a continued log's earlier ones
+        too; a closed log's end record not counted); after a detach, up to the last one
+        known appended."""
+        log = self._log
+        if log is None:
+            return self._status.last_seq + 1
+        return log.next_seq - log.closed  # close() appended one LogEnd
+
+    @property
+    def recorder_attached(self) -> bool:
+        """Whether records still go to a log (one attribute test: a metric asks every step)."""
+        return self._log is not None
+
+    def recorder_lag_s(self) -> float:
+        """Seconds the oldest record not yet fsynced has waited (0: none, or no log)."""
+        log = self._log
+        return 0.0 if log is None else log.unsynced_age_s()
 
     def check(self, event: Event) -> Ticket:
         """Raise what ``apply(event)`` would raise against the state as it is now (a
@@ -564,17 +590,22 @@ class Engine:
         log's latest snapshot. Transfers that were in flight when the log ended are still in
         flight: the caller decides (``apply(TransferFinished(job_id, success=False))`` when
         their data is gone). A log directory's latest snapshot is found from its manifest,
-        in O(segments): only the segment it lies in is read. ``log_options``: segments,
-        retention and ``on_log_error`` (``LogOptions``) for the continued log.
+        in O(segments): only the segment it lies in is read (the segments before it are
+        not: damage there does not stop a resume; which were not read is said on the
+        ``kvlog`` logger). ``log_options``: segments, retention and ``on_log_error``
+        (``LogOptions``) for the continued log; a directory keeps its own segment size,
+        retention and compression (its manifest's) where they are None.
         """
         _check_arguments(sync, checkpoint_every, snapshot_every)
         writer = None
         try:  # opened inside: an interrupt anywhere leaves no descriptor or lock behind
             options = log_options or LogOptions()
             writer = open_existing(log_path, sync, sync_interval_s, options)
-            state, last = state_at_end(writer.path)
+            fold = fold_to_end(writer.path)
+            state, last = fold.state, fold.last_event_seq
             if state.config is None:
                 raise LogNotFound(2, f"{writer.path} holds no events to resume")
+            say_not_read(fold)
             return cls._continued(
                 state, last, writer, executor, sync, checkpoint_every, snapshot_every, options
             )

@@ -12,7 +12,7 @@ digest, and that a snapshot passed on the way restores to the state replayed up 
 Every reader of a log folds it with this: ``Engine.resume`` (:func:`state_at_end`),
 ``replay`` (verification, what-ifs, ``against``, canaries: observers and hooks on the
 lanes), the sweep's what-ifs and its segment replay. Nothing here writes a log; what a run
-did is its observers' business (``kvlog.analysis.tally.RunSummary``).
+did is its observers' business (``kvlog.analysis.tally.RunTally``).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ __all__ = [
     "Lane",
     "Progress",
     "checkpoint_digest",
+    "fold_to_end",
     "restore_snapshot",
     "state_at_end",
 ]
@@ -437,8 +438,16 @@ class Fold:
 
 def state_at_end(path: str | os.PathLike[str]) -> tuple[reducers.State, int]:
     """The state at the end of a log (from its latest snapshot, verified) and the sequence
-    number of its last event; raises ``CorruptLogError`` on a divergence, so a resumed
-    engine never continues a wrong state.
+    number of its last event (``fold_to_end``)."""
+    fold = fold_to_end(path)
+    return fold.state, fold.last_event_seq
+
+
+def fold_to_end(path: str | os.PathLike[str]) -> Fold:
+    """The fold of a log from its latest snapshot to its end, verified; raises
+    ``CorruptLogError`` on a divergence, so a resumed engine never continues a wrong state.
+    In a log directory the segments before that snapshot are not read
+    (``fold.reader.segments_before(fold.start_seq)``).
 
     A bad snapshot (one that does not restore, or restores another state than the log's
     events give there) is skipped with a warning: the fold starts again from the snapshot
@@ -452,7 +461,7 @@ def state_at_end(path: str | os.PathLike[str]) -> tuple[reducers.State, int]:
         fold.run()
         d = fold.divergence
         if d is None:
-            return fold.state, fold.last_event_seq
+            return fold
         if d.kind != "snapshot" or d.seq in skip:
             raise CorruptLogError(f"replay diverged: {d.message}", path=path, seq=d.seq)
         _log.warning("%s: %s; replaying from the snapshot before it", path, d.message)

@@ -4,6 +4,7 @@ checks a resume makes (the snapshot handed back is the state at the log's end)."
 
 from __future__ import annotations
 
+import logging
 import os
 import typing
 from typing import TYPE_CHECKING, Literal
@@ -25,9 +26,9 @@ from kvlog.log import (
     is_log_directory,
     list_segments,
 )
-from kvlog.log.segments import DEFAULT_SEGMENT_BYTES, MIN_SEGMENT_BYTES
+from kvlog.log.segments import MIN_SEGMENT_BYTES
 from kvlog.reducers import checkpoint
-from kvlog.runtime.fold import checkpoint_digest, state_at_end
+from kvlog.runtime.fold import Fold, checkpoint_digest, state_at_end
 
 __all__ = [
     "LogOptions",
@@ -38,6 +39,7 @@ __all__ = [
     "last_event_seq",
     "open_existing",
     "open_writer",
+    "say_not_read",
     "segmented",
     "wants_directory",
 ]
@@ -46,6 +48,7 @@ if TYPE_CHECKING:
     pass
 
 OnLogError = Literal["raise", "detach"]
+_logger = logging.getLogger("kvlog")
 
 
 Writer: typing.TypeAlias = "LogWriter | SegmentedWriter"
@@ -54,14 +57,15 @@ Writer: typing.TypeAlias = "LogWriter | SegmentedWriter"
 class LogOptions(typing.NamedTuple):
     """How the Engine's log is kept beyond ``sync``: segments for a log directory
     (``segment_bytes``, ``retain_bytes``, ``retain_seconds``, ``compress``; see
-    ``kvlog.log.segments``) and what an I/O error does (``on_log_error``: ``"raise"``,
-    ``LogPoisoned`` out of the call; ``"detach"``, the recorder detaches and the engine goes
-    on in memory, see ``Engine.log_status``)."""
+    ``kvlog.log.segments``; None: a directory that exists keeps its own, which its
+    manifest holds, a new one the defaults) and what an I/O error does
+    (``on_log_error``: ``"raise"``, ``LogPoisoned`` out of the call; ``"detach"``, the
+    recorder detaches and the engine goes on in memory, see ``Engine.log_status``)."""
 
     segment_bytes: int | None = None
     retain_bytes: int | None = None
     retain_seconds: float | None = None
-    compress: bool = False
+    compress: bool | None = None
     on_log_error: OnLogError = "raise"
 
 
@@ -101,7 +105,7 @@ def open_writer(
         meta=meta,
         new=new,
         sync_interval_s=sync_interval_s,
-        segment_bytes=options.segment_bytes or DEFAULT_SEGMENT_BYTES,
+        segment_bytes=options.segment_bytes,
         retain_bytes=options.retain_bytes,
         retain_seconds=options.retain_seconds,
         compress=options.compress,
@@ -112,7 +116,7 @@ def check_log_options(options: LogOptions, path: str | os.PathLike[str] | None) 
     """``ConfigError`` for a bad option, or a segment option for a log that is one file."""
     if options.on_log_error not in ("raise", "detach"):
         raise ConfigError("on_log_error", options.on_log_error, "'raise' or 'detach'")
-    if type(options.compress) is not bool:
+    if options.compress is not None and type(options.compress) is not bool:
         raise ConfigError("compress", options.compress, "a bool")
     bounds = [("segment_bytes", options.segment_bytes, MIN_SEGMENT_BYTES)]
     bounds += [("retain_bytes", options.retain_bytes, 0)]
@@ -171,3 +175,19 @@ def last_event_seq(path: str | os.PathLike[str]) -> int:
         if not isinstance(record, Checkpoint):
             last = seq
     return last
+
+
+def say_not_read(fold: Fold) -> None:
+    """Say which segments of a log directory a resume did not read: those before the
+    snapshot it started from (damage there does not stop a resume, nor is it checked)."""
+    skipped = fold.reader.segments_before(fold.start_seq)
+    if skipped:
+        _logger.info(
+            "kvlog: resumed %s from the snapshot at seq %d: %d earlier segments (seq %d-%d) "
+            "not read",
+            fold.path,
+            fold.start_snapshot,
+            skipped,
+            fold.reader.first_seq,
+            fold.start_snapshot - 1,
+        )

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from kvlog.analysis.canary import CanaryTracker, make_canary_executor
 from kvlog.errors import ConfigError, TraceError
-from kvlog.events import CacheConfigured
+from kvlog.events import CacheConfigured, Event, TierConfigured
 from kvlog.executors import Executor
 from kvlog.log import SyncMode
 from kvlog.runtime.engine import Engine
@@ -32,6 +32,7 @@ from kvlog.synth.serving import (
     bytes_per_token,
     trace_geometry,
 )
+from kvlog.synth.tier import TierManager, TraceTier
 from kvlog.synth.traces import TRACE_FORMATS, TraceRequest, read_trace
 from kvlog.synth.workload import Request, SynthConfig, Workload
 
@@ -51,10 +52,12 @@ __all__ = [
     "Workload",
     "bytes_per_token",
     "read_trace",
+    "RecordTier",
     "run_synth",
     "flat_meta",
     "read_meta",
     "run_trace",
+    "tier_config",
     "trace_geometry",
 ]
 
@@ -70,6 +73,7 @@ def run_synth(
     snapshot_every: int | None = None,
     meta: dict[str, str] | None = None,
     log_options: dict[str, Any] | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> SynthResult:
     """Run one synthetic workload; with ``out``, record it to that (new) log file or log
     directory (``log_options``: the Engine's ``segment_bytes``, ``retain_bytes``,
@@ -81,7 +85,7 @@ def run_synth(
     meta = {**(meta or {}), "workload": "kvlog synth", **flat_meta("synth", _jsonable(config))}
     return _record(
         config.cache_config(),
-        lambda engine, tracker: SynthRun(config, engine, tracker),
+        lambda engine, tracker: SynthRun(config, engine, tracker, progress),
         out,
         meta,
         (execute, backend, sync, checkpoint_every, snapshot_every),
@@ -102,8 +106,16 @@ def run_trace(
     source: str = "",
     scheduler: str = "kvlog",
     log_options: dict[str, Any] | None = None,
+    record_tier: RecordTier | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> SynthResult:
     """Serve ``requests`` (a trace) until all finished; with ``out``, record the log.
+
+    With ``num_cpu_blocks``, the CPU cache is vLLM's offloading manager (``tier.py``:
+    ``TierManager``), driven as the connector's scheduler side drives it; ``record_tier``
+    wraps it as the connector does (``record_tier(manager, engine.apply, config)``: the
+    command line passes ``kvlog.tier.record.TierRecorder``), so the log holds the tier's
+    calls for ``kvlog sweep --cpu-bytes``.
 
     ``scheduler="vllm"`` drives vLLM's own scheduler instead (``vllm_scheduler.py``; needs
     vLLM, no offload, no ``execute``). A run that cannot progress or end is refused
@@ -129,7 +141,11 @@ def run_trace(
             config, requests, engine, vllm_scheduler
         )
     elif scheduler == "kvlog":
-        make_run = lambda engine, tracker: TraceRun(config, requests, engine, tracker)  # noqa: E731
+
+        def make_run(engine: Engine, tracker: CanaryTracker | None) -> _Runs:
+            tier = _trace_tier(config, engine, record_tier)
+            return TraceRun(config, requests, engine, tracker, tier, progress)
+
     else:
         raise ConfigError("scheduler", scheduler, "kvlog or vllm")
     return _record(
@@ -145,6 +161,37 @@ def run_trace(
 
 class _Runs(Protocol):
     def run(self) -> SynthResult: ...
+
+
+RecordTier = Callable[[TierManager, Callable[[Event], object], TierConfigured], object]
+"""Wraps a trace run's tier manager in a recorder that hands each call to the sink."""
+
+
+def tier_config(config: TraceConfig) -> TierConfigured:
+    """The CPU tier of a trace run: ``num_cpu_blocks`` chunks of ``block_size_factor``
+    GPU blocks, LRU, no store threshold (vLLM's defaults)."""
+    c = config.synth
+    return TierConfigured(
+        num_chunks=c.num_cpu_blocks,
+        blocks_per_chunk=c.block_size_factor,
+        tokens_per_chunk=c.block_size_factor * c.block_size,
+        chunk_bytes=c.block_size_factor * c.page_size_bytes,
+    )
+
+
+def _trace_tier(
+    config: TraceConfig, engine: Engine, record_tier: RecordTier | None
+) -> TraceTier | None:
+    """The run's CPU tier (none without CPU blocks), recorded through ``record_tier``."""
+    c = config.synth
+    if not c.num_cpu_blocks:
+        return None
+    tier = tier_config(config)
+    base = TierManager(tier)
+    manager = base if record_tier is None else record_tier(base, engine.apply, tier)
+    chunk_tokens = c.block_size_factor * c.block_size
+    return TraceTier(manager, c.block_size_factor, c.block_size,
+                     config.max_num_batched_tokens // chunk_tokens)  # fmt: skip
 
 
 def _record(

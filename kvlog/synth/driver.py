@@ -23,11 +23,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from kvlog.analysis.canary import CanaryReport, CanaryTracker
-from kvlog.analysis.tally import RunFigures, RunSummary
+from kvlog.analysis.tally import RunResult, RunTally
 from kvlog.events import (
     BlocksAllocated,
     Event,
@@ -43,9 +44,18 @@ from kvlog.runtime.engine import Engine
 from kvlog.synth.pool import BlockPool, CpuCache
 from kvlog.synth.workload import Request, SynthConfig, Workload
 
-__all__ = ["SimulatedJob", "SynthResult", "SynthRun", "defer_sigint", "step_boundaries"]
+__all__ = [
+    "PROGRESS_EVERY",
+    "SimulatedJob",
+    "SynthResult",
+    "SynthRun",
+    "defer_sigint",
+    "step_boundaries",
+]
 
 _MAX_WAITING = 1024
+PROGRESS_EVERY = 64
+"""Steps between two progress reports of a synth loop."""
 
 
 class _Deferral:
@@ -91,12 +101,12 @@ def step_boundaries() -> Iterator[Callable[[], None]]:
 
 
 @dataclass
-class SynthResult(RunFigures):
-    """Counters of one synthetic run (what the Engine's machine did: ``RunFigures``)."""
+class SynthResult(RunResult):
+    """Counters of one synthetic run (what the Engine's machine did: ``RunResult``)."""
 
     config: SynthConfig
     log_path: str | None = None
-    summary: RunSummary = field(default_factory=RunSummary)
+    tally: RunTally = field(default_factory=RunTally)
     """What the Engine's machine did: an observer of it (``watch``)."""
     num_requests: int = 0
     num_finished: int = 0
@@ -114,9 +124,9 @@ class SynthResult(RunFigures):
     def watch(self, engine: Engine) -> None:
         """Sum up what ``engine``'s machine does from now on (and the ``CacheConfigured``
         it applied when it was built, before anything watched it)."""
-        self.summary = RunSummary(engine.config)
-        self.summary.num_events = 1
-        engine.machine.observers.append(self.summary)
+        self.tally = RunTally(engine.config)
+        self.tally.num_events = 1
+        engine.machine.observers.append(self.tally)
 
     @property
     def canary_ok(self) -> bool:
@@ -128,6 +138,25 @@ class SynthResult(RunFigures):
         if not self.num_prefix_query_blocks:
             return 0.0
         return self.num_prefix_hit_blocks / self.num_prefix_query_blocks
+
+    def describe(self) -> str:
+        """One line: the log, steps, requests, the digest (``kvlog synth`` prints more)."""
+        canary = ""
+        if self.canary_checks:
+            canary = f", canary {'ok' if self.canary_ok else 'FAILED'}"
+        return (
+            f"{self.log_path or '(no log)'}: {self.num_steps:,} steps, {self.num_events:,} "
+            f"events, {self.num_requests:,} requests ({self.num_finished:,} finished), digest "
+            f"{self.final_digest[:16]}...{canary}"
+        )
+
+    def __repr__(self) -> str:
+        """Short: the figures, not the config, summary and canary reports whole."""
+        return (
+            f"SynthResult(log_path={self.log_path!r}, num_steps={self.num_steps}, "
+            f"num_events={self.num_events}, num_requests={self.num_requests}, "
+            f"final_digest={self.final_digest[:16]!r}..., canary_ok={self.canary_ok})"
+        )
 
 
 @dataclass
@@ -147,9 +176,15 @@ class SynthRun:
     """One synthetic run on one engine (the engine's executor, if any, moves real bytes)."""
 
     def __init__(
-        self, config: SynthConfig, engine: Engine, tracker: CanaryTracker | None = None
+        self,
+        config: SynthConfig,
+        engine: Engine,
+        tracker: CanaryTracker | None = None,
+        progress: Callable[[int, int], None] | None = None,
     ) -> None:
         self.config = config
+        self.progress = progress
+        """Called as ``progress(done, total)`` now and then (steps; a trace: requests)."""
         self.engine = engine
         self.tracker = tracker
         self.workload = Workload(config)
@@ -184,7 +219,11 @@ class SynthRun:
                 every = self.config.check_every
                 if self.tracker is not None and every and (step + 1) % every == 0:
                     self.result.canary_checks.append(self.tracker.check(self.engine.state))
+                if self.progress is not None and step % PROGRESS_EVERY == 0:
+                    self.progress(step + 1, self.config.steps)
                 boundary()
+            if self.progress is not None:
+                self.progress(self.config.steps, self.config.steps)
             self.finish()
         self.result.elapsed_s = time.perf_counter() - started
         return self.result
@@ -258,18 +297,31 @@ class SynthRun:
     def _transfer_done(self, job: SimulatedJob, success: bool) -> None:
         if not success:
             self.result.num_failed_transfers += 1
-        assert self.cpu is not None, "a transfer without a CPU cache"
+        self._cpu_done(job, success)
         if job.kind == "store":
-            self.cpu.stored(job.cpu_blocks, success)
             self.stored.append(job.req)  # reported finished in this step
             return
-        self.cpu.unpin(job.cpu_blocks)
         req = job.req
         req.status = "running"
         if not success and self.tracker is not None:
             self.tracker.write(self.engine.state, job.gpu_blocks)  # recomputed instead
         req.load_blocks = []
         self._register(req)
+
+    def _cpu_done(self, job: SimulatedJob, success: bool) -> None:
+        """The CPU cache learns that a transfer finished (a store's blocks are readable or
+        dropped; a load's are unpinned)."""
+        assert self.cpu is not None, "a transfer without a CPU cache"
+        if job.kind == "store":
+            self.cpu.stored(job.cpu_blocks, success)
+        else:
+            self.cpu.unpin(job.cpu_blocks)
+
+    def _pin_for_load(self, req: Request, hits: list[Any]) -> list[int]:
+        """Pin the CPU hits ``_cpu_hits`` found for a load; the CPU blocks it reads."""
+        assert self.cpu is not None, "CPU hits without a CPU cache"
+        self.cpu.pin(hits)
+        return hits
 
     # -- finishing -----------------------------------------------------------------------
     def _report_finished(self, step: int) -> None:
@@ -411,16 +463,15 @@ class SynthRun:
         self.result.num_prefix_query_blocks += num_prefix if self.config.prefix_caching else 0
         self.emit(BlocksAllocated(req_id=req.req_id, block_ids=list(req.blocks)))
         if num_load:
-            assert self.cpu is not None, "CPU hits without a CPU cache"
-            self.cpu.pin(cpu_hits)
+            cpu_blocks = self._pin_for_load(req, cpu_hits)
             req.load_blocks = fresh[:num_load]
             req.status = "loading"
-            req.load_job = self._submit("load", req, step, cpu_hits, req.load_blocks)
+            req.load_job = self._submit("load", req, step, cpu_blocks, req.load_blocks)
         else:
             req.status = "running"
         return True
 
-    def _cpu_hits(self, req: Request, start: int, num_prefix: int) -> tuple[list[int], int]:
+    def _cpu_hits(self, req: Request, start: int, num_prefix: int) -> tuple[list[Any], int]:
         """CPU blocks holding the prefix from GPU block ``start`` on, and the GPU blocks to load.
 
         A group only partly covered by GPU hits is loaded without its first sub-blocks

@@ -36,13 +36,21 @@ import time
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvlog.analysis.canary import CanaryTracker
 from kvlog.errors import ConfigError, TraceError
-from kvlog.events import BlocksAllocated, StepEnded
+from kvlog.events import BlocksAllocated, RequestFinished, RequestPreempted, StepEnded
 from kvlog.runtime.engine import Engine
-from kvlog.synth.driver import SimulatedJob, SynthResult, SynthRun, step_boundaries
+from kvlog.synth.driver import (
+    PROGRESS_EVERY,
+    SimulatedJob,
+    SynthResult,
+    SynthRun,
+    step_boundaries,
+)
 from kvlog.synth.pool import BlockPool
+from kvlog.synth.tier import TraceTier
 from kvlog.synth.traces import HASH_BLOCK_TOKENS, TraceRequest, block_keys
 from kvlog.synth.workload import Request, SynthConfig
 
@@ -261,9 +269,16 @@ class TraceRun(SynthRun):
         requests: Sequence[TraceRequest],
         engine: Engine,
         tracker: CanaryTracker | None = None,
+        tier: TraceTier | None = None,
+        progress: Callable[[int, int], None] | None = None,
     ) -> None:
-        super().__init__(config.synth, engine, tracker)
+        super().__init__(config.synth, engine, tracker, progress)
         self.trace_config = config
+        self.tier = tier
+        """The CPU tier (``tier.py``): with one, the CPU cache is vLLM's offloading manager
+        and its calls go to ``tier.manager`` (a recorder writes them to the log)."""
+        if tier is not None:
+            self.cpu = None
         self.pool = VllmBlockPool(config.synth.num_gpu_blocks, config.synth.prefix_caching)
         self.pending: deque[TraceRequest] = deque(requests)
         self.num_trace_requests = len(requests)
@@ -297,6 +312,8 @@ class TraceRun(SynthRun):
             self._check_progress(step)
             if self.tracker is not None and every and self.result.num_steps % every == 0:
                 self.result.canary_checks.append(self.tracker.check(self.engine.state))
+            if self.progress is not None and step % PROGRESS_EVERY == 0:
+                self.progress(self.result.num_finished, self.num_trace_requests)
             step += 1
             boundary()
         return step
@@ -329,7 +346,59 @@ class TraceRun(SynthRun):
         if not preempted:
             self._admit_traced(step, budget)
         self._advance()
+        if self.tier is not None:
+            self.tier.flush()  # the step's tier calls, logged as one record before its end
         self.emit(StepEnded(step=step))
+
+    def finish(self) -> None:
+        if self.jobs:
+            self._complete_transfers(self.config.steps, everything=True)
+        if self.tier is not None:
+            self.tier.flush()
+        super().finish()
+
+    # -- the CPU tier --------------------------------------------------------------------
+    def _cpu_hits(self, req: Request, start: int, num_prefix: int) -> tuple[list[Any], int]:
+        """With a tier: the keys of the CPU blocks it holds ready from GPU block ``start``
+        on (looked up in order, up to the first miss), and the GPU blocks to load."""
+        if self.tier is None:
+            return super()._cpu_hits(req, start, num_prefix)
+        factor = self.config.block_size_factor
+        first = start // factor
+        contents = [req.group_key(g, factor) for g in range(first, num_prefix // factor)]
+        keys = self.tier.hits(req.req_id, contents, first)
+        num_load = len(keys) * factor - start % factor if keys else 0
+        return (keys, num_load) if num_load > 0 else ([], 0)
+
+    def _pin_for_load(self, req: Request, hits: list[Any]) -> list[int]:
+        if self.tier is None:
+            return super()._pin_for_load(req, hits)
+        return self.tier.load(req.req_id, hits)
+
+    def _cpu_done(self, job: SimulatedJob, success: bool) -> None:
+        if self.tier is None:
+            super()._cpu_done(job, success)
+        elif job.kind == "store":
+            self.tier.stored(job.req.req_id, success)
+        else:
+            self.tier.loaded(job.req.req_id)
+
+    def _store_plan(self, req: Request) -> tuple[list[int], list[int]]:
+        """With a tier: its full CPU blocks offered to it; the GPU blocks of those it took
+        and their CPU blocks."""
+        if self.tier is None:
+            return super()._store_plan(req)
+        factor = self.config.block_size_factor
+        num_full = min(req.num_tokens // self.config.block_size, len(req.blocks))
+        contents = [req.group_key(g, factor) for g in range(num_full // factor)]
+        taken, cpu_blocks = self.tier.store(req.req_id, contents)
+        gpu = [req.blocks[g * factor + k] for g in taken for k in range(factor)]
+        return gpu, cpu_blocks
+
+    def _release(self, req: Request, event: RequestFinished | RequestPreempted) -> None:
+        super()._release(req, event)
+        if self.tier is not None and type(event) is RequestFinished:
+            self.tier.finished(req.req_id)
 
     def _arrive(self, step: int) -> None:
         """Trace requests that arrived by ``step`` join the waiting queue."""
@@ -457,11 +526,10 @@ class TraceRun(SynthRun):
         self.result.num_prefix_query_blocks += len(keys)
         self.emit(BlocksAllocated(req_id=req.req_id, block_ids=list(req.blocks)))
         if num_load:
-            assert self.cpu is not None, "CPU hits without a CPU cache"
-            self.cpu.pin(cpu_hits)
+            cpu_blocks = self._pin_for_load(req, cpu_hits)
             req.load_blocks, req.load_target = fresh[:num_load], loaded * bs
             req.status = "loading"
-            req.load_job = self._submit("load", req, step, cpu_hits, req.load_blocks)
+            req.load_job = self._submit("load", req, step, cpu_blocks, req.load_blocks)
         else:
             req.status = "running"
         return True

@@ -16,7 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvlog.analysis.cost import CostModel
-from kvlog.errors import ConfigError
+from kvlog.errors import ConfigError, NoTierEvents
+from kvlog.events import TierConfigured
 from kvlog.synth.traces import TRACE_FORMATS, read_trace
 from kvlog.tier.optimum import lru_curve, opt_curve
 from kvlog.tier.trace import TierAccess, accesses_from_log, accesses_from_trace
@@ -24,7 +25,19 @@ from kvlog.tier.variants import TierVariant
 from kvlog.tier.whatif import run_variant
 from kvlog.util.units import printable
 
-__all__ = ["TierCurve", "load_accesses", "run_tier_sweep", "tier_grid", "write_tier_csv"]
+__all__ = [
+    "NO_REASK",
+    "TierCurve",
+    "is_trace",
+    "load_accesses",
+    "log_tier_config",
+    "run_tier_sweep",
+    "tier_grid",
+    "write_tier_csv",
+]
+
+
+NO_REASK = "no chunk is asked for twice: no tier of any size serves a hit"
 
 
 def tier_grid(
@@ -34,9 +47,11 @@ def tier_grid(
     tokens_per_chunk: int = 512,
     bytes_per_token: int = 131072,
     keys_per_step: int = 16,
+    chunk_bytes: int = 0,
 ) -> list[TierVariant]:
-    """Every (capacity, eviction, threshold); a capacity below one chunk is refused."""
-    chunk_bytes = tokens_per_chunk * bytes_per_token
+    """Every (capacity, eviction, threshold); a capacity below one chunk is refused.
+    ``chunk_bytes`` 0: ``tokens_per_chunk * bytes_per_token``."""
+    chunk_bytes = chunk_bytes or tokens_per_chunk * bytes_per_token
     out = []
     for size in cpu_bytes:
         if size < chunk_bytes:
@@ -56,14 +71,31 @@ def tier_grid(
     return out
 
 
+def is_trace(source: str) -> bool:
+    """A public trace (by its extension), not a kvlog log."""
+    return os.path.splitext(source)[1].lower() in (".jsonl", ".json", ".csv")
+
+
+def log_tier_config(source: str) -> TierConfigured | None:
+    """The ``TierConfigured`` a log's tier events start with (None for a trace); a log
+    with no tier events raises :class:`~kvlog.errors.NoTierEvents`."""
+    if is_trace(source):
+        return None
+    from kvlog.tier.replay import tier_events
+
+    for event in tier_events(source):
+        if type(event) is TierConfigured:
+            return event
+    raise NoTierEvents(printable(source))
+
+
 def load_accesses(
     source: str, tokens_per_chunk: int = 512, gpu_tokens: int = 0
 ) -> list[TierAccess]:
     """A public trace (``.jsonl`` Mooncake, ``.csv`` Azure; ``gpu_tokens``: its preemption
     model) or a kvlog log's accesses."""
-    ext = os.path.splitext(source)[1].lower()
-    if ext in (".jsonl", ".json", ".csv"):
-        fmt = "mooncake" if ext != ".csv" else "azure"
+    if is_trace(source):
+        fmt = "mooncake" if not source.lower().endswith(".csv") else "azure"
         assert fmt in TRACE_FORMATS
         return accesses_from_trace(read_trace(source, fmt), tokens_per_chunk, gpu_tokens)
     return accesses_from_log(source)
@@ -93,6 +125,9 @@ class TierCurve:
     """Chunks of the largest store batch (``keys_per_step`` or the largest request, the
     smaller): from it up the optimum's curve equals ``belady`` at every capacity; below it
     ``belady`` refuses whole batches and the curve is not drawn."""
+    reasked: int = -1
+    """Asks of a chunk asked for before: the most hits any tier could serve (0: no tier
+    serves anything; -1: not counted)."""
 
 
 def _curve_task(source: str, variant: TierVariant, max_chunks: int, gpu_tokens: int) -> TierCurve:
@@ -102,12 +137,16 @@ def _curve_task(source: str, variant: TierVariant, max_chunks: int, gpu_tokens: 
     opt = (opt_curve(accesses, max_chunks, variant.keys_per_step) / asked).tolist()
     largest = max((len(a.keys) for a in accesses), default=0)
     batch = min(variant.keys_per_step, largest)
-    return TierCurve(source, variant.chunk_bytes, lru, opt, largest, batch)
+    seen: set[bytes] = set()
+    reasked = 0
+    for access in accesses:
+        reasked += sum(key in seen for key in access.keys)
+        seen.update(access.keys)
+    return TierCurve(source, variant.chunk_bytes, lru, opt, largest, batch, reasked)
 
 
 def run_tier_sweep(
-    logs: Sequence[str],
-    variants: Sequence[TierVariant],
+    plan: Sequence[tuple[str, Sequence[TierVariant]]],
     prefill_s_per_token: float,
     cost: CostModel,
     use_ray: bool = True,
@@ -116,15 +155,16 @@ def run_tier_sweep(
     progress: object = None,
     gpu_tokens: int = 0,
 ) -> tuple[list[dict[str, object]], list[TierCurve]]:
-    """Rows (logs outer, variants inner) and one curve per log."""
+    """Rows (logs outer, each log's variants inner) and one curve per log; ``plan``: each
+    log with its variants (a log's chunks are its own: see ``log_tier_config``)."""
     from kvlog.analysis.pool import run_all as _run_all
 
     calls: list[tuple[object, ...]] = [
-        (log, v, prefill_s_per_token, cost, gpu_tokens) for log in logs for v in variants
+        (log, v, prefill_s_per_token, cost, gpu_tokens) for log, variants in plan for v in variants
     ]
-    max_chunks = max(v.num_chunks for v in variants)
     curve_calls: list[tuple[object, ...]] = [
-        (log, variants[0], max_chunks, gpu_tokens) for log in logs
+        (log, variants[0], max(v.num_chunks for v in variants), gpu_tokens)
+        for log, variants in plan
     ]
     rows = _run_all(_variant_task, calls, use_ray, address, num_cpus, progress)  # type: ignore[arg-type]
     curves = _run_all(_curve_task, curve_calls, use_ray, address, num_cpus, None)

@@ -16,6 +16,7 @@ from kvlog.cli import main
 from kvlog.util.units import printable
 
 SMALL = ["--steps", "120", "--num-gpu-blocks", "128", "--sync", "none"]
+MOONCAKE_SLICE = "mooncake_synthetic_trace_3601-3800.jsonl"
 BAD_NAME = os.fsdecode(b"bad\xff\xfe")  # 'bad\udcff\udcfe'
 
 
@@ -70,10 +71,14 @@ def test_sweep_of_a_non_utf8_log_writes_its_csv_and_png(bad_log: str, tmp_path: 
     assert (out / "sweep.png").stat().st_size > 0
 
 
-def test_tier_sweep_of_a_non_utf8_log_writes_its_csv_and_png(bad_log: str, tmp_path: Path) -> None:
+def test_tier_sweep_of_a_non_utf8_log_writes_its_csv_and_png(tmp_path: Path) -> None:
+    tier_log = str(tmp_path / f"{BAD_NAME}.kvlog")  # a log with tier events (issue 34)
+    trace = str(Path(__file__).resolve().parents[1] / "data" / MOONCAKE_SLICE)
+    synth = ["synth", "--trace", trace, "--requests", "30", "--num-cpu-blocks", "64"]
+    assert main([*synth, "--sync", "none", "--out", tier_log]) == 0
     out = tmp_path / "tier"
-    argv = ["sweep", bad_log, "--out", str(out), "--serial", "--cpu-bytes", "64MiB"]
+    argv = ["sweep", tier_log, "--out", str(out), "--serial", "--cpu-bytes", "64MiB"]
     assert main([*argv, "--eviction", "lru"]) == 0
     rows = _read_csv(out / "sweep.csv")
-    assert [r["log"] for r in rows] == [printable(bad_log)]
+    assert [r["log"] for r in rows] == [printable(tier_log)]
     assert (out / "sweep.png").stat().st_size > 0

@@ -58,7 +58,7 @@ def entries(path: Path) -> list[str]:
         (["--execute"], "--execute"),
         (["--report", "{dir}/r.csv"], "--report"),
         (["--from-snapshot"], "--from-snapshot"),
-        (["--no-defrag"], "--defrag"),
+        (["--no-defrag"], "--no-defrag"),  # as typed (issue 34 item 12)
         (["--threshold", "3"], "--threshold"),
         (["--policy", "tail"], "--policy"),
         (["--max-bytes-per-step", "64MiB"], "--max-bytes-per-step"),

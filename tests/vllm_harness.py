@@ -46,14 +46,17 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-# run as a script (``python tests/vllm_harness.py``), the repository root is not on the path
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if __name__ == "__main__":
+    # run as a script (``python tests/vllm_harness.py``), Python puts tests/ first on the
+    # path, where the package tests/vllm shadows vLLM itself: the repository root instead
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 from tests.vllm.harness import *  # noqa: F403  (``import vllm_harness as harness`` sees every name)
 from tests.vllm.harness import (
     CI_MATRIX,
     CONFIGS,
     DEFRAG_ONLY,
+    GAUDI_RUNNER,
     REFERENCE_CLEAN,
     REFERENCE_UNAWARE,
     cost_summary,
@@ -75,6 +78,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--defrag-only", action="store_true", help="also run the defragmenter-only family"
     )
     parser.add_argument(
+        "--gaudi-runner",
+        action="store_true",
+        help="also run vllm-gaudi's runner output, with and without the Gaudi switch",
+    )
+    parser.add_argument(
         "--random", type=int, default=0, metavar="N", help="also run N random configurations"
     )
     parser.add_argument("--random-seed", type=int, default=0, help="seed of --random")
@@ -83,6 +91,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--log-sync",
         choices=("none", "step", "always", "background"),
         help="the log's group commit for every run (default: each config's; background)",
+    )
+    parser.add_argument(
+        "--runner-output",
+        choices=("vllm", "gaudi", "gaudi+switch"),
+        help="the runner's KVConnectorOutput for every vLLM-order run (default: each config's)",
     )
     args = parser.parse_args(argv)
     if args.list:
@@ -96,11 +109,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         chosen += [REFERENCE_CLEAN, REFERENCE_UNAWARE]
     if args.defrag_only:
         chosen += DEFRAG_ONLY
+    if args.gaudi_runner:
+        chosen += GAUDI_RUNNER
     chosen += random_configs(args.random, args.random_seed)
     if not chosen:
-        parser.error("give --matrix, --config NAME, --self-test, --defrag-only or --random N")
+        parser.error(
+            "give --matrix, --config NAME, --self-test, --defrag-only, --gaudi-runner or --random N"
+        )
     if args.log_sync:
         chosen = [dataclasses.replace(c, log_sync=args.log_sync) for c in chosen]
+    if args.runner_output:  # vllm-gaudi's runner has vllm-gaudi's call order
+        chosen = [
+            dataclasses.replace(c, runner_output=args.runner_output) if c.order == "gaudi" else c
+            for c in chosen
+        ]
     t0 = time.perf_counter()
     results = []
     for cfg in chosen:

@@ -41,6 +41,8 @@ class RunResult:
     aborted: int = 0
     aborted_loading: int = 0  # aborted while vLLM waited for their load
     flush_steps: int = 0  # steps whose metadata has jobs_to_flush
+    completions_forward: int = 0  # jobs the runner reported complete on forward steps
+    completions_idle: int = 0  # ... on steps with nothing scheduled
     finished_stores: int = 0  # unfinished stores of requests vLLM has finished (blocks freed)
     skipped_first: int = 0  # transfers whose first chunk is entered at block_indices % bpc
     partial_last: int = 0  # transfers whose last chunk is partial
@@ -110,6 +112,7 @@ COLUMNS = [
     ("preempt", lambda r: r.preemptions),
     ("stores", lambda r: r.stores_done),
     ("loads s/a", lambda r: f"{r.loads_sync}/{r.loads_async}"),
+    ("done fwd/idle", lambda r: f"{r.completions_forward}/{r.completions_idle}"),
     ("swaps", lambda r: f"{r.swaps}@{r.swap_steps}"),
     ("canary slots", lambda r: r.live_slots_checked),
     ("bad live", lambda r: r.live_bad_slots),

@@ -17,6 +17,7 @@ import numpy as np
 
 from tests.vllm.harness.checks import Checks, _Abort, _LoadJob, _StoreJob
 from tests.vllm.harness.configs import RunConfig
+from tests.vllm.harness.gaudi_runner import KvlogCalls, runner_module
 from tests.vllm.harness.kvcache import CpuReader, KvCache, ReferenceWorker
 from tests.vllm.harness.results import RunResult
 from tests.vllm.harness.vllm_objects import _env, build_vllm, make_defragmenter, make_request
@@ -46,6 +47,7 @@ class Run(Checks):
         self.finished: set[str] = set()
         self.aborted: set[str] = set()
         self.defrag: Any = None
+        self.gaudi_runner: Any = None  # vllm-gaudi's runner shape (``runner_output``)
         self.seed: Any = None  # the plugin's defragmenter, timed beside kvlog's (_shadow)
         self.cpu_reader: CpuReader | None = None
         self.log_path = os.path.join(workdir, f"{cfg.name}.kvlog")
@@ -263,8 +265,6 @@ class Run(Checks):
 
     # -- one worker step ---------------------------------------------------------------------
     def _worker_step(self, so: Any) -> Any:
-        from vllm.v1.outputs import KVConnectorOutput
-
         cfg = self.cfg
         self._observe_schedule(so)
         if self.defrag is not None and cfg.defrag:
@@ -277,6 +277,27 @@ class Run(Checks):
         meta = so.kv_connector_metadata
         self._record_jobs(meta)
         self.result.flush_steps += bool(meta.jobs_to_flush)
+        if cfg.runner_output != "vllm" and so.total_num_scheduled_tokens:
+            sampled, output = self._gaudi_runner_step(so)
+        else:  # vLLM's runner; vllm-gaudi's too on a step with nothing scheduled
+            sampled, output = self._vllm_runner_step(so)
+        worker_meta = output.kv_connector_worker_meta
+        if worker_meta is not None:
+            done = worker_meta.completed_jobs
+            if so.total_num_scheduled_tokens:
+                self.result.completions_forward += len(done)
+            else:
+                self.result.completions_idle += len(done)
+            self._check_completed(done)
+        return self._runner_output(so, sampled, output)
+
+    def _vllm_runner_step(self, so: Any) -> tuple[dict[str, list[int]], Any]:
+        """vLLM's GPU runner's connector calls around the forward (``order``: its own, or
+        vllm-gaudi's), and the step's whole ``KVConnectorOutput``."""
+        from vllm.v1.outputs import KVConnectorOutput
+
+        cfg = self.cfg
+        meta = so.kv_connector_metadata
         if cfg.order == "gpu":
             self._kvlog("handle_preemptions", self.connector.handle_preemptions, meta)
         self._kvlog("bind_connector_metadata", self.connector.bind_connector_metadata, meta)
@@ -295,14 +316,26 @@ class Run(Checks):
             "build_connector_worker_meta", self.connector.build_connector_worker_meta
         )
         self._kvlog("clear_connector_metadata", self.connector.clear_connector_metadata)
-        if worker_meta is not None:
-            self._check_completed(worker_meta.completed_jobs)
         output = KVConnectorOutput(
             finished_sending=sending or set(),
             finished_recving=recving or set(),
             kv_connector_worker_meta=worker_meta,
         )
-        return self._runner_output(so, sampled, output)
+        return sampled, output
+
+    def _gaudi_runner_step(self, so: Any) -> tuple[dict[str, list[int]], Any]:
+        """vllm-gaudi's forward step (``harness.gaudi_runner``: its connector lines around
+        the forward, its ``KVConnectorOutput``; the Gaudi switch applied with
+        ``gaudi+switch``), each connector call through ``_kvlog``."""
+        if self.gaudi_runner is None:
+            calls = KvlogCalls(self._kvlog, self.connector)
+            module = runner_module(lambda: calls, self.cfg.runner_output == "gaudi+switch")
+            self.gaudi_runner = module.HPUModelRunner(self._checked_forward)
+        return self.gaudi_runner.sample_tokens(so)  # type: ignore[no-any-return]
+
+    def _checked_forward(self, so: Any) -> dict[str, list[int]]:
+        self._check_live(so)
+        return self._forward(so)
 
     @staticmethod
     def _runner_output(so: Any, sampled: dict[str, list[int]], kv_output: Any) -> Any:

@@ -16,7 +16,7 @@ timed step is exactly what the HPU model runner does per step::
 on every variant, with the same KV tensors (swaps really run):
 
 - ``seed``: the plain restatement of the seed ``OnlineDefragmenter`` + ``CacheSwapUtils``
-  (``tests/seed_reference.py``): the baseline;
+  (``tests/support/seed_reference.py``): the baseline;
 - ``kvlog, no log``: the facade's Engine with no log;
 - ``kvlog, log sync=background``: the integration's default (``KVLOG_SYNC``): the serving
   thread hands each step to the OS, a flusher thread fdatasyncs with a bounded lag;
@@ -47,7 +47,9 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "support")
+)
 
 import torch
 from seed_reference import SeedDefragmenter, make_hpu_caches

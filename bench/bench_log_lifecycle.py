@@ -44,6 +44,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # python -m or from elsewhere
 
 from bench_facade import runner_steps  # the runner's trace, one definition
@@ -54,7 +55,7 @@ from kvlog.events import CacheConfigured, StepScheduled
 from kvlog.integrations import OffloadingWorker, OnlineDefragmenter
 from kvlog.log import LogReader, latest_snapshot, list_segments
 from kvlog.log.manifest import log_num_bytes
-from kvlog.replay import replay_state
+from kvlog.runtime.fold import state_at_end
 
 BLOCK_SIZE = 16
 MIB = 1 << 20
@@ -106,7 +107,7 @@ def cmd_rotate(args: argparse.Namespace) -> None:
     print(f"bytes per step {kept / max(1, steps_left):.0f}, per record "
           f"{bytes_per_record:.0f} ({result.num_records:,} records in the segments left; "
           f"{num_records:,} appended in all)")  # fmt: skip
-    from kvlog.sweep import replay_segments
+    from kvlog.analysis.parallel import replay_segments
 
     par = replay_segments(log, use_ray=False)
     print(f"--parallel (in process): ok={par.ok}, {len(par.segments)} segments, "
@@ -178,7 +179,7 @@ def split_resume(path: str) -> tuple[str, float, float]:
     seq, checkpoint = latest_snapshot(path)
     assert checkpoint is not None
     load_s = timed(lambda: reducers.restore(checkpoint.snapshot))
-    state_s = timed(lambda: replay_state(path))
+    state_s = timed(lambda: state_at_end(path))
     records_after = sum(1 for _ in LogReader(path).records(seq + 1))
     text = (
         f"  latest snapshot found in {find_s * 1e3:.1f} ms (seq {seq}), loaded in "
@@ -190,7 +191,7 @@ def split_resume(path: str) -> tuple[str, float, float]:
 
 # -- parallel ------------------------------------------------------------------------------
 def cmd_parallel(args: argparse.Namespace) -> None:
-    from kvlog.sweep import replay_segments
+    from kvlog.analysis.parallel import replay_segments
 
     log = args.log
     if log is None:
@@ -355,8 +356,8 @@ def cmd_traces(args: argparse.Namespace) -> None:
 
 # -- ranks ---------------------------------------------------------------------------------
 def cmd_ranks(args: argparse.Namespace) -> None:
+    from kvlog.analysis.ranks import compare_ranks
     from kvlog.events import Checkpoint, RequestFinished, RequestPreempted
-    from kvlog.ranks import compare_ranks
 
     started = time.perf_counter()
     result = compare_ranks([args.logs[0], args.logs[1]])

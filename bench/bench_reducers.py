@@ -9,7 +9,7 @@ and random live requests finish while more than 80% of the pool is used (so the 
 70-90% band and finishes leave holes); block ids come from a FIFO free list, like vLLM's. Per-
 step event volume is the same at every size; only the pool (and the live requests in it) grows.
 Both sides get the same events, timed one side after the other; the seed side is the seed as
-the plugin ships it (``tests/seed_reference.py`` without KV tensors: ``update_state`` per
+the plugin ships it (``tests/support/seed_reference.py`` without KV tensors: ``update_state`` per
 scheduler input, ``defragment()`` with its ``max()`` and two ``sorted()`` over every used
 block; see ``bench_step.py``). Their pairs are checked equal, step by step. A step is all
 of its events plus its ``StepEnded``. Printed: mean and p99 in microseconds and seed/kvlog,
@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kvlog import replay
 from kvlog.events import Checkpoint, Event
 from kvlog.log import read_log
-from kvlog.machine import Machine
+from kvlog.runtime.machine import Machine
 from kvlog.synth import SynthConfig, run_synth
 
 

@@ -11,11 +11,11 @@ is printed beside it), default checkpoint and snapshot cadence, so checkpoints a
 are inside the figures.
 
 The baseline, measured in the same run on the same steps, is the seed's bookkeeping and
-``defragment()`` as the plugin ships it (``tests/seed_reference.py`` without KV tensors: its
+``defragment()`` as the plugin ships it (``tests/support/seed_reference.py`` without KV tensors: its
 ``update_state`` per scheduler input, then a ``max()`` and two ``sorted()`` over every used
 block each step, one for the used side and one inside its free-block generator; the tensor
 swap is device work and left out, as kvlog's plans are not executed here). Beside it, the
-cheaper restatement the differential tests use (``tests/seed_model.py``: one sort, a
+cheaper restatement the differential tests use (``tests/support/seed_model.py``: one sort, a
 membership test for the free side). Both sides' pairs are checked equal to kvlog's.
 
 Every size and side runs once per round, rounds repeated (``--repeat``) and the best of each
@@ -44,7 +44,7 @@ from typing import Any, NamedTuple
 from rich.console import Console
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
 
 from seed_model import SeedDefragmenter as SeedModel
 from seed_reference import SeedDefragmenter as SeedShipped

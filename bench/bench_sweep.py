@@ -10,7 +10,7 @@
    sequentially in this process and as Ray tasks on a running local Ray with ``--workers``
    CPUs (warm), in interleaved rounds; once more with the Ray start and stop counted (cold).
 3. A long log (the whole Azure trace, ``--long-requests``, with a snapshot every 8
-   checkpoints) replays sequentially (``kvlog.replay``), in ``--workers`` segments between
+   checkpoints) replays sequentially (``kvlog.analysis.replay``), in ``--workers`` segments between
    its snapshots in this process, and in the same segments on Ray; all must give the same
    final digest, events and verified checkpoints.
 
@@ -29,7 +29,8 @@ from collections.abc import Callable
 from typing import Any
 
 from kvlog import replay
-from kvlog.sweep import policy_grid, replay_segments, run_sweep
+from kvlog.analysis.grid import policy_grid, run_sweep
+from kvlog.analysis.parallel import replay_segments
 from kvlog.synth import SynthConfig, TraceConfig, bytes_per_token, read_trace, run_trace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -164,7 +165,7 @@ def bench_segments(path: str, workers: int, repeat: int) -> None:
         f"{whole.num_verified} checkpoints; segments agree with the sequential replay: "
         f"{same and split.ok}"
     )
-    print(f"  sequential (kvlog.replay)           {sequential:8.2f} s   1.00")
+    print(f"  sequential (kvlog.analysis.replay)           {sequential:8.2f} s   1.00")
     print(f"  {workers} segments, one process         {here:8.2f} s   {sequential / here:4.2f}x")
     print(
         f"  {workers} segments on Ray, {workers} workers   {on_ray:8.2f} s   "

@@ -26,7 +26,8 @@ import numpy.typing as npt
 from kvlog.synth.traces import read_trace
 from kvlog.tier.optimum import belady, lru_curve, opt_curve
 from kvlog.tier.trace import TierAccess, accesses_from_trace
-from kvlog.tier.whatif import TierVariant, run_variant
+from kvlog.tier.variants import TierVariant
+from kvlog.tier.whatif import run_variant
 
 TRACE = os.path.join(
     os.path.dirname(__file__), "..", "..", "shared", "traces", "mooncake_synthetic_trace.jsonl"

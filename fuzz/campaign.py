@@ -26,7 +26,7 @@
 - ``pools``: 1M, 10M and the bound (2**25) GPU blocks: constructor, checkpoint with snapshot,
   close, resume, replay; time and peak memory (each size in its own process).
 
-``tests/test_hardening_campaign.py`` runs every campaign at a small size in CI. A failing
+``tests/faults/test_campaigns.py`` runs every campaign at a small size in CI. A failing
 check raises ``AssertionError`` naming the case; the exit status is then 1.
 """
 
@@ -52,8 +52,8 @@ from pathlib import Path
 from typing import Any
 
 from kvlog import Engine, replay
-from kvlog.canary import make_canary_executor
-from kvlog.errors import CorruptLogError, KvlogError, LogLocked, LogPoisoned
+from kvlog.analysis.canary import make_canary_executor
+from kvlog.errors import CorruptLogError, EngineBroken, KvlogError, LogLocked, LogPoisoned
 from kvlog.events import (
     BlocksAllocated,
     CacheConfigured,
@@ -65,8 +65,8 @@ from kvlog.events import (
     TransferFinished,
 )
 from kvlog.log import LogReader, LogWriter
-from kvlog.reducers import running
-from kvlog.replay import replay_state
+from kvlog.reducers import checkpoint
+from kvlog.runtime.fold import state_at_end
 from kvlog.synth import SynthConfig, SynthRun
 
 __all__ = [
@@ -668,12 +668,14 @@ Location = tuple[str, int]
 
 
 def crash_files(writer: bool = False) -> frozenset[str]:
-    """The source files whose every line event is a crash point: the Engine, the Machine,
-    the reducers (check and commit) and, with ``writer``, the log writer."""
+    """The source files whose every line event is a crash point: the Engine (with its
+    record checks and block tables), the Machine, the reducers (check and commit) and, with
+    ``writer``, the log writer."""
     import kvlog
 
     root = Path(kvlog.__file__).resolve().parent
-    files = [root / "engine.py", root / "machine.py", *sorted((root / "reducers").glob("*.py"))]
+    runtime = [root / "runtime" / f for f in ("engine.py", "machine.py", "records.py", "tables.py")]
+    files = [*runtime, *sorted((root / "reducers").glob("*.py"))]
     if writer:
         files.append(root / "log" / "writer.py")
     return frozenset(str(f) for f in files)
@@ -744,8 +746,8 @@ def _caused_by(exc: BaseException | None, injected: type[BaseException]) -> bool
 def _judge_engine(engine: Engine | None, path: Path) -> str:
     """After an injected exception: the engine holds exactly the logged state, or refuses
     every call with ``EngineBroken`` (or, where the interrupt landed in the log writer
-    outside an engine call, with the poisoned log's ``LogPoisoned``, its base class);
-    then it closes. The outcome's name."""
+    outside an engine call, with the poisoned log's ``LogPoisoned``); then it closes.
+    The outcome's name."""
     if engine is None:
         outcome = "constructor"
     elif engine.closed:
@@ -762,7 +764,7 @@ def _judge_engine(engine: Engine | None, path: Path) -> str:
         ):
             try:
                 call()
-            except LogPoisoned:  # EngineBroken, or the poisoned log's refusal (its base)
+            except (EngineBroken, LogPoisoned):  # or the poisoned log's refusal
                 continue
             raise AssertionError(f"{path}: a broken engine answered {call}")
         outcome = "broken" if engine.broken else "poisoned"
@@ -770,8 +772,8 @@ def _judge_engine(engine: Engine | None, path: Path) -> str:
         live = engine.running_digest()
         assert engine._log is not None
         engine._log.flush()
-        state, _ = replay_state(path)
-        assert running.checkpoint_digest(state) == live, f"{path}: live state is not the log's"
+        state, _ = state_at_end(path)
+        assert checkpoint.checkpoint_digest(state) == live, f"{path}: live state is not the log's"
         outcome = "consistent"
     if engine is not None:
         engine.close()
@@ -793,9 +795,9 @@ def verify_crashed_log(path: Path) -> bool:
         return False
     result = replay(path, verify=True)
     assert result.ok, f"{path}: {result.divergence}"
-    state, _ = replay_state(path)
+    state, _ = state_at_end(path)
     with Engine.resume(path, sync="none") as resumed:
-        assert resumed.running_digest() == running.checkpoint_digest(state), path
+        assert resumed.running_digest() == checkpoint.checkpoint_digest(state), path
     assert replay(path, verify=True).ok, f"{path}: after resume"
     return True
 

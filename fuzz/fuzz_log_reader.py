@@ -4,7 +4,7 @@
     python fuzz/fuzz_log_reader.py -max_total_time=600 [corpus_dir]
 
 Each input is written as a log file and read back with ``kvlog.log.LogReader`` and
-``kvlog.replay``; half the inputs are put behind a valid header, so the fuzzer reaches the
+``kvlog.analysis.replay``; half the inputs are put behind a valid header, so the fuzzer reaches the
 record frames quickly. Arbitrary bytes must never raise anything but kvlog's own errors
 (``KvlogError``); the event decoder alone may raise ``msgspec.DecodeError``, which the log
 layer wraps into ``CorruptLogError``.

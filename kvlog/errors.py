@@ -22,8 +22,6 @@ builtin exception, so callers that do not know kvlog can still catch ``ValueErro
     ├── RecordRejected (ValueError)          not a record, or larger than the log's record bound
     ├── LogWriterError (OSError)             the log writer cannot go on
     │   ├── LogPoisoned                      an earlier write or fsync failed; no more appends
-    │   │   └── EngineBroken                 an Engine call cut short (an interrupt, an executor
-    │   │                                    error) after its append: no more calls
     │   ├── LogClosed                        an append after close()
     │   ├── LogLocked                        another writer holds the log open for append
     │   └── LogPathError                     a path that cannot hold a log: not a regular file,
@@ -40,6 +38,8 @@ builtin exception, so callers that do not know kvlog can still catch ``ValueErro
     ├── TraceError (ValueError)              a request trace kvlog cannot read (kvlog synth --trace)
     ├── MissingExtra (ImportError)           an optional dependency is not installed; names the
     │                                        pip extra that brings it (kvlog sweep, reports)
+    ├── EngineBroken (RuntimeError)          an Engine call cut short (an interrupt, an executor
+    │                                        error) after its append: no more calls
     └── ExecutorError (RuntimeError)         an executor used wrongly (after shutdown, unknown plan)
         └── BackendUnavailable               a device backend this machine cannot run (no CUDA,
                                              no habana_frameworks)
@@ -173,13 +173,13 @@ class LogPoisoned(LogWriterError):
     """An earlier write or fsync failed: the on-disk state is unknown, so appends stop."""
 
 
-class EngineBroken(LogPoisoned):
+class EngineBroken(KvlogError, RuntimeError):
     """An ``Engine`` call was cut short (a ``KeyboardInterrupt``, a ``MemoryError``, an
     executor error, ...) between its log append and the end of its state change: the log
     may hold an event that the state lacks (or half applied), so the engine refuses every
     later call and ``close()`` writes no checkpoint. The log replays (it ends with that
-    event, which replay applies); ``Engine.resume`` continues it. A ``LogPoisoned``: the
-    engine's log has stopped, as after a failed write."""
+    event, which replay applies); ``Engine.resume`` continues it. Not an ``OSError``: what
+    broke it was rarely the disk (a Ctrl-C, an executor's error)."""
 
 
 class LogClosed(LogWriterError):

@@ -1,13 +1,14 @@
-"""Every command the README shows runs as written.
+"""Every command the README and the manual in ``docs/`` show runs as written.
 
-The README's commands are read from its fenced ``bash`` blocks, its indented command
-listings and its inline code spans. Every ``kvlog`` flag shown must exist on its command;
+The commands are read from the pages' fenced ``bash`` blocks, their indented command
+listings and their inline code spans. Every ``kvlog`` flag shown must exist on its command;
 every script, test file and requirements file named must exist, with the flags shown;
 and the ``kvlog`` commands with no placeholder left (LOG, FILE, DIR, ...) run for real,
 on small inputs: the shared traces become the slices in ``tests/data`` (first 40
 requests), log paths a temporary directory, and a sweep runs ``--serial`` (the Ray path
-has its own test in ``test_sweep.py``). The setup, test and real-vLLM stage lines are what
-``.ci/run`` runs itself.
+has its own test in ``test_sweep.py``). The setup, test, dependency floors and real-vLLM
+stage lines are what ``.ci/run`` runs itself, read from the README as ``.ci/run`` reads them.
+Every relative link of the pages leads to a file of the repository.
 """
 
 from __future__ import annotations
@@ -23,7 +24,11 @@ import pytest
 from kvlog.cli import build_parser, main
 
 ROOT = Path(__file__).resolve().parent.parent
-README = (ROOT / "README.md").read_text(encoding="utf-8")
+PAGES = {
+    path.relative_to(ROOT).as_posix(): path.read_text(encoding="utf-8")
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+}
+README = PAGES["README.md"]
 DATA = ROOT / "tests" / "data"
 TRACES = {
     "../shared/traces/mooncake_synthetic_trace.jsonl": DATA
@@ -36,10 +41,10 @@ FOREIGN = {"pip", "python3", "ruff", "mypy", "vllm", ".", "head"}
 """Programs whose flags are not kvlog's (their lines are what ``.ci/run`` runs)."""
 
 
-def _fenced() -> list[str]:
+def _fenced(page: str) -> list[str]:
     """Commands of the ``bash`` blocks: continuation lines joined, comments dropped."""
     out = []
-    for block in re.findall(r"^```bash\n(.*?)^```", README, re.S | re.M):
+    for block in re.findall(r"^```bash\n(.*?)^```", page, re.S | re.M):
         for line in block.replace("\\\n", " ").splitlines():
             line = line.split("  # ")[0].strip()
             if line:
@@ -47,11 +52,11 @@ def _fenced() -> list[str]:
     return out
 
 
-def _listed() -> list[str]:
+def _listed(page: str) -> list[str]:
     """Commands of the indented listings (``    kvlog demo    what it does``): the first
     column, with a backslash-continued next line joined."""
     out = []
-    lines = README.splitlines()
+    lines = page.splitlines()
     for i, line in enumerate(lines):
         if re.match(r"^    (kvlog|python) ", line):
             command = re.split(r"\s{2,}", line.strip())[0]
@@ -61,21 +66,25 @@ def _listed() -> list[str]:
     return out
 
 
-def _inline() -> list[str]:
+def _inline(page: str) -> list[str]:
     """Inline code spans that are commands (they may wrap onto the next line)."""
-    prose = re.sub(r"^```.*?^```", "", README, flags=re.S | re.M)
-    spans = re.findall(r"`([^`]{1,400})`", prose)
-    return [" ".join(s.split()) for s in spans if re.match(r"(kvlog|python) ", s)]
+    prose = re.sub(r"^```.*?^```", "", page, flags=re.S | re.M)
+    spans = [" ".join(s.split()) for s in re.findall(r"`([^`]{1,400})`", prose)]
+    return [s for s in spans if re.match(r"(kvlog|python) ", s)]
 
 
-def _inline_flags() -> list[str]:
+def _inline_flags(page: str) -> list[str]:
     """Flags named alone in inline code spans (``--threshold 8,16,32``)."""
-    prose = re.sub(r"^```.*?^```", "", README, flags=re.S | re.M)
+    prose = re.sub(r"^```.*?^```", "", page, flags=re.S | re.M)
     spans = re.findall(r"`(--[a-z][^`]{0,200})`", prose)
     return [s.split()[0].split("=")[0] for s in spans]
 
 
-COMMANDS = list(dict.fromkeys(_fenced() + _listed() + _inline()))
+def _commands(page: str) -> list[str]:
+    return list(dict.fromkeys(_fenced(page) + _listed(page) + _inline(page)))
+
+
+COMMANDS = list(dict.fromkeys(c for page in PAGES.values() for c in _commands(page)))
 
 
 def _subparsers() -> dict[str, argparse.ArgumentParser]:
@@ -97,9 +106,10 @@ def _flags(text: str) -> list[str]:
 
 
 def _parts(command: str) -> list[str]:
-    """A shell line cut at ``&&``, ``|`` and ``;``, each part without leading VAR=value."""
+    """A shell line cut at ``&&``, `` | `` and ``;``, each part without leading VAR=value
+    (a ``|`` between alternatives, ``mooncake|azure``, stays)."""
     parts = []
-    for part in re.split(r"&&|\|(?!\.)|;", command):
+    for part in re.split(r"&&|\s\|\s|;", command):
         words = part.split()
         while words and re.match(r"^[A-Z_]+=", words[0]):
             words.pop(0)
@@ -112,12 +122,46 @@ def _script_flags(path: Path) -> set[str]:
     return set(re.findall(r"\"(--[a-z][a-z0-9-]*)\"", path.read_text(encoding="utf-8")))
 
 
-def test_the_readme_shows_the_commands_this_test_reads() -> None:
-    # a broken reader would make every test below vacuous: the README's known commands
-    for expected in ("kvlog demo", "kvlog --version", "python bench/bench_step.py"):
-        assert any(c.startswith(expected) for c in COMMANDS), expected
-    assert any(c.startswith("kvlog sweep mooncake.kvlog azure.kvlog") for c in COMMANDS)
-    assert len(COMMANDS) >= 20
+def test_the_pages_show_the_commands_this_test_reads() -> None:
+    # a broken reader would make every test below vacuous: each page's known commands
+    known = {
+        "README.md": ("kvlog demo", "kvlog --version", "python3 -m venv .venv-vllm"),
+        "docs/benchmarks.md": ("python bench/bench_step.py", "python bench/bench_facade.py"),
+        "docs/sweeps.md": ("kvlog synth --trace", "kvlog sweep mooncake.kvlog azure.kvlog"),
+        "docs/logs.md": ("kvlog ranks LOG LOG", "kvlog replay LOG --salvage"),
+        "docs/vllm.md": ("kvlog replay /var/log/kvlog/", "python tests/vllm_harness.py"),
+        "docs/cpu-tier.md": ("kvlog sweep ../shared/traces/", "python -m kvlog.tier.synth"),
+        "docs/testing.md": ("HYPOTHESIS_PROFILE=fuzz pytest", "python fuzz/campaign.py all"),
+        "docs/cli.md": ("kvlog inspect LOG", "kvlog ranks LOG LOG"),
+    }
+    for page, commands in known.items():
+        shown = _commands(PAGES[page])
+        for expected in commands:
+            assert any(c.startswith(expected) for c in shown), f"{page}: {expected}"
+    assert len(COMMANDS) >= 40
+
+
+def _ci_command(heading: str) -> str:
+    """The first line of the first ``bash`` block after ``heading``, as ``.ci/run`` reads it."""
+    after = README.split(f"\n{heading}\n", 1)[1]
+    return after.split("```bash\n", 1)[1].splitlines()[0]
+
+
+def test_ci_reads_its_commands_from_the_readme() -> None:
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    for heading in ("### The real-vLLM stage", "### The dependency floors"):
+        assert f"/^{heading}$/" in ci, heading
+        assert _ci_command(heading) in COMMANDS, heading
+    first = re.findall(r"^```bash\n(.*?)^```", README, re.S | re.M)[0].splitlines()
+    assert first[0].endswith("kvlog demo") and first[1].endswith("pytest"), first
+    assert _ci_command("### The real-vLLM stage").startswith("python3 -m venv .venv-vllm")
+    assert "PYTHONPATH=.floors pytest" in _ci_command("### The dependency floors")
+
+
+@pytest.mark.parametrize("page", sorted(PAGES))
+def test_every_link_leads_to_a_file(page: str) -> None:
+    for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", PAGES[page]):
+        assert ((ROOT / page).parent / target).exists(), f"{page}: {target}"
 
 
 @pytest.mark.parametrize("command", COMMANDS)
@@ -148,12 +192,12 @@ def test_every_flag_named_in_the_prose_exists() -> None:
     harness = _script_flags(ROOT / "tests" / "vllm_harness.py")
     benches = set().union(*(_script_flags(p) for p in (ROOT / "bench").glob("*.py")))
     foreign = {"--kv-transfer-config", "--hypothesis-show-statistics", "--no-deps"}
-    for flag in _inline_flags():
+    for flag in (f for page in PAGES.values() for f in _inline_flags(page)):
         assert flag in ALL_FLAGS | harness | benches | foreign, f"no command has {flag}"
 
 
 def _runnable(command: str, tmp: Path) -> list[str] | None:
-    """The command as argv for ``kvlog.cli.main`` with the README's paths made small and
+    """The command as argv for ``kvlog.cli.entry.main`` with the README's paths made small and
     local, or None while a placeholder is left in it."""
     if not command.startswith("kvlog ") or "|" in command.replace("|.", ""):
         command = command.split(" | ")[0]
@@ -165,8 +209,12 @@ def _runnable(command: str, tmp: Path) -> list[str] | None:
     if PLACEHOLDERS.search(command) or "--parallel" in command:
         return None
     argv = shlex.split(command)[1:]
-    if len(argv) == 1 and argv[0] in ("synth", "replay", "inspect", "sweep"):
+    if len(argv) == 1 and argv[0] in ("synth", "replay", "inspect", "sweep", "ranks"):
         return None  # the command's name in a sentence ("as `kvlog synth` does")
+    if argv[0] in ("replay", "inspect", "sweep", "ranks") and not any(
+        word.endswith(".kvlog") or "/" in word for word in argv[1:]
+    ):
+        return None  # a flag named in a sentence ("`kvlog replay --report`"): no log to read
     for i, word in enumerate(argv):
         if word.endswith(".kvlog") and "/" not in word:
             argv[i] = str(tmp / word)
@@ -181,7 +229,7 @@ def _runnable(command: str, tmp: Path) -> list[str] | None:
     return argv
 
 
-def test_the_readme_commands_run(
+def test_the_commands_run(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.chdir(tmp_path)

@@ -32,7 +32,8 @@ identical bytes and prefix-cache sharing stays checkable. Checks, independent of
 (g) the run's log replays (``kvlog.replay(verify=True)``) to the live digest.
 
 Run the matrix: ``python tests/vllm_harness.py --matrix`` (``--config NAME``, ``--list``).
-The pytest entry is ``tests/test_vllm_real.py``. Only the vLLM virtualenv has vLLM.
+The pytest entry is ``tests/vllm/test_real_scheduler.py``; the harness is the package
+``tests/vllm/harness/``. Only the vLLM virtualenv has vLLM.
 """
 
 from __future__ import annotations
@@ -43,9 +44,13 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
-from harness import *  # noqa: F403  (``import vllm_harness as harness`` sees every name)
-from harness import (
+# run as a script (``python tests/vllm_harness.py``), the repository root is not on the path
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tests.vllm.harness import *  # noqa: F403  (``import vllm_harness as harness`` sees every name)
+from tests.vllm.harness import (
     CI_MATRIX,
     CONFIGS,
     DEFRAG_ONLY,

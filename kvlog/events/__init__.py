@@ -6,6 +6,7 @@ from kvlog.events.types import (
     CONFIG_DEFAULTS,
     DEFAULT_PAD_SIZES,
     DEFRAG_POLICIES,
+    HOLD_PREFIX,
     MAX_TIER_BATCH,
     MAX_TRANSFER_BATCH,
     SCHEMA_VERSION,
@@ -53,6 +54,7 @@ from kvlog.events.validate import validate_event
 __all__ = [
     "DECODE_ERRORS",
     "CONFIG_DEFAULTS",
+    "HOLD_PREFIX",
     "DEFAULT_PAD_SIZES",
     "DEFRAG_POLICIES",
     "MAX_TIER_BATCH",

@@ -17,6 +17,7 @@ import msgspec
 __all__ = [
     "CONFIG_DEFAULTS",
     "DEFAULT_PAD_SIZES",
+    "HOLD_PREFIX",
     "DEFRAG_POLICIES",
     "SCHEMA_VERSION",
     "STEP_EVENTS",
@@ -57,6 +58,12 @@ __all__ = [
     "pair_bytes",
     "swap_mode",
 ]
+
+HOLD_PREFIX = "kvlog-load-hold-"
+"""Request ids of the placeholders that hold a load's blocks until a request claims them
+(``kvlog.integrations.holds``) start with this, then a random 64-bit nonce per session:
+vLLM accepts client-chosen request ids, and a runner request named like a placeholder must
+never be taken for one (its blocks would be released with the placeholder's)."""
 
 SCHEMA_VERSION = 1
 DEFAULT_PAD_SIZES: tuple[int, ...] = (8, 16, 32, 64, 128, 256, 512)

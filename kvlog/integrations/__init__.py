@@ -10,7 +10,7 @@ Neither vLLM nor the Gaudi stack is imported: specs are duck-typed (``.block_ids
 """
 
 from kvlog.integrations.config import FacadeConfig, config_from_env
-from kvlog.integrations.defrag import CacheSwapHandle, OnlineDefragmenter
+from kvlog.integrations.defragmenter import CacheSwapHandle, OnlineDefragmenter
 from kvlog.integrations.offload import (
     OffloadingHandler,
     OffloadingHandlers,

@@ -36,7 +36,7 @@ from kvlog.events import (
     RequestPreempted,
     validate_event,
 )
-from kvlog.reducers import State
+from kvlog.reducers.view import BooksView
 
 __all__ = ["Claim", "RequestBooks", "Step"]
 
@@ -67,15 +67,15 @@ class RequestBooks:
 
     def plan(
         self,
-        state: State,
+        view: BooksView,
         new_blocks: dict[str, list[int]],
         finished: list[str],
         preempted: list[str],
         resumed: set[str],
     ) -> list[Step]:
         """The steps for one call, checked; raises (changing nothing) on bad input."""
-        assert state.config is not None, "the session starts the Engine configured"
-        planner = _Planner(self, state, state.config.prefix_caching)
+        assert view.config is not None, "the session starts the Engine configured"
+        planner = _Planner(self, view, view.config.prefix_caching)
         for req_id in finished:
             planner.release(RequestFinished(req_id=req_id))
         for req_id in preempted:
@@ -109,11 +109,11 @@ class RequestBooks:
         batches = self._tables.get(req_id)
         return batches is not None and any(block_id in batch for batch in batches)
 
-    def evict(self, state: State, block_ids: list[int]) -> list[Step]:
+    def evict(self, view: BooksView, block_ids: list[int]) -> list[Step]:
         """The releases that giving ``block_ids`` to another request's load proves (without
         prefix caching: their holders were preempted); ``commit`` once they ran."""
-        assert state.config is not None, "the session starts the Engine configured"
-        planner = _Planner(self, state, state.config.prefix_caching)
+        assert view.config is not None, "the session starts the Engine configured"
+        planner = _Planner(self, view, view.config.prefix_caching)
         if not planner.prefix_caching:
             planner._evict_stale_owners("", block_ids)
         planner.check()
@@ -133,9 +133,9 @@ class RequestBooks:
 class _Planner:
     """One call's plan over a read-only view of the books plus this call's changes."""
 
-    def __init__(self, books: RequestBooks, state: State, prefix_caching: bool) -> None:
+    def __init__(self, books: RequestBooks, view: BooksView, prefix_caching: bool) -> None:
         self.books = books
-        self.state = state
+        self.view = view
         self.prefix_caching = prefix_caching
         self.steps: list[Step] = []
         self.changes: list[tuple[str, str, list[int]]] = []
@@ -249,7 +249,7 @@ class _Planner:
     # -- the check ------------------------------------------------------------------------
     def check(self) -> None:
         """Every event valid on its own, every block in range and not being loaded into."""
-        size = self.state.num_gpu_blocks
+        size = self.view.num_gpu_blocks
         for step in self.steps:
             if isinstance(step, Claim):
                 continue
@@ -262,7 +262,7 @@ class _Planner:
         if ids.size and (ids.min() < 0 or ids.max() >= size):
             bad = next(b for b in event.block_ids if not 0 <= b < size)
             raise BlockOutOfRange(f"block_ids holds block id {bad}, outside [0, {size})", event)
-        loading = np.flatnonzero(self.state.load_pins[self.state.fwd[ids]] > 0)
+        loading = self.view.being_loaded(ids)
         if loading.size:
             b = event.block_ids[int(loading[0])]
             raise BlockInUse(f"block {b} is still being written by an unfinished load", event)

@@ -4,7 +4,7 @@ The plugin reads ``VLLM_DEFRAG`` (its ``defrag`` feature), ``VLLM_DEFRAG_THRESHO
 ``VLLM_DEFRAG_WITH_GRAPHS``; kvlog adds a variable for every other policy field of
 ``CacheConfigured`` (``KVLOG_POLICY``, ``KVLOG_RATIO_LIMIT``, ``KVLOG_MIN_SWAPS``,
 ``KVLOG_MAX_SWAPS``, ``KVLOG_PAD_SIZES``, ``KVLOG_MAX_BYTES_PER_STEP``: the table in
-:mod:`kvlog.policy`, which also gives the keyword of each, its field name), ``KVLOG_PATH``
+:mod:`kvlog.analysis.policy`, which also gives the keyword of each, its field name), ``KVLOG_PATH``
 (where to record the log; unset or empty: no log) and ``KVLOG_SYNC`` (``background``, the
 default: one write per step and an fdatasync on a background thread within about 5 ms;
 ``step``: an fsync per step on the serving thread; ``always``; ``none``) and
@@ -28,7 +28,13 @@ from typing import Any
 
 import msgspec
 
-from kvlog import policy as policy_table
+from kvlog.analysis import policy as policy_table
+from kvlog.analysis.policy import (
+    POLICY_FIELDS,
+    check_policy_values,
+    check_tail_only,
+    policy_from_env,
+)
 from kvlog.errors import ConfigError
 from kvlog.events import CONFIG_DEFAULTS
 from kvlog.log import (
@@ -40,7 +46,6 @@ from kvlog.log import (
     is_log_directory,
 )
 from kvlog.log.segments import MIN_SEGMENT_BYTES
-from kvlog.policy import POLICY_FIELDS, check_policy_values, check_tail_only, policy_from_env
 
 __all__ = [
     "ENV_DEFRAG",
@@ -82,7 +87,7 @@ class FacadeConfig(msgspec.Struct, frozen=True):
     flusher's interval, the bound of its durability lag (``KVLOG_SYNC_INTERVAL_MS``);
     ``segment_bytes``, ``retain_bytes``, ``retain_seconds``, ``compress``: a log directory's
     segments and retention (``kvlog.log.segments``). The other fields are
-    ``CacheConfigured``'s policy fields (``kvlog.policy``), whose defaults they have
+    ``CacheConfigured``'s policy fields (``kvlog.analysis.policy``), whose defaults they have
     (``CONFIG_DEFAULTS``).
     """
 

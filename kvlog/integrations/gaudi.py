@@ -27,7 +27,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from kvlog.integrations.config import parse_bool
-from kvlog.integrations.defrag import OnlineDefragmenter
+from kvlog.integrations.defragmenter import OnlineDefragmenter
 
 __all__ = ["ENV_ENABLE", "GaudiDefragmenter", "install", "register", "run_defragmenter"]
 

@@ -37,7 +37,7 @@ from kvlog.events import (
     TransferSubmitted,
 )
 from kvlog.executors import TransferCompletion
-from kvlog.integrations.defrag import OnlineDefragmenter
+from kvlog.integrations.defragmenter import OnlineDefragmenter
 from kvlog.integrations.session import JobKind, KvCacheSession
 
 __all__ = [
@@ -246,7 +246,7 @@ class OffloadingWorker:
         if job_id not in self._declared:
             self.flush()
             if self.session.known(job_id) or job_id < 0:
-                last = self.session.engine.state.last_job_id
+                last = self.session.engine.view.last_job_id
                 raise DuplicateJob(
                     f"{kind} job id {job_id} is not a fresh one: job ids must be ints above "
                     f"every id used before (the last one was {last}) or a declared job "
@@ -258,9 +258,9 @@ class OffloadingWorker:
         if declared != kind:
             raise TransferSpecError(f"job {job_id} was declared as a {declared}, not a {kind}")
         del self._declared[job_id]
-        state = self.session.engine.state
-        job = state.job(job_id)
-        if job is None and job_id > state.last_job_id:  # declared in this batch, kept
+        view = self.session.engine.view
+        job = view.job(job_id)
+        if job is None and job_id > view.last_job_id:  # declared in this batch, kept
             assert self._batch, "a declared job not applied is kept in the batch"
             self._batch.append(TransferSubmitted(job_id=job_id))
         elif job is not None and not job.submitted:

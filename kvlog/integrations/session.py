@@ -15,21 +15,18 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
-import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 import torch
 
-from kvlog.engine import Engine
+from kvlog.analysis.policy import check_byte_budget
 from kvlog.errors import ConfigError, LayoutError, LogExists, LogWriterError, MissingExtra
 from kvlog.events import (
     BlocksAllocated,
     CacheConfigured,
     Event,
     Plan,
-    RequestFinished,
     StepEnded,
     StepScheduled,
     SwapPlan,
@@ -38,20 +35,20 @@ from kvlog.executors import Executor, TransferCompletion, make_executor
 from kvlog.executors.layouts import KVCaches, register_layout
 from kvlog.integrations.books import Claim, RequestBooks
 from kvlog.integrations.config import FacadeConfig
+from kvlog.integrations.holds import LoadHolds
+from kvlog.integrations.registry import cache_tensors
 from kvlog.log import LogStatus, is_log_directory, list_segments
 from kvlog.log.detach import error_errno
-from kvlog.policy import check_byte_budget
-from kvlog.reducers import step as step_reducer
+from kvlog.runtime.engine import Engine
+from kvlog.runtime.machine import Ticket
 
 __all__ = [
-    "HOLD_PREFIX",
-    "LOOKUP_SENTINEL",
-    "MAX_LOOKUP_BLOCKS",
     "Backend",
     "JobKind",
     "KvCacheSession",
+    "LOOKUP_SENTINEL",
+    "MAX_LOOKUP_BLOCKS",
     "derive_num_gpu_blocks",
-    "shared_session",
 ]
 
 LOOKUP_SENTINEL = -(1 << 62)
@@ -59,28 +56,14 @@ LOOKUP_SENTINEL = -(1 << 62)
 MAX_LOOKUP_BLOCKS = 1 << 20
 """Pools up to this size keep ``forward_list`` (2 list entries per block); larger ones
 resolve through numpy only."""
-HOLD_PREFIX = "kvlog-load-hold-"
-"""Request ids of the placeholders that hold loaded blocks (see ``KvCacheSession.hold``)
-start with this, then a random 64-bit nonce per session (``KvCacheSession.hold_prefix``):
-vLLM accepts client-chosen request ids, and a runner request named like a placeholder must
-never be taken for one (its blocks would be released with the placeholder's)."""
 
 _logger = logging.getLogger("kvlog")
 Backend = Literal["auto", "cpu", "cuda", "hpu", "fake"]
 JobKind = Literal["store", "load"]
 
 
-def _tensors(kv_caches: KVCaches) -> Iterator[torch.Tensor]:
-    layers = list(kv_caches.values()) if isinstance(kv_caches, Mapping) else list(kv_caches)
-    for layer in layers:
-        if isinstance(layer, torch.Tensor):
-            yield layer
-        elif isinstance(layer, (list, tuple)):
-            yield from (t for t in layer if isinstance(t, torch.Tensor))
-
-
 def _first_tensor(kv_caches: KVCaches) -> torch.Tensor:
-    tensor = next(_tensors(kv_caches), None)
+    tensor = next(cache_tensors(kv_caches), None)
     if tensor is None:
         raise LayoutError("kv_caches holds no tensor: give at least one layer")
     return tensor
@@ -157,16 +140,14 @@ class KvCacheSession:
         self._log_error: LogStatus | None = None
         self._kinds: dict[int, JobKind] = {}
         self._finished: dict[JobKind, list[TransferCompletion]] = {"store": [], "load": []}
-        self._holds: dict[int, str] = {}
-        self._num_holds = 0
-        self.hold_prefix = f"{HOLD_PREFIX}{secrets.token_hex(8)}-"
-        """The placeholders' request ids of this session (no client can guess them)."""
+        self.holds = LoadHolds()
+        """The placeholders that hold loads' blocks until a request claims them."""
         self.books = RequestBooks()
         """The runner's request tables as the defragmenter facade gave them (see books.py)."""
         self.step = 0
         self._lookup: list[int] | None = None
         self._lookup_moves = -1
-        self._pending: tuple[StepScheduled, set[str]] | None = None
+        self._pending: tuple[StepScheduled, set[str], Ticket] | None = None
         """A step ``update_state`` checked, applied as one event by ``end_step`` (or as
         its fine-grained events by ``settle`` if anything else comes first); with the
         requests it releases, for the books."""
@@ -334,11 +315,11 @@ class KvCacheSession:
             self.settle()
         return self.engine.apply(event)
 
-    def pend(self, event: StepScheduled, released: set[str]) -> None:
-        """Hold a step that needs nothing but itself (no inference, no claims; checked by
-        the caller against the state) for ``end_step``."""
+    def pend(self, event: StepScheduled, released: set[str], ticket: Ticket) -> None:
+        """Hold a step that needs nothing but itself (no inference, no claims; ``ticket``:
+        the Engine's check of it against the state) for ``end_step``."""
         assert self._pending is None, "pend() after settle(): facade bug"
-        self._pending = (event, released)
+        self._pending = (event, released, ticket)
 
     def settle(self) -> None:
         """Apply a pending step's changes now, as the fine-grained events it stands for
@@ -346,26 +327,26 @@ class KvCacheSession:
         end, and must come after them."""
         if self._pending is None:
             return
-        event, released = self._pending
+        event, released, _ = self._pending
         self._pending = None
         engine = self.engine
-        for fine in step_reducer.expand(engine.state, event)[:-1]:
+        for fine in engine.view.expand_step(event)[:-1]:
             engine.apply(fine)
         self.books.record_step(event.allocated, released, self.prefix_caching)
 
     def end_step(self) -> list[Plan]:
         """Finished transfers first, then the step: the pending one as one
         ``StepScheduled`` event, else ``StepEnded``. The step's plans."""
-        state = self.engine.state
-        if state.store_jobs or state.load_jobs:  # else the executor has nothing to report
+        view = self.engine.view
+        if view.has_transfers():  # else the executor has nothing to report
             self.poll()
         pending = self._pending
-        moves = state.num_moves
+        moves = view.num_moves
         if pending is None:
             plans = self.engine.apply(StepEnded(step=self.step))
         else:
-            event, released = pending
-            plans = self.engine.apply(event)
+            event, released, ticket = pending
+            plans = self.engine.apply(event, ticket)
             self._pending = None
             self.books.record_step(event.allocated, released, self.prefix_caching)
         self.step += 1
@@ -378,32 +359,32 @@ class KvCacheSession:
         ``LOOKUP_SENTINEL`` entries, so that a negative id or one past the pool indexes a
         sentinel (negative) instead of a block. Rebuilt only when the mapping changed
         other than by a step's plan, which ``end_step`` follows in O(pairs)."""
-        state = self.engine.state
-        if self._lookup is None or self._lookup_moves != state.num_moves:
-            size = state.num_gpu_blocks
-            self._lookup = state.fwd.tolist() + [LOOKUP_SENTINEL] * size
-            self._lookup_moves = state.num_moves
+        view = self.engine.view
+        if self._lookup is None or self._lookup_moves != view.num_moves:
+            size = view.num_gpu_blocks
+            self._lookup = view.forward().tolist() + [LOOKUP_SENTINEL] * size
+            self._lookup_moves = view.num_moves
         return self._lookup
 
     def _follow_moves(self, plans: list[Plan]) -> None:
         """Update the lookup list by a step's swap plan: only the logical ids now at its
         pairs' blocks changed."""
-        lookup, state = self._lookup, self.engine.state
+        lookup, view = self._lookup, self.engine.view
         assert lookup is not None, "_follow_moves() only follows a built lookup"
-        bwd = state.bwd_buffer
+        bwd = view.backward()
         for plan in plans:
             if type(plan) is SwapPlan:
                 for src, dst in plan.pairs:
                     lookup[bwd[src]] = src
                     lookup[bwd[dst]] = dst
-        self._lookup_moves = state.num_moves
+        self._lookup_moves = view.num_moves
 
     def submitted(self, job_id: int, kind: JobKind) -> None:
         self._kinds[job_id] = kind
 
     def known(self, job_id: int) -> bool:
         """Whether this job was declared or submitted (it may have finished since)."""
-        return self._engine is not None and job_id <= self._engine.state.last_job_id
+        return self._engine is not None and job_id <= self._engine.view.last_job_id
 
     def poll(self) -> None:
         """Collect finished transfers (the Engine logs them) into per-direction queues.
@@ -462,88 +443,37 @@ class KvCacheSession:
         """
         self.settle()
         engine = self.engine
-        state = engine.state
-        blocks = [b for b in gpu_block_ids if b not in self._holds]
+        view = engine.view
+        blocks = self.holds.not_held(gpu_block_ids)
         if req_id is not None and sync is not False:
             blocks = [b for b in blocks if not self.books.holds(req_id, b)]
         if req_id is not None and not self.prefix_caching and blocks:
-            for step in self.books.evict(state, blocks):
+            for step in self.books.evict(view, blocks):
                 assert not isinstance(step, Claim), "evict only releases"
                 engine.apply(step)
             self.books.commit()
         if req_id is None or not self.prefix_caching:
-            blocks = [b for b in blocks if not state.refs[state.resolve(b)]]
+            blocks = [b for b in blocks if not view.is_used(b)]
         if blocks:
-            self._hold(f"{self.hold_prefix}{job_id}", blocks)
+            self._apply_hold(self.holds.hold(job_id, blocks))
 
-    def _hold(self, hold_id: str, block_ids: list[int]) -> None:
-        self.apply(BlocksAllocated(req_id=hold_id, block_ids=block_ids))
-        self._holds.update(dict.fromkeys(block_ids, hold_id))
+    def _apply_hold(self, event: Event) -> None:
+        self.apply(event)
+        if type(event) is BlocksAllocated:
+            self.holds.held(event)
 
     def claim(self, block_ids: Iterable[int]) -> None:
         """A request is being given these blocks: the placeholders that hold any of them
         let go, and hold on to the rest of their blocks under a new name."""
-        if not self._holds:
-            return
-        wanted = set(block_ids)
-        hold_ids = sorted({self._holds[b] for b in wanted if b in self._holds})
-        for hold_id in hold_ids:
-            rest = [b for b, h in self._holds.items() if h == hold_id and b not in wanted]
-            self.apply(RequestFinished(req_id=hold_id))
-            self._holds = {b: h for b, h in self._holds.items() if h != hold_id}
-            if rest:
-                self._num_holds += 1
-                self._hold(f"{hold_id}.{self._num_holds}", rest)
-
-    @property
-    def held_blocks_view(self) -> Mapping[int, str]:
-        """``held_blocks`` without the copy (read only)."""
-        return self._holds
+        for event in self.holds.claim(block_ids):
+            self._apply_hold(event)
 
     @property
     def held_blocks(self) -> dict[int, str]:
-        """Logical block -> the placeholder request that holds it for a load."""
-        return dict(self._holds)
+        """Logical block -> the placeholder request that holds it for a load (a copy)."""
+        return dict(self.holds.by_block)
 
     def close(self) -> None:
         if self._engine is not None:
             self.settle()
             self._engine.close()
-
-
-# -- one session per KV-cache storage, shared by every facade of a process ---------------
-class _Entry:
-    """A live session and the storages of the tensors it was found by. The session keeps
-    its executor's views of those storages alive, so a storage pointer cannot be reused
-    by another allocation while the session lives."""
-
-    def __init__(self, session: KvCacheSession, tensors: list[torch.Tensor]) -> None:
-        self.session_ref = weakref.ref(session)
-        self.pointers = {_storage(t) for t in tensors}
-
-
-_SESSIONS: list[_Entry] = []
-
-
-def _storage(tensor: torch.Tensor) -> tuple[str, int]:
-    return (str(tensor.device), tensor.untyped_storage().data_ptr())
-
-
-def shared_session(
-    kv_caches: KVCaches, factory: Callable[[], KvCacheSession]
-) -> tuple[KvCacheSession, bool]:
-    """The live session over any of these tensors' storage, or a new one from ``factory``;
-    and whether it is new. Sessions no facade holds any more are forgotten."""
-    tensors = list(_tensors(kv_caches))
-    if not tensors:
-        raise LayoutError("kv_caches holds no tensor: give at least one layer")
-    _SESSIONS[:] = [e for e in _SESSIONS if e.session_ref() is not None]
-    pointers = {_storage(t) for t in tensors}
-    for entry in _SESSIONS:
-        session = entry.session_ref()
-        if session is not None and entry.pointers & pointers:
-            entry.pointers |= pointers
-            return session, False
-    session = factory()
-    _SESSIONS.append(_Entry(session, tensors))
-    return session, True

@@ -54,12 +54,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
 
-from kvlog.engine import Engine
 from kvlog.events import CacheConfigured
 from kvlog.integrations.config import config_from_env
 from kvlog.integrations.offload import OffloadingWorker
-from kvlog.integrations.session import JobKind, KvCacheSession, shared_session
+from kvlog.integrations.registry import shared_session
+from kvlog.integrations.session import JobKind, KvCacheSession
 from kvlog.log import LogStatus
+from kvlog.runtime.engine import Engine
 from kvlog.tier.record import TierRecorder, tier_config_of
 
 __all__ = [

@@ -45,9 +45,9 @@ from typing import BinaryIO, NamedTuple, Union
 
 import msgspec
 
-from kvlog import crc32c as _crc32c
 from kvlog.errors import CorruptLogError, SchemaVersionError
 from kvlog.events import DECODE_ERRORS, SCHEMA_VERSION, Record
+from kvlog.util import crc32c as _crc32c
 
 __all__ = [
     "FLAGS_OFFSET",
@@ -77,7 +77,6 @@ __all__ = [
     "flags_patch",
     "frame_crc",
     "frame_kind",
-    "is_snapshot_part",
     "new_file_id",
     "record_seed",
     "parse_header",
@@ -185,11 +184,6 @@ def frame_kind(payload: bytes | memoryview) -> int:
     if prefix is None or bytes(payload[: len(prefix)]) != prefix:
         return RECORD
     return PART if prefix is _PART_PREFIX else END if prefix is _END_PREFIX else GAP
-
-
-def is_snapshot_part(payload: bytes | memoryview) -> bool:
-    """Whether a frame payload is a ``SnapshotPart`` (a prefix check, no decoding)."""
-    return frame_kind(payload) == PART
 
 
 class HeaderRead(NamedTuple):

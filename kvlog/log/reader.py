@@ -46,7 +46,7 @@ from kvlog.log.manifest import SegmentInfo, file_sha256, list_segments, open_seg
 from kvlog.log.scan import FrameScanner
 from kvlog.log.writer import check_kind, path_error
 
-__all__ = ["LogReader", "check_log", "read_header", "read_log"]
+__all__ = ["LogReader", "RecordAssembler", "check_log", "read_header", "read_log"]
 
 _logger = logging.getLogger("kvlog.log")
 _decoder: msgspec.msgpack.Decoder[LogRecord] = msgspec.msgpack.Decoder(LogRecord)
@@ -130,7 +130,7 @@ class LogReader:
             scanner = FrameScanner(
                 file, self.path, self._data_offset, size, seed, closed=self.closed_cleanly
             )
-            assembler = _Assembler(self.path, scanner, max(start_seq - base, 0))
+            assembler = RecordAssembler(self.path, scanner, max(start_seq - base, 0))
             try:
                 for seq, record in assembler.records():
                     yield seq + base, record
@@ -268,7 +268,7 @@ def _open(path: str) -> BinaryIO:
         raise path_error(path, "cannot open the log", exc) from exc
 
 
-class _Assembler:
+class RecordAssembler:
     """Decodes frames into records: joins snapshot parts, skips close records."""
 
     def __init__(self, path: str, scanner: FrameScanner, start_seq: int) -> None:

@@ -37,7 +37,6 @@ from typing import BinaryIO
 
 import numpy as np
 
-from kvlog import crc32c as _crc32c
 from kvlog.errors import CorruptLogError
 from kvlog.log.format import (
     END,
@@ -50,6 +49,7 @@ from kvlog.log.format import (
     frame_kind,
     read_up_to,
 )
+from kvlog.util import crc32c as _crc32c
 
 __all__ = ["FrameScanner", "find_valid_frame"]
 

@@ -16,7 +16,7 @@ from kvlog.errors import CorruptLogError
 from kvlog.events import Checkpoint
 from kvlog.log.format import FRAME, FRAME_BYTES, record_seed
 from kvlog.log.manifest import SegmentInfo, list_segments, open_segment
-from kvlog.log.reader import LogReader, _Assembler
+from kvlog.log.reader import LogReader, RecordAssembler
 from kvlog.log.scan import FrameScanner
 
 __all__ = ["first_snapshot", "latest_snapshot"]
@@ -78,7 +78,7 @@ def _read_hint(directory: str, info: SegmentInfo) -> Found | None:
             seed = record_seed(reader.header.file_id)
             scanner = FrameScanner(file, plain, info.snapshot_offset, size, seed)
             scanner.last_seq = local - 1
-            for seq, record in _Assembler(plain, scanner, local).records():
+            for seq, record in RecordAssembler(plain, scanner, local).records():
                 seq += reader.first_seq
                 if type(record) is Checkpoint and record.snapshot and seq == info.snapshot_seq:
                     return seq, record

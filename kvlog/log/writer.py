@@ -63,8 +63,7 @@ from typing import Literal
 
 import msgspec
 
-from kvlog import __version__
-from kvlog import crc32c as _crc32c
+from kvlog._version import __version__
 from kvlog.errors import (
     ConfigError,
     LogClosed,
@@ -99,6 +98,7 @@ from kvlog.log.format import (
 )
 from kvlog.log.manifest import fsync_directory
 from kvlog.log.scan import FrameScanner
+from kvlog.util import crc32c as _crc32c
 
 try:
     import fcntl

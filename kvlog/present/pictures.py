@@ -13,25 +13,31 @@ variants keep their row, with the reason): modeled ms per step (mean, p99 writte
 it, the best one marked), bytes moved by defrag, mean highest used id. One colour per
 policy family everywhere.
 
+Tier sweep (``kvlog sweep --cpu-bytes``): one panel per log, the share of chunks served from
+the CPU tier against its host memory: one-pass LRU and optimum curves, the replayed variants
+as points.
+
 matplotlib is the ``plot`` extra; without it :func:`plt_module` raises
 :class:`~kvlog.errors.MissingExtra` naming it.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvlog.errors import MissingExtra
-from kvlog.present.units import byte_unit, format_bytes, p99
+from kvlog.util.units import byte_unit, format_bytes, p99, printable
 
 if TYPE_CHECKING:
-    from kvlog.cost import CostModel
+    from kvlog.analysis.cost import CostModel
+    from kvlog.analysis.grid import SweepRow
+    from kvlog.analysis.tally import Series
     from kvlog.events import CacheConfigured
-    from kvlog.report import Series
-    from kvlog.sweep import SweepRow
+    from kvlog.tier.sweep import TierCurve
 
 __all__ = [
     "FAMILY_COLORS",
@@ -39,6 +45,7 @@ __all__ = [
     "rolling_mean",
     "write_report_figure",
     "write_sweep_figure",
+    "write_tier_plot",
 ]
 
 COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")
@@ -106,7 +113,7 @@ class _Run:
         self.transfer = [float(v) for v in s.transfer_bytes]
         self.ms: list[float] | None = None
         if paged and config is not None:
-            from kvlog.cost import CostModel
+            from kvlog.analysis.cost import CostModel
 
             self.ms = s.modeled_ms(config, cost or CostModel())
 
@@ -364,3 +371,42 @@ def _sweep_row(axes: Any, rows: list[SweepRow], log: str) -> None:
         tick.set_color("tab:red" if r.rejected else "black")
         tick.set_fontweight("bold" if r is best else "normal")
     axes[0].invert_yaxis()
+
+
+def write_tier_plot(
+    path: str, rows: Sequence[dict[str, object]], curves: Sequence[TierCurve]
+) -> None:
+    """The tier sweep's picture: hit rate against host memory, one panel per log: each
+    log's one-pass LRU and optimum curves, the replayed variants as points, and the largest
+    request's size as a line."""
+    plt = plt_module("kvlog sweep's sweep.png")
+    fig, axes = plt.subplots(1, len(curves), figsize=(6 * len(curves), 4.5), squeeze=False)
+    gib = float(1 << 30)
+    for ax, curve in zip(axes[0], curves, strict=True):
+        sizes = np.arange(1, len(curve.lru_hit_rate)) * curve.chunk_bytes / gib
+        ax.plot(sizes, np.array(curve.lru_hit_rate[1:]) * 100, label="LRU (one pass)")
+        exact = max(1, curve.largest_batch)
+        opt = np.array(curve.opt_hit_rate[exact:]) * 100
+        ax.plot(sizes[exact - 1 :], opt, "k--", label="optimum (Belady, one pass)")
+        for eviction, marker in (("lru", "o"), ("arc", "s"), ("opt", "^")):
+            mine = [r for r in rows if r["log"] == curve.log and r["eviction"] == eviction]
+            if mine:
+                xs = [int(str(r["cpu_bytes"])) / gib for r in mine]
+                ys = [float(str(r["hit_rate"])) * 100 for r in mine]
+                ax.scatter(xs, ys, marker=marker, zorder=3, label=f"{eviction} (replayed)")
+        if curve.largest_request:
+            ax.axvline(
+                curve.largest_request * curve.chunk_bytes / gib,
+                color="grey",
+                linestyle=":",
+                label="largest request",
+            )
+        ax.set_xscale("log")
+        ax.set_xlabel("host memory for the CPU tier (GiB)")
+        ax.set_ylabel("chunks served from the tier (%)")
+        ax.set_title(printable(os.path.basename(curve.log)))
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

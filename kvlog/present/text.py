@@ -11,11 +11,12 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
-from kvlog.present.units import format_bytes, format_value, plural, size_label
+from kvlog.util.units import format_bytes, format_value, plural, size_label
 
 if TYPE_CHECKING:
-    from kvlog.replay import ReplayResult, RunStats, WhatIf
-    from kvlog.sweep import SegmentedReplay, SweepRow
+    from kvlog.analysis.grid import SweepRow
+    from kvlog.analysis.parallel import SegmentedReplay
+    from kvlog.analysis.replay import ReplayResult, RunStats, WhatIf
     from kvlog.synth import SynthResult
 
 __all__ = [

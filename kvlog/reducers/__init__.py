@@ -9,7 +9,8 @@ place, once, and returns the plans; ``reduce(state, event)`` is both. See
 from kvlog.reducers.compose import Checked, check, commit, reduce
 from kvlog.reducers.digest import digest, restore, snapshot
 from kvlog.reducers.invariants import check_invariants
-from kvlog.reducers.state import MAX_JOBS_IN_FLIGHT, Job, State, initial_state
+from kvlog.reducers.jobs import Job
+from kvlog.reducers.state import MAX_JOBS_IN_FLIGHT, State, initial_state
 
 __all__ = [
     "MAX_JOBS_IN_FLIGHT",

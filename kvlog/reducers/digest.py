@@ -28,7 +28,6 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from kvlog import crc32c as _crc32c
 from kvlog.errors import CorruptLogError
 from kvlog.events import (
     CONFIG_DEFAULTS,
@@ -38,10 +37,13 @@ from kvlog.events import (
     decode_plan,
     encode,
 )
+from kvlog.reducers import checkpoint
 from kvlog.reducers.blockset import BlockSet, pack_words
 from kvlog.reducers.consistency import check_consistent
-from kvlog.reducers.state import Job, State
+from kvlog.reducers.jobs import Job
+from kvlog.reducers.state import State
 from kvlog.reducers.transfers import seed_sub_blocks
+from kvlog.util import crc32c as _crc32c
 
 __all__ = [
     "FORMAT_VERSION",
@@ -285,7 +287,7 @@ def _rebuild(canonical: list[Any]) -> State:
         pinned[np.fromiter(state.quarantined, np.int64, len(state.quarantined))] = True
     state.pinned[:] = pack_words(pinned)
     state._max_used = state.used.highest_at_most(state.num_gpu_blocks - 1)
-    state.running.recompute(state)
+    checkpoint.reseat(state)
     return state
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvlog.reducers import running
+from kvlog.reducers import checkpoint
 from kvlog.reducers.blockset import ALL_ONES, BlockSet, pack_words, summaries
 from kvlog.reducers.state import MAX_JOBS_IN_FLIGHT, State
 
@@ -33,7 +33,7 @@ def check_invariants(state: State) -> None:
 
 
 def _check_running_digest(state: State) -> None:
-    fwd, tables, per_request, jobs = running.recompute(state)
+    fwd, tables, per_request, jobs = checkpoint.recompute(state)
     sums = state.running
     assert sums.fwd == fwd, "the running digest's mapping sum drifted"
     assert sums.tables == tables, "the running digest's table sum drifted"

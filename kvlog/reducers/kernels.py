@@ -30,12 +30,12 @@ words the cursors pass); the summaries skip empty (sources) or full (destination
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
-import numba
 import numpy as np
 
-from kvlog.splitmix import GOLDEN, M1, M2
+from kvlog.util.jit import inline, jit
+from kvlog.util.splitmix import GOLDEN, M1, M2
 
 __all__ = [
     "FWD_KEY",
@@ -54,7 +54,7 @@ __all__ = [
 ]
 
 FWD_KEY = 0x243F6A8885A308D3
-"""The mapping terms' key; with splitmix64's constants (:mod:`kvlog.splitmix`) the running
+"""The mapping terms' key; with splitmix64's constants (:mod:`kvlog.util.splitmix`) the running
 digest's arithmetic (``running.py``), which the kernels below compute in wrapping uint64."""
 
 _ALL = np.uint64(0xFFFF_FFFF_FFFF_FFFF)
@@ -318,6 +318,28 @@ def _step_allocation(
     return status
 
 
+def _step_rows(rows: Any, num_released: int, keys: Any, sums: Any, logical: Any) -> Any:
+    """The running digest's rows of a step (``_step_commit``'s ``rows``): the released
+    slots' sums leave the total, each allocation's terms join its slot's sum; returns the
+    change of the tables' sum (wrapping uint64)."""
+    change = _ZERO
+    for i in range(num_released):
+        change -= sums[rows[i]]
+    k = (len(rows) - num_released) // 3
+    offset = 0
+    for i in range(k):
+        slot, count = rows[num_released + i], rows[num_released + 2 * k + i]
+        start = rows[num_released + k + i]
+        key, term = keys[slot], _ZERO
+        for j in range(count):
+            item = (np.uint64(start + j) << np.uint64(32)) | np.uint64(logical[offset + j])
+            term += _mix(key + item * _GOLDEN)
+        sums[slot] += term
+        change += term
+        offset += count
+    return change
+
+
 def _step_commit(
     words: Any,
     nonempty: Any,
@@ -361,21 +383,7 @@ def _step_commit(
         refs[p] = 1
         _add_member(words, nonempty, notfull, p)
         top = max(top, p)
-    change = _ZERO
-    for i in range(num_released):
-        change -= sums[rows[i]]
-    k = (len(rows) - num_released) // 3
-    offset = 0
-    for i in range(k):
-        slot, count = rows[num_released + i], rows[num_released + 2 * k + i]
-        start = rows[num_released + k + i]
-        key, term = keys[slot], _ZERO
-        for j in range(count):
-            item = (np.uint64(start + j) << np.uint64(32)) | np.uint64(logical[offset + j])
-            term += _mix(key + item * _GOLDEN)
-        sums[slot] += term
-        change += term
-        offset += count
+    change = _step_rows(rows, num_released, keys, sums, logical)
     if (
         num_freed
         and max_used >= 0
@@ -397,49 +405,28 @@ def _step_commit(
     return num_freed, max_used, change, num_pairs, delta
 
 
-def _compiled(function: Any, inline: bool = False) -> Any:
-    """``function`` compiled by numba, cached on disk where numba finds a writable place
-    (``NUMBA_CACHE_DIR`` if set, else next to this file, else the user's cache directory);
-    where it finds none, compiled in each process instead of refusing to import.
-    ``inline``: a helper, inlined into the kernels that call it. The GIL is kept (no
-    ``nogil``): a kernel runs for microseconds, and a released GIL could hand the serving
-    loop's thread over to another for a whole switch interval."""
-    mode: Literal["always", "never"] = "always" if inline else "never"
-    try:
-        return numba.njit(cache=True, inline=mode)(function)
-    except RuntimeError:  # "cannot cache function ...: no locator available"
-        return numba.njit(cache=False, inline=mode)(function)
-
-
-def _jit(function: Any) -> Any:
-    return _compiled(function)
-
-
-def _inline(function: Any) -> Any:
-    return _compiled(function, inline=True)
-
-
-_mix = _inline(_mix)
-_fwd_term = _inline(_fwd_term)
-table_terms = _jit(_table_terms)
-_table_terms = _inline(_table_terms)
-_add_member = _inline(_add_member)
-_remove_member = _inline(_remove_member)
-_lowest_bit = _inline(_lowest_bit)
-_highest_bit = _inline(_highest_bit)
-_highest_member = _inline(_highest_member)
-_prev_word = _inline(_prev_word)
-_next_word = _inline(_next_word)
-seed_walk = _jit(_seed_walk)
-_seed_walk_inline = _inline(_seed_walk)
-move = _jit(_move)
-_move_inline = _inline(_move)
-add_refs = _jit(_add_refs)
-drop_refs = _jit(_drop_refs)
-_drop_refs_inline = _inline(_drop_refs)
-allocation = _jit(_allocation)
-step_allocation = _jit(_step_allocation)
-step_commit = _jit(_step_commit)
+_mix = inline(_mix)
+_fwd_term = inline(_fwd_term)
+table_terms = jit(_table_terms)
+_table_terms = inline(_table_terms)
+_add_member = inline(_add_member)
+_remove_member = inline(_remove_member)
+_lowest_bit = inline(_lowest_bit)
+_highest_bit = inline(_highest_bit)
+_highest_member = inline(_highest_member)
+_prev_word = inline(_prev_word)
+_next_word = inline(_next_word)
+_step_rows = inline(_step_rows)
+seed_walk = jit(_seed_walk)
+_seed_walk_inline = inline(_seed_walk)
+move = jit(_move)
+_move_inline = inline(_move)
+add_refs = jit(_add_refs)
+drop_refs = jit(_drop_refs)
+_drop_refs_inline = inline(_drop_refs)
+allocation = jit(_allocation)
+step_allocation = jit(_step_allocation)
+step_commit = jit(_step_commit)
 
 
 _loaded = False

@@ -25,30 +25,29 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
 
-from kvlog.events import CacheConfigured
 from kvlog.reducers import kernels
 from kvlog.reducers.buffers import uint64_buffer
 from kvlog.reducers.kernels import FWD_KEY, GOLDEN
-from kvlog.splitmix import mix64, mix64_array
+from kvlog.util.splitmix import mix64, mix64_array
 
 if TYPE_CHECKING:
-    from kvlog.reducers.state import Job, State
+    from kvlog.reducers.jobs import Job
 
 __all__ = [
     "DIGEST_V2_PREFIX",
+    "MASK",
     "RunningDigest",
-    "checkpoint_digest",
     "fwd_terms",
     "job_term",
     "mix",
-    "recompute",
     "request_key",
     "submitted_term",
+    "table_sums",
     "table_terms",
 ]
 
@@ -63,7 +62,7 @@ _FIRST_ROWS = 64
 
 
 mix = mix64
-"""splitmix64's finalizer on a Python int below 2**64 (:mod:`kvlog.splitmix`)."""
+"""splitmix64's finalizer on a Python int below 2**64 (:mod:`kvlog.util.splitmix`)."""
 _mix_array = mix64_array
 
 
@@ -90,7 +89,7 @@ def table_terms(key: int, start: int, block_ids: list[int]) -> int:
     return int(kernels.table_terms(np.uint64(key), start, ids))
 
 
-def _table_sums(keys: list[int], starts: list[int], tails: list[list[int]]) -> list[int]:
+def table_sums(keys: list[int], starts: list[int], tails: list[list[int]]) -> list[int]:
     """``table_terms(keys[i], starts[i], tails[i])`` for every i (each tail non-empty), in
     one numpy pass."""
     if not tails:
@@ -256,56 +255,15 @@ class RunningDigest:
         self.jobs = (self.jobs - delta) & MASK
 
     # -- from scratch --------------------------------------------------------------------
-    def recompute(self, state: State) -> None:
-        """All sums and rows from scratch (after a restore), each job's term kept."""
-        self.fwd, self.tables, per_request, self.jobs = recompute(state, keep_terms=True)
+    def reseat(
+        self, fwd: int, tables: int, jobs: int, per_request: dict[str, tuple[int, list[int]]]
+    ) -> None:
+        """All sums and rows from sums computed from scratch (``checkpoint.reseat``):
+        ``per_request`` maps a request to its table's sum and the State's table list."""
+        self.fwd, self.tables, self.jobs = fwd, tables, jobs
         self.slots, self.free_slots, self.table_at = {}, [], []
         self.keys_buffer, self.keys = uint64_buffer(_FIRST_ROWS)
         self.sums_buffer, self.sums = uint64_buffer(_FIRST_ROWS)
-        for req_id, (_, total) in per_request.items():
-            slot = self.add_request(req_id, state.tables[req_id])
+        for req_id, (total, table) in per_request.items():
+            slot = self.add_request(req_id, table)
             self.sums_buffer[slot] = total
-
-
-def recompute(
-    state: State, *, keep_terms: bool = False
-) -> tuple[int, int, dict[str, list[int]], int]:
-    """The three sums and the per-request ``[key, sum]`` from scratch (tables are never
-    empty); ``keep_terms``: also store each job's term on it."""
-    n = state.num_gpu_blocks
-    fwd = fwd_terms(np.arange(n, dtype=np.int64), state.fwd.astype(np.int64)) if n else 0
-    req_ids = list(state.tables)
-    keys = [request_key(req_id) for req_id in req_ids]
-    tables = [state.tables[req_id] for req_id in req_ids]
-    sums = _table_sums(keys, [0] * len(tables), tables)
-    per_request = {
-        req_id: [key, total] for req_id, key, total in zip(req_ids, keys, sums, strict=True)
-    }
-    jobs = 0
-    for job in [*state.store_jobs.values(), *state.load_jobs.values()]:
-        term = job_term(job)
-        if keep_terms:
-            job.term = term
-        jobs += term + (submitted_term(job.job_id) if job.submitted else 0)
-    return fwd, sum(sums) & MASK, per_request, jobs & MASK
-
-
-def checkpoint_digest(state: State) -> str:
-    """``"v2:"`` + the sha256 of the running sums and the few O(1) fields (the quarantined
-    blocks are those released since the last step): O(1) in the pool."""
-    sums = state.running
-    body: list[Any] = [
-        2,
-        _config(state.config),
-        state.step,
-        state.last_job_id,
-        sums.fwd,
-        sums.tables,
-        sums.jobs,
-        sorted(state.quarantined),
-    ]
-    return DIGEST_V2_PREFIX + hashlib.sha256(msgspec.msgpack.encode(body)).hexdigest()
-
-
-def _config(config: CacheConfigured | None) -> Any:
-    return None if config is None else msgspec.to_builtins(config)

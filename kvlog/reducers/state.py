@@ -32,38 +32,13 @@ from kvlog.events import CacheConfigured, SwapPlan
 from kvlog.reducers import kernels, running
 from kvlog.reducers.blockset import SCALAR_LIMIT, BlockSet, IdArray, clear_bits, set_bits
 from kvlog.reducers.buffers import int32_buffer, uint64_buffer
+from kvlog.reducers.jobs import Job
 from kvlog.reducers.ranges import check_id_dtype
 
-__all__ = ["MAX_JOBS_IN_FLIGHT", "Job", "State", "initial_state"]
+__all__ = ["MAX_JOBS_IN_FLIGHT", "State", "initial_state"]
 
 MAX_JOBS_IN_FLIGHT = 1 << 16
 """Bound on unfinished transfer jobs (stores and loads together)."""
-
-
-class Job:
-    """One unfinished transfer: the physical GPU blocks it pins, the CPU blocks it uses,
-    its ``(src, dst)`` sub-block pairs, and whether its plan has run (a deferred store's
-    has not until ``TransferSubmitted`` or a flush)."""
-
-    __slots__ = ("cpu_block_ids", "gpu_block_ids", "job_id", "kind", "pairs", "submitted", "term")
-
-    def __init__(
-        self,
-        job_id: int,
-        kind: str,
-        gpu_block_ids: IdArray,
-        cpu_block_ids: IdArray,
-        pairs: tuple[IdArray, IdArray] | None = None,
-        submitted: bool = True,
-    ):
-        self.job_id = job_id
-        self.kind = kind
-        self.gpu_block_ids = gpu_block_ids
-        self.cpu_block_ids = cpu_block_ids
-        self.pairs = pairs
-        self.submitted = submitted
-        self.term = -1
-        """Its term of the running digest (``running.job_term``), once it is in a State."""
 
 
 class State:

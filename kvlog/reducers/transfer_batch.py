@@ -20,6 +20,7 @@ event on the state. Either way a refused batch changes nothing.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -30,6 +31,7 @@ from kvlog.events import (
     Plan,
     StoreRequested,
     TransferBatch,
+    TransferEvent,
     TransferFinished,
     TransferSubmitted,
 )
@@ -110,13 +112,30 @@ def _disjoint(loads: list[np.ndarray], cpu: dict[str, list[np.ndarray]]) -> bool
     return True
 
 
+_MEMBERS: dict[type, tuple[Callable[[State, Any], Any], Callable[[State, Any, Any], list[Plan]]]]
+_MEMBERS = {
+    StoreRequested: (transfers.check_submit, transfers.apply_submit),
+    LoadRequested: (transfers.check_submit, transfers.apply_submit),
+    TransferFinished: (transfers.check_finish, transfers.apply_finish),
+    TransferSubmitted: (transfers.check_submitted, transfers.apply_submitted),
+}
+"""A batch member's check and apply: the same pairs the composed reducer uses for them."""
+
+
+def _one_by_one(state: State, events: list[TransferEvent]) -> list[Plan]:
+    """Validate, check and apply each event in turn on ``state``; raise the first refusal
+    (the state then holds the events before it: callers use a copy, or a batch checked)."""
+    plans: list[Plan] = []
+    for event in events:
+        VALIDATORS[type(event)](event)
+        check_event, apply_event = _MEMBERS[type(event)]
+        plans += apply_event(state, event, check_event(state, event))
+    return plans
+
+
 def _exact(state: State, batch: TransferBatch) -> None:
     """Reduce the events one by one on a copy of the state; raise the first refusal."""
-    from kvlog.reducers import compose  # compose registers this module's pair
-
-    scratch = digest.restore(digest.snapshot(state))
-    for event in batch.events:
-        compose.commit(scratch, compose.check(scratch, event))
+    _one_by_one(digest.restore(digest.snapshot(state)), batch.events)
 
 
 def check_batch(state: State, batch: TransferBatch) -> BatchFound:
@@ -132,11 +151,7 @@ def apply_batch(state: State, batch: TransferBatch, checked: BatchFound) -> list
     """Apply the checked batch's events in order; their plans, concatenated."""
     plans: list[Plan] = []
     if checked.exact:
-        from kvlog.reducers import compose
-
-        for event in batch.events:
-            plans += compose.commit(state, compose.check(state, event))
-        return plans
+        return _one_by_one(state, batch.events)
     for event, found in zip(batch.events, checked.found, strict=True):
         if isinstance(event, TransferSubmitted):
             job = state.job(event.job_id)

@@ -57,8 +57,9 @@ from kvlog.events import (
     TransferSubmitted,
 )
 from kvlog.reducers.blockset import IdArray
+from kvlog.reducers.jobs import Job
 from kvlog.reducers.ranges import check_block_range
-from kvlog.reducers.state import MAX_JOBS_IN_FLIGHT, Job, State
+from kvlog.reducers.state import MAX_JOBS_IN_FLIGHT, State
 
 __all__ = [
     "apply_finish",

@@ -16,12 +16,12 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from kvlog.canary import CanaryTracker, make_canary_executor
-from kvlog.engine import Engine
+from kvlog.analysis.canary import CanaryTracker, make_canary_executor
 from kvlog.errors import ConfigError, TraceError
 from kvlog.events import CacheConfigured
 from kvlog.executors import Executor
 from kvlog.log import SyncMode
+from kvlog.runtime.engine import Engine
 from kvlog.synth.driver import SynthResult, SynthRun, step_boundaries
 from kvlog.synth.pool import BlockPool, CpuCache
 from kvlog.synth.serving import (

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvlog.canary import CanaryReport, CanaryTracker
-from kvlog.engine import Engine
+from kvlog.analysis.canary import CanaryReport, CanaryTracker
+from kvlog.analysis.tally import RunFigures, RunSummary
 from kvlog.events import (
     BlocksAllocated,
     Event,
@@ -39,11 +39,11 @@ from kvlog.events import (
     TransferFinished,
 )
 from kvlog.reducers.transfers import expand_sub_blocks
+from kvlog.runtime.engine import Engine
 from kvlog.synth.pool import BlockPool, CpuCache
 from kvlog.synth.workload import Request, SynthConfig, Workload
-from kvlog.tally import RunFigures, RunSummary
 
-__all__ = ["SynthResult", "SynthRun", "defer_sigint", "step_boundaries"]
+__all__ = ["SimulatedJob", "SynthResult", "SynthRun", "defer_sigint", "step_boundaries"]
 
 _MAX_WAITING = 1024
 
@@ -59,7 +59,7 @@ _SIGINT = _Deferral()
 
 
 def defer_sigint() -> bool:
-    """For a SIGINT handler (``kvlog.cli``): while a synth loop runs, note the interrupt
+    """For a SIGINT handler (``kvlog.cli.entry``): while a synth loop runs, note the interrupt
     and return True; the loop raises ``KeyboardInterrupt`` at the end of its current step,
     between two ``Engine.apply`` calls, so the log's last step is whole and ``close()``
     checkpoints a state that holds every logged event. False (raise now) otherwise."""
@@ -131,7 +131,10 @@ class SynthResult(RunFigures):
 
 
 @dataclass
-class _Job:
+class SimulatedJob:
+    """A transfer the synthetic loop has submitted: it finishes at ``due_step`` with
+    ``success`` (the simulated device's outcome, drawn when it was submitted)."""
+
     kind: str
     req: Request
     due_step: int
@@ -157,7 +160,7 @@ class SynthRun:
         self.running: list[Request] = []
         self.just_finished: list[Request] = []  # finished decoding in the previous step
         self.stored: list[Request] = []  # their store finished this step
-        self.jobs: dict[int, _Job] = {}
+        self.jobs: dict[int, SimulatedJob] = {}
         self.next_job_id = 0
         self.last_due = {"store": -1, "load": -1}
         self.result = SynthResult(config, engine.log_path)
@@ -227,7 +230,7 @@ class SynthRun:
         due = max(step + 1 + int(self.rng.poisson(mean)), self.last_due[kind])
         self.last_due[kind] = due
         success = bool(self.rng.random() >= c.transfer_failure_rate)
-        self.jobs[job_id] = _Job(kind, req, due, success, cpu_blocks, gpu_blocks)
+        self.jobs[job_id] = SimulatedJob(kind, req, due, success, cpu_blocks, gpu_blocks)
         if kind == "store":
             self.emit(
                 StoreRequested(job_id=job_id, gpu_block_ids=gpu_blocks, cpu_block_ids=cpu_blocks)
@@ -252,7 +255,7 @@ class SynthRun:
             self.emit(TransferFinished(job_id=job_id, success=job.success))
             self._transfer_done(job, job.success)
 
-    def _transfer_done(self, job: _Job, success: bool) -> None:
+    def _transfer_done(self, job: SimulatedJob, success: bool) -> None:
         if not success:
             self.result.num_failed_transfers += 1
         assert self.cpu is not None, "a transfer without a CPU cache"

@@ -37,11 +37,11 @@ from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
-from kvlog.canary import CanaryTracker
-from kvlog.engine import Engine
+from kvlog.analysis.canary import CanaryTracker
 from kvlog.errors import ConfigError, TraceError
 from kvlog.events import BlocksAllocated, StepEnded
-from kvlog.synth.driver import SynthResult, SynthRun, _Job, step_boundaries
+from kvlog.runtime.engine import Engine
+from kvlog.synth.driver import SimulatedJob, SynthResult, SynthRun, step_boundaries
 from kvlog.synth.pool import BlockPool
 from kvlog.synth.traces import HASH_BLOCK_TOKENS, TraceRequest, block_keys
 from kvlog.synth.workload import Request, SynthConfig
@@ -466,7 +466,7 @@ class TraceRun(SynthRun):
             req.status = "running"
         return True
 
-    def _transfer_done(self, job: _Job, success: bool) -> None:
+    def _transfer_done(self, job: SimulatedJob, success: bool) -> None:
         if job.kind == "load" and success and isinstance(job.req, TraceLive):
             job.req.computed = job.req.load_target
         super()._transfer_done(job, success)

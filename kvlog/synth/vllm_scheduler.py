@@ -21,7 +21,6 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-from kvlog.engine import Engine
 from kvlog.errors import MissingExtra
 from kvlog.events import (
     BlocksAllocated,
@@ -29,11 +28,12 @@ from kvlog.events import (
     RequestPreempted,
     StepEnded,
 )
-from kvlog.splitmix import splitmix64
+from kvlog.runtime.engine import Engine
 from kvlog.synth.driver import SynthResult
 from kvlog.synth.serving import TraceConfig
 from kvlog.synth.traces import HASH_BLOCK_TOKENS, TraceRequest
 from kvlog.synth.vllm_stubs import VOCAB, build_scheduler, make_request
+from kvlog.util.splitmix import splitmix64
 
 __all__ = ["VllmTraceRun", "prompt_tokens", "trace_scheduler"]
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvlog.analysis.policy import TAIL_ONLY, check_byte_budget, check_tail_only
 from kvlog.errors import ConfigError
 from kvlog.events import CONFIG_DEFAULTS, CacheConfigured
-from kvlog.policy import TAIL_ONLY, check_byte_budget, check_tail_only
 
 __all__ = ["Request", "SynthConfig", "Workload"]
 

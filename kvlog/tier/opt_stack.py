@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from kvlog.reducers.kernels import _jit
+from kvlog.util.jit import jit
 
 __all__ = ["opt_depths"]
 
@@ -94,5 +94,5 @@ def _to_top(stack: Any, size: int, where: Any, priority: Any, key: int) -> int:
     return size
 
 
-_to_top = _jit(_to_top)
-opt_depths = _jit(_opt_depths)
+_to_top = jit(_to_top)
+opt_depths = jit(_opt_depths)

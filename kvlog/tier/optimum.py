@@ -25,7 +25,7 @@ import numpy.typing as npt
 
 from kvlog.reducers.cpu_tier import count_offer
 from kvlog.tier.trace import TierAccess
-from kvlog.tier.whatif import TierTally, TierVariant
+from kvlog.tier.variants import TierTally, TierVariant
 
 __all__ = ["belady", "lru_curve", "next_asks", "opt_curve"]
 

@@ -15,24 +15,16 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
-from kvlog.cost import CostModel
+from kvlog.analysis.cost import CostModel
 from kvlog.errors import ConfigError
-from kvlog.present.units import printable
 from kvlog.synth.traces import TRACE_FORMATS, read_trace
 from kvlog.tier.optimum import lru_curve, opt_curve
 from kvlog.tier.trace import TierAccess, accesses_from_log, accesses_from_trace
-from kvlog.tier.whatif import TierVariant, run_variant
+from kvlog.tier.variants import TierVariant
+from kvlog.tier.whatif import run_variant
+from kvlog.util.units import printable
 
-__all__ = [
-    "TierCurve",
-    "load_accesses",
-    "run_tier_sweep",
-    "tier_grid",
-    "write_tier_csv",
-    "write_tier_plot",
-]
+__all__ = ["TierCurve", "load_accesses", "run_tier_sweep", "tier_grid", "write_tier_csv"]
 
 
 def tier_grid(
@@ -125,7 +117,7 @@ def run_tier_sweep(
     gpu_tokens: int = 0,
 ) -> tuple[list[dict[str, object]], list[TierCurve]]:
     """Rows (logs outer, variants inner) and one curve per log."""
-    from kvlog.sweep import _run_all
+    from kvlog.analysis.pool import run_all as _run_all
 
     calls: list[tuple[object, ...]] = [
         (log, v, prefill_s_per_token, cost, gpu_tokens) for log in logs for v in variants
@@ -145,42 +137,3 @@ def write_tier_csv(path: str, rows: Sequence[dict[str, object]]) -> None:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows({**row, "log": printable(str(row["log"]))} for row in rows)
-
-
-def write_tier_plot(
-    path: str, rows: Sequence[dict[str, object]], curves: Sequence[TierCurve]
-) -> None:
-    """Hit rate against host memory, one panel per log (see module docstring)."""
-    from kvlog.present.pictures import plt_module
-
-    plt = plt_module("kvlog sweep's sweep.png")
-    fig, axes = plt.subplots(1, len(curves), figsize=(6 * len(curves), 4.5), squeeze=False)
-    gib = float(1 << 30)
-    for ax, curve in zip(axes[0], curves, strict=True):
-        sizes = np.arange(1, len(curve.lru_hit_rate)) * curve.chunk_bytes / gib
-        ax.plot(sizes, np.array(curve.lru_hit_rate[1:]) * 100, label="LRU (one pass)")
-        exact = max(1, curve.largest_batch)
-        opt = np.array(curve.opt_hit_rate[exact:]) * 100
-        ax.plot(sizes[exact - 1 :], opt, "k--", label="optimum (Belady, one pass)")
-        for eviction, marker in (("lru", "o"), ("arc", "s"), ("opt", "^")):
-            mine = [r for r in rows if r["log"] == curve.log and r["eviction"] == eviction]
-            if mine:
-                xs = [int(str(r["cpu_bytes"])) / gib for r in mine]
-                ys = [float(str(r["hit_rate"])) * 100 for r in mine]
-                ax.scatter(xs, ys, marker=marker, zorder=3, label=f"{eviction} (replayed)")
-        if curve.largest_request:
-            ax.axvline(
-                curve.largest_request * curve.chunk_bytes / gib,
-                color="grey",
-                linestyle=":",
-                label="largest request",
-            )
-        ax.set_xscale("log")
-        ax.set_xlabel("host memory for the CPU tier (GiB)")
-        ax.set_ylabel("chunks served from the tier (%)")
-        ax.set_title(printable(os.path.basename(curve.log)))
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

@@ -15,12 +15,13 @@ import os
 import sys
 from collections.abc import Sequence
 
-from kvlog.engine import Engine
 from kvlog.errors import ConfigError, KvlogError
 from kvlog.events import CacheConfigured, TierEvent
+from kvlog.runtime.engine import Engine
 from kvlog.synth.traces import TRACE_FORMATS, read_trace
 from kvlog.tier.trace import accesses_from_trace
-from kvlog.tier.whatif import TierTally, TierVariant, _replay_policy
+from kvlog.tier.variants import TierTally, TierVariant
+from kvlog.tier.whatif import replay_policy
 
 __all__ = ["main", "synth_tier_log"]
 
@@ -43,7 +44,7 @@ def synth_tier_log(
         def record(event: TierEvent) -> None:
             engine.apply(event)
 
-        return _replay_policy(accesses, variant, record)
+        return replay_policy(accesses, variant, record)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -74,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _synth(args: argparse.Namespace) -> TierTally:
     """Check the flags as ``kvlog sweep --cpu-bytes`` does (before anything is written),
     then write the log."""
-    from kvlog.cli_sweep import check_tier_values
+    from kvlog.tier.variants import check_tier_values
 
     check_tier_values(
         evictions=[args.eviction],

@@ -22,8 +22,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from kvlog.cost import CostModel
-from kvlog.errors import ConfigError
+from kvlog.analysis.cost import CostModel
 from kvlog.events import (
     TierConfigured,
     TierEvent,
@@ -37,6 +36,7 @@ from kvlog.events import (
 )
 from kvlog.reducers.cpu_tier import TierAnswer, TierState, reduce_tier
 from kvlog.tier.trace import TierAccess
+from kvlog.tier.variants import EVICTIONS, TierTally, TierVariant
 
 __all__ = [
     "EVICTIONS",
@@ -44,46 +44,13 @@ __all__ = [
     "TierResult",
     "TierTally",
     "TierVariant",
+    "replay_policy",
     "run_variant",
     "tier_config",
 ]
 
-EVICTIONS: tuple[str, ...] = ("lru", "arc", "opt")
 DEFAULT_PREFILL_S_PER_TOKEN = 1e-4
 """Prefill time one token costs (100 us: an 8B model near 10k tokens/s); settable."""
-
-
-@dataclass(frozen=True)
-class TierVariant:
-    """One configuration of the tier to try."""
-
-    eviction: str = "lru"
-    num_chunks: int = 1024
-    store_threshold: int = 0
-    tokens_per_chunk: int = 512
-    chunk_bytes: int = 512 * 131072
-    keys_per_step: int = 16
-    max_tracker_size: int = 64_000
-
-    def __post_init__(self) -> None:
-        if self.eviction not in EVICTIONS:
-            raise ConfigError("eviction", self.eviction, f"one of {list(EVICTIONS)}")
-        for name in ("num_chunks", "tokens_per_chunk", "keys_per_step", "max_tracker_size"):
-            if getattr(self, name) < 1:
-                raise ConfigError(name, getattr(self, name), "an integer >= 1")
-
-
-@dataclass
-class TierTally:
-    """Counts of one run (blocks are chunks)."""
-
-    accesses: int = 0
-    blocks_asked: int = 0
-    blocks_hit: int = 0
-    blocks_stored: int = 0
-    evictions: int = 0
-    never_read: int = 0
-    refused_stores: int = 0
 
 
 @dataclass(frozen=True)
@@ -159,7 +126,7 @@ def run_variant(
 
         tally = belady(accesses, variant)
     else:
-        tally = _replay_policy(accesses, variant)
+        tally = replay_policy(accesses, variant)
     return TierResult(variant, tally, prefill_s_per_token, cost or CostModel())
 
 
@@ -179,9 +146,11 @@ def tier_config(variant: TierVariant) -> TierConfigured:
     )
 
 
-def _replay_policy(
+def replay_policy(
     accesses: Sequence[TierAccess], variant: TierVariant, record: Recorder | None = None
 ) -> TierTally:
+    """Drive the tier reducer (``lru`` or ``arc``) over the accesses as the connector's
+    scheduler side would, handing each call to ``record`` with its answer."""
     config = tier_config(variant)
     state, _ = reduce_tier(None, config)
     if record is not None:

@@ -1,0 +1,224 @@
+"""``StepScheduled`` is exactly the fine-grained events it stands for.
+
+A hypothesis property drives two machines over random programs of whole steps (finished,
+preempted and resumed requests, allocations that may reuse, share, repeat or overrun
+blocks, stores in flight, quarantine, prefix caching on and off): one applies each step as
+one ``StepScheduled``, the other as ``reducers.step.expand``'s events, all or nothing.
+Acceptance, plans, both digests and the invariants must agree after every step. On the
+public trace slices, the synthetic serving loop's fine-grained logs are regrouped into
+whole steps and must replay to the same checkpoint digests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvlog.errors import KvlogError
+from kvlog.events import (
+    BlocksAllocated,
+    CacheConfigured,
+    Checkpoint,
+    Event,
+    Plan,
+    RequestFinished,
+    RequestPreempted,
+    StepEnded,
+    StepScheduled,
+    StoreRequested,
+    TransferFinished,
+)
+from kvlog.log import read_log
+from kvlog.reducers import check_invariants, checkpoint, digest, restore, snapshot
+from kvlog.reducers import step as step_reducer
+from kvlog.runtime.machine import Machine, Ticket
+from kvlog.synth import read_trace, run_trace
+from tests.synth.test_trace import AZURE, MOONCAKE, azure_config, mooncake_config
+
+NUM_BLOCKS = 24
+REQS = [f"r{i}" for i in range(6)]
+
+
+def _fine(machine: Machine, event: StepScheduled) -> list[Plan] | KvlogError:
+    """The step as its fine-grained events, all or nothing (restored on a refusal)."""
+    saved = snapshot(machine.state)
+    plans: list[Plan] = []
+    try:
+        for fine in step_reducer.expand(machine.state, event):
+            plans += machine.apply(fine)
+    except KvlogError as exc:
+        machine.state = restore(saved)
+        return exc
+    return plans
+
+
+def _whole(
+    machine: Machine, event: StepScheduled, ticket: Ticket | None = None
+) -> list[Plan] | KvlogError:
+    try:
+        return machine.apply(event, ticket=ticket)
+    except KvlogError as exc:
+        return exc
+
+
+@st.composite
+def steps(draw: st.DrawFn) -> list[tuple[StepScheduled | Event, ...]]:
+    """Programs of whole steps, with now and then a store or its completion between them."""
+    program: list[tuple[StepScheduled | Event, ...]] = []
+    job = 0
+    for step in range(draw(st.integers(1, 12))):
+        allocated = {}
+        for req_id in draw(st.lists(st.sampled_from(REQS), unique=True, max_size=4)):
+            allocated[req_id] = draw(
+                st.lists(st.integers(-1, NUM_BLOCKS), unique=draw(st.booleans()), max_size=5)
+            )
+        event = StepScheduled(
+            step=step,
+            allocated=allocated,
+            finished=draw(st.lists(st.sampled_from(REQS), max_size=2)),
+            preempted=draw(st.lists(st.sampled_from(REQS), max_size=2)),
+            resumed=draw(st.lists(st.sampled_from(REQS), max_size=2)),
+        )
+        extra: tuple[Event, ...] = ()
+        if draw(st.integers(0, 3)) == 0:
+            job += 1
+            gpu = draw(
+                st.lists(st.integers(1, NUM_BLOCKS - 1), min_size=1, max_size=3, unique=True)
+            )
+            extra = (StoreRequested(job, gpu, list(range(len(gpu)))),)
+        elif job and draw(st.booleans()):
+            extra = (TransferFinished(job, True),)
+        program.append((*extra, event))
+    return program
+
+
+@settings(deadline=None)
+@given(
+    program=steps(),
+    prefix_caching=st.booleans(),
+    quarantine=st.booleans(),
+    threshold=st.sampled_from([0, 2, 32]),
+    checked_first=st.booleans(),
+)
+def test_a_step_is_its_fine_grained_events(
+    program: list[tuple[StepScheduled | Event, ...]],
+    prefix_caching: bool,
+    quarantine: bool,
+    threshold: int,
+    checked_first: bool,
+) -> None:
+    """``checked_first``: the whole-step machine checks each step before the events that
+    precede it (as the facade checks at ``update_state`` and applies at ``defragment()``,
+    after a poll's ``TransferFinished``): a check kept across them must still hold."""
+    config = CacheConfigured(
+        num_gpu_blocks=NUM_BLOCKS, block_size=4, num_cpu_blocks=64, threshold=threshold,
+        pad_sizes=(2, 4, 8), max_swaps=8, prefix_caching=prefix_caching,
+        quarantine_released=quarantine,
+    )  # fmt: skip
+    whole, fine = Machine(), Machine()
+    whole.apply(config)
+    fine.apply(config)
+    for events in program:
+        *extras, event = events
+        ticket = None
+        if checked_first:
+            with contextlib.suppress(KvlogError):
+                ticket = whole.check(event)
+        for extra in extras:
+            for machine in (whole, fine):
+                with contextlib.suppress(KvlogError):
+                    machine.apply(extra)
+        assert isinstance(event, StepScheduled)
+        got, want = _whole(whole, event, ticket), _fine(fine, event)
+        if isinstance(want, KvlogError):
+            assert isinstance(got, KvlogError), f"{event} accepted; its events refuse {want!r}"
+        else:
+            assert got == want, event
+        assert checkpoint.checkpoint_digest(whole.state) == checkpoint.checkpoint_digest(fine.state)
+        assert digest(whole.state) == digest(fine.state)
+        check_invariants(whole.state)
+
+
+def _regrouped(path: str) -> list[Event]:
+    """A fine-grained log's events with every step that is only releases then allocations
+    (finished, preempted, allocated, in that order, each request allocated once) then
+    ``StepEnded`` turned into one ``StepScheduled``; other steps stay as they were."""
+    out: list[Event] = []
+    run: list[Event] = []
+    for _, record in read_log(path):
+        if isinstance(record, Checkpoint):
+            continue
+        if isinstance(record, (RequestFinished, RequestPreempted, BlocksAllocated)):
+            run.append(record)
+            continue
+        if isinstance(record, StepEnded) and _canonical(run):
+            out.append(_as_step(record.step, run))
+        else:
+            out += run
+            out.append(record)
+        run = []
+    return out + run
+
+
+def _canonical(run: list[Event]) -> bool:
+    order = {RequestFinished: 0, RequestPreempted: 1, BlocksAllocated: 2}
+    ranks = [order[type(e)] for e in run]
+    allocated = [e.req_id for e in run if isinstance(e, BlocksAllocated)]
+    return ranks == sorted(ranks) and len(set(allocated)) == len(allocated)
+
+
+def _as_step(step: int, run: list[Event]) -> StepScheduled:
+    return StepScheduled(
+        step=step,
+        allocated={e.req_id: e.block_ids for e in run if isinstance(e, BlocksAllocated)},
+        finished=[e.req_id for e in run if isinstance(e, RequestFinished)],
+        preempted=[e.req_id for e in run if isinstance(e, RequestPreempted)],
+    )
+
+
+def _fold(events: list[Event]) -> list[str]:
+    """The checkpoint digest after every step."""
+    machine = Machine()
+    out = []
+    for event in events:
+        machine.apply(event)
+        if isinstance(event, (StepEnded, StepScheduled)):
+            out.append(checkpoint.checkpoint_digest(machine.state))
+    check_invariants(machine.state)
+    return out
+
+
+def test_trace_logs_regrouped_into_whole_steps_fold_to_the_same_states(tmp_path: Path) -> None:
+    """Mooncake (prefix caching) and Azure (offload, block_size_factor 2): the same state
+    after every step, whether a step is one event or many."""
+    runs = [
+        (mooncake_config(), read_trace(MOONCAKE)),
+        (azure_config(num_cpu_blocks=512, block_size_factor=2), read_trace(AZURE, "azure")),
+    ]
+    for number, (config, requests) in enumerate(runs):
+        path = os.path.join(tmp_path, f"{number}.kvlog")
+        run_trace(config, requests, path, sync="none")
+        fine = [record for _, record in read_log(path) if not isinstance(record, Checkpoint)]
+        whole = _regrouped(path)
+        num_steps = sum(isinstance(e, StepScheduled) for e in whole)
+        assert num_steps > len(whole) // 20, "the trace's steps were not regrouped"
+        assert _fold(whole) == _fold(fine)
+
+
+def test_a_resumed_request_is_released_just_before_its_own_blocks() -> None:
+    """Found by the fuzz profile: a resumed request's old table is released between the
+    allocations, not before all of them, so an earlier request cannot take its block."""
+    config = CacheConfigured(num_gpu_blocks=8, block_size=4, threshold=32)
+    machine = Machine()
+    machine.apply(config)
+    machine.apply(StepScheduled(step=0, allocated={"r1": [1]}, finished=[]))
+    early = StepScheduled(step=1, allocated={"r2": [1], "r1": [2]}, finished=[], resumed=["r1"])
+    assert isinstance(_whole(machine, early), KvlogError)
+    late = StepScheduled(step=1, allocated={"r1": [2], "r2": [1]}, finished=[], resumed=["r1"])
+    assert _whole(machine, late) == []
+    assert machine.state.tables == {"r1": [2], "r2": [1]}
+    check_invariants(machine.state)

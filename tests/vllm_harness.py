@@ -108,17 +108,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             os.makedirs(args.keep, exist_ok=True)
         res = run_config(cfg, args.keep)
         results.append(res)
-        status = "ok" if res.ok else "FAILED"
+        status = "ok" if res.ok else f"CANNOT RUN: {res.cannot_run}" if res.cannot_run else "FAILED"
         print(f"{cfg.name}: {status} ({res.wall_s:.1f} s)", file=sys.stderr, flush=True)
     print(format_table(results))
     print(cost_summary(results))
-    failing = [r for r in results if not r.ok]
+    failing = [r for r in results if not r.ok and not r.cannot_run]
     for res in failing:
         print()
         print(res.summary())
+    cannot = [r for r in results if r.cannot_run]
+    for res in cannot:
+        print(f"{res.cfg.name}: cannot run on this vLLM here: {res.cannot_run}")
+    clean = len(results) - len(failing) - len(cannot)
     print(
-        f"\n{len(results) - len(failing)}/{len(results)} configurations clean, "
-        f"{time.perf_counter() - t0:.0f} s"
+        f"\n{clean}/{len(results)} configurations clean, {len(cannot)} cannot run on this "
+        f"vLLM here, {time.perf_counter() - t0:.0f} s"
     )
     return 1 if failing else 0
 

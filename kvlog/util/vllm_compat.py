@@ -17,9 +17,10 @@ model runner output         V1 and V2        V1 and V2              V2 only
 
 Feature detection where vLLM's objects show the difference (a method's parameters, an
 attribute, a module's names); the release number only to refuse, at connector start, a vLLM
-kvlog was never run on (:func:`check_supported`). Importing this module does not import
+kvlog was never run on (:func:`unsupported`; the connector raises ``UnsupportedVllm``).
+Importing this module does not import
 vLLM: its functions take vLLM's objects, and the few that need vLLM's classes import them
-when called. It imports nothing of kvlog but its errors, so every layer that meets vLLM
+when called. It imports nothing of kvlog, so every layer that meets vLLM
 (``synth``'s scheduler loop, ``tier``'s recorder, ``integrations``' connector) uses it;
 ``kvlog.integrations.SUPPORTED_VLLM`` is this module's.
 """
@@ -34,14 +35,11 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
-from kvlog.errors import UnsupportedVllm
-
 __all__ = [
     "SUPPORTED_VLLM",
     "ContextMarks",
     "IdentityPointers",
     "attach_worker",
-    "check_supported",
     "clamp_finished_stores",
     "connector_worker_args",
     "has_touch",
@@ -57,6 +55,7 @@ __all__ = [
     "supported",
     "takes_device_pointers",
     "tier_fields",
+    "unsupported",
 ]
 
 SUPPORTED_VLLM = ("0.26.0", "0.33.0", "0.34.0")
@@ -82,13 +81,11 @@ def supported(version: str) -> bool:
     return any(_RELEASE.match(v).group(1, 2) == minor for v in SUPPORTED_VLLM)  # type: ignore[union-attr]
 
 
-def check_supported(version: str | None = None) -> str:
-    """The installed vLLM's version, or :class:`~kvlog.errors.UnsupportedVllm` (one line
-    naming the supported releases) for any other."""
+def unsupported(version: str | None = None) -> str | None:
+    """None where ``version`` (default: the installed vLLM's) is supported; else what was
+    found ("none": no vLLM), for the refusal (``kvlog.errors.UnsupportedVllm``)."""
     found = installed_vllm() if version is None else version
-    if not supported(found):
-        raise UnsupportedVllm(found or "none", SUPPORTED_VLLM)
-    return found
+    return None if supported(found) else found or "none"
 
 
 # -- the connector worker ---------------------------------------------------------------------
@@ -97,7 +94,7 @@ def connector_worker_args(
 ) -> tuple[Any, ...]:
     """The arguments ``worker_class.__init__`` takes: ``(spec, vllm_config, kv_cache_config)``
     (0.33 on) or ``(spec, kv_cache_config)`` (0.26)."""
-    params = inspect.signature(worker_class.__init__).parameters
+    params = inspect.signature(worker_class).parameters
     if "vllm_config" in params:
         return (spec, vllm_config, kv_cache_config)
     return (spec, kv_cache_config)
@@ -123,8 +120,8 @@ def spec_num_chunks(spec: Any) -> int:
 def takes_device_pointers(worker_class: type) -> bool:
     """Whether vLLM's connector worker hands its worker device pointers instead of the
     scheduler's GPU specs (0.34: ``resolve_device_pointers`` in the worker's module)."""
-    module = importlib.import_module(worker_class.__module__)
-    return hasattr(module, "resolve_device_pointers")
+    modules = {cls.__module__ for cls in worker_class.__mro__}  # vLLM's, or a subclass's base
+    return any(hasattr(importlib.import_module(m), "resolve_device_pointers") for m in modules)
 
 
 class IdentityPointers:
@@ -228,14 +225,16 @@ def _num_offloaded_groups(kv_cache_config: Any) -> int:
 def clamp_finished_stores(connector_scheduler: Any) -> bool:
     """Keep vLLM 0.26's scheduler side from storing KV that was never computed.
 
-    0.26 stores a finished request's chunks up to ``num_tokens``: an aborted request's
-    tokens past ``num_computed_tokens`` (never computed: garbage in the CPU tier, or an
-    ``assert len(offload_keys) == len(offload_block_ids)`` in ``_build_store_jobs`` where no
-    block backs them; with vLLM's own worker too), and a finished request's last sampled
-    token, whose KV no forward wrote. Where ``_build_store_jobs`` does not tell aborted
-    requests apart (0.26), this scheduler's ``_calc_num_offloadable_tokens`` caps a finished
-    request at 0.33's bound: ``num_computed_tokens`` if aborted, else ``max(num_prompt_tokens,
-    num_tokens - 1)``. True where it did."""
+    0.26 stores a finished request's chunks up to ``num_tokens``, with vLLM's own worker too:
+    an aborted request's tokens past ``num_computed_tokens`` (never computed: garbage in the
+    CPU tier, or an ``assert len(offload_keys) == len(offload_block_ids)`` in
+    ``_build_store_jobs`` where no block backs them); a request preempted, then finished by
+    the output of the step before (async scheduling), from the blocks it held before its
+    preemption, which vLLM has given to other requests since; and a finished request's last
+    sampled token, whose KV no forward wrote. Where ``_build_store_jobs`` does not tell
+    aborted requests apart (0.26), this scheduler's ``_calc_num_offloadable_tokens`` caps a
+    finished request at ``num_computed_tokens`` (0 after a preemption), and a request not
+    aborted also at 0.33's ``max(num_prompt_tokens, num_tokens - 1)``. True where it did."""
     build = getattr(type(connector_scheduler), "_build_store_jobs", None)
     code = getattr(build, "__code__", None)
     if code is None or "FINISHED_ABORTED" in code.co_names:
@@ -247,10 +246,9 @@ def clamp_finished_stores(connector_scheduler: Any) -> bool:
     def capped(req_status: Any, num_tokens: int) -> int:
         req = req_status.req
         if req.is_finished():
-            if req.status == RequestStatus.FINISHED_ABORTED:
-                bound = req.num_computed_tokens
-            else:
-                bound = max(req.num_prompt_tokens, req.num_tokens - 1)
+            bound = req.num_computed_tokens
+            if req.status != RequestStatus.FINISHED_ABORTED:
+                bound = min(bound, max(req.num_prompt_tokens, req.num_tokens - 1))
             num_tokens = min(num_tokens, bound)
         return int(offloadable(req_status, num_tokens))
 

@@ -55,6 +55,7 @@ class RunResult:
     live_digest: str = ""
     replay_digest: str = ""
     tier: Any = None  # the scheduler's CPU tier log refolded (kvlog.tier.replay.TierReplay)
+    cannot_run: str = ""  # why the installed vLLM cannot run this configuration here
     errors: list[str] = field(default_factory=list)
     details: dict[str, list[str]] = field(default_factory=dict)
 

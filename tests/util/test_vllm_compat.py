@@ -1,6 +1,7 @@
-"""The vLLM adapter (``kvlog.integrations.vllm_compat``) without vLLM: the version gate and
-its one-line refusal, and each feature test on stand-ins shaped like each release's objects.
-The real releases run it in their CI stages (``tests/test_vllm_versions.py``)."""
+"""The vLLM adapter (``kvlog.util.vllm_compat``) without vLLM: the version gate and its
+one-line refusal, and each feature test on stand-ins shaped like each release's objects.
+The real releases run the connector through it in their CI stages
+(``tests/vllm/test_versions.py``)."""
 
 from __future__ import annotations
 
@@ -37,18 +38,18 @@ def test_supported_releases_and_their_patch_releases(version: str, ok: bool) -> 
 
 
 def test_an_unsupported_vllm_is_refused_in_one_line_naming_the_supported() -> None:
-    with pytest.raises(UnsupportedVllm) as info:
-        vllm_compat.check_supported("0.25.1")
-    message = str(info.value)
+    assert vllm_compat.unsupported("0.34.0") is None
+    assert vllm_compat.unsupported("") == "none"
+    found = vllm_compat.unsupported("0.25.1")
+    assert found == "0.25.1"
+    error = UnsupportedVllm(found, SUPPORTED_VLLM)
+    message = str(error)
     assert "\n" not in message
     assert "0.25.1" in message
     for version in SUPPORTED_VLLM:
         assert version in message
-    assert isinstance(info.value, ImportError)  # also a builtin, as every kvlog error
-    assert info.value.found == "0.25.1"
-    assert vllm_compat.check_supported("0.34.0") == "0.34.0"
-    with pytest.raises(UnsupportedVllm, match="found none"):
-        vllm_compat.check_supported("")
+    assert isinstance(error, ImportError)  # also a builtin, as every kvlog error
+    assert error.found == "0.25.1" and error.supported == SUPPORTED_VLLM
 
 
 def test_supported_vllm_is_public_and_names_three_releases() -> None:

@@ -46,11 +46,13 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-# run as a script (``python tests/vllm_harness.py``), the repository root is not on the path
+# run as a script (``python tests/vllm_harness.py``), the repository root is not on the path,
+# and Python put tests/ first, where the package tests/vllm would shadow vLLM itself
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.vllm.harness import *  # noqa: F403  (``import vllm_harness as harness`` sees every name)
-from tests.vllm.harness import (
+from tests.vllm.harness import *  # noqa: E402, F403  (``vllm_harness`` has every name)
+from tests.vllm.harness import (  # noqa: E402
     CI_MATRIX,
     CONFIGS,
     DEFRAG_ONLY,
@@ -86,6 +88,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.list:
+        import vllm
+
+        print(f"# vLLM {vllm.__version__} from {Path(vllm.__file__).parent}")
         for c in CONFIGS.values():
             print(f"{c.name:32} {c.describe()}")
         return 0

@@ -18,6 +18,8 @@ The tier differential against the release's real manager is ``tests/test_cpu_tie
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +61,23 @@ RESULTS: list[Any] = []
 def test_the_installed_vllm_is_a_supported_release() -> None:
     assert MINOR in RULES
     assert any(v.startswith(MINOR + ".") for v in SUPPORTED_VLLM)
+
+
+def test_the_harness_script_runs_the_installed_vllm() -> None:
+    """``python tests/vllm_harness.py`` imports vLLM itself, not the package tests/vllm that
+    the script's own directory on the path would put first."""
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, "tests/vllm_harness.py", "--list"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    ).stdout
+    header = out.splitlines()[0]
+    assert header.startswith(f"# vLLM {VERSION} from "), header
+    assert Path(header.split(" from ", 1)[1]) != root / "tests" / "vllm", header
 
 
 def test_an_unsupported_vllm_is_refused_at_connector_start(

@@ -56,6 +56,13 @@ SUBSET = [
 ]
 """The stage's configurations (each as the V1 runner's shape where the release has one)."""
 RESULTS: list[Any] = []
+REAL_STAGE = ".".join(
+    (Path(__file__).resolve().parents[2] / ".ci" / "vllm-nodeps.txt")
+    .read_text(encoding="utf-8")
+    .split("vllm==", 1)[1]
+    .split(".")[:2]
+)
+"""The release the real-vLLM stage runs its whole harness matrix on (0.33)."""
 
 
 def test_the_installed_vllm_is_a_supported_release() -> None:
@@ -139,6 +146,8 @@ def test_the_tier_log_records_the_releases_manager_rule(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name", SUBSET)
 def test_kvlog_in_this_vllm(name: str, tmp_path: Path) -> None:
+    if MINOR == REAL_STAGE:
+        pytest.skip(f"vLLM {MINOR}: the real-vLLM stage runs the whole matrix on this release")
     res = _run(name, tmp_path)
     cfg = res.cfg
     assert res.ok, res.summary()

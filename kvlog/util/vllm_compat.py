@@ -3,24 +3,25 @@
 vLLM changes its connector API every few releases. kvlog reaches vLLM's moving parts only
 through the functions here (no other kvlog module names a private vLLM attribute):
 
-==========================  ===============  =====================  =====================
-what                        vLLM 0.26        vLLM 0.33              vLLM 0.34
-==========================  ===============  =====================  =====================
-connector worker __init__   (spec, kv_cfg)   (spec, vllm_cfg, kv_cfg)  same as 0.33
-CPU tier size               ``num_blocks``   ``num_chunks``         ``num_chunks``
-``ReqContext`` state        none             ``get/set_state``      ``get/set_state``
-load entries                async only       ``sync`` loads         ``sync`` loads
-worker submit_*             specs            specs (+ expedited)    device pointers
-CPU manager rule            ``vllm-0.26``    ``vllm-0.33``          ``vllm-0.34``
-model runner output         V1 and V2        V1 and V2              V2 only
-==========================  ===============  =====================  =====================
+=========================  ==============  ========================  ==============
+what                       vLLM 0.26       vLLM 0.33                 vLLM 0.34
+=========================  ==============  ========================  ==============
+connector worker __init__  (spec, kv_cfg)  (spec, vllm_cfg, kv_cfg)  as 0.33
+CPU tier size              ``num_blocks``  ``num_chunks``            ``num_chunks``
+``ReqContext`` state       none            ``get/set_state``         as 0.33
+load entries               async only      ``sync`` loads            as 0.33
+worker submit_*            specs           specs (+ expedited)       device pointers
+CPU manager rule           ``vllm-0.26``   ``vllm-0.33``             ``vllm-0.34``
+model runner output        V1 (V2: Triton) V1 and V2                 V2 only
+finished requests' stores  uncomputed KV   computed KV only          as 0.33
+=========================  ==============  ========================  ==============
 
 Feature detection where vLLM's objects show the difference (a method's parameters, an
 attribute, a module's names); the release number only to refuse, at connector start, a vLLM
 kvlog was never run on (:func:`unsupported`; the connector raises ``UnsupportedVllm``).
-Importing this module does not import
-vLLM: its functions take vLLM's objects, and the few that need vLLM's classes import them
-when called. It imports nothing of kvlog, so every layer that meets vLLM
+Importing this module does not import vLLM: its functions take vLLM's objects, and the few
+that need vLLM's classes import them when called. It imports nothing of kvlog, so every
+layer that meets vLLM
 (``synth``'s scheduler loop, ``tier``'s recorder, ``integrations``' connector) uses it;
 ``kvlog.integrations.SUPPORTED_VLLM`` is this module's.
 """

@@ -46,13 +46,13 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-if __name__ == "__main__":
-    # run as a script (``python tests/vllm_harness.py``), Python puts tests/ first on the
-    # path, where the package tests/vllm shadows vLLM itself: the repository root instead
-    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+# run as a script (``python tests/vllm_harness.py``), the repository root is not on the path,
+# and Python put tests/ first, where the package tests/vllm would shadow vLLM itself
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.vllm.harness import *  # noqa: F403  (``import vllm_harness as harness`` sees every name)
-from tests.vllm.harness import (
+from tests.vllm.harness import *  # noqa: E402, F403  (``vllm_harness`` has every name)
+from tests.vllm.harness import (  # noqa: E402
     CI_MATRIX,
     CONFIGS,
     DEFRAG_ONLY,
@@ -99,6 +99,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.list:
+        import vllm
+
+        print(f"# vLLM {vllm.__version__} from {Path(vllm.__file__).parent}")
         for c in CONFIGS.values():
             print(f"{c.name:32} {c.describe()}")
         return 0
@@ -130,17 +133,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             os.makedirs(args.keep, exist_ok=True)
         res = run_config(cfg, args.keep)
         results.append(res)
-        status = "ok" if res.ok else "FAILED"
+        status = "ok" if res.ok else f"CANNOT RUN: {res.cannot_run}" if res.cannot_run else "FAILED"
         print(f"{cfg.name}: {status} ({res.wall_s:.1f} s)", file=sys.stderr, flush=True)
     print(format_table(results))
     print(cost_summary(results))
-    failing = [r for r in results if not r.ok]
+    failing = [r for r in results if not r.ok and not r.cannot_run]
     for res in failing:
         print()
         print(res.summary())
+    cannot = [r for r in results if r.cannot_run]
+    for res in cannot:
+        print(f"{res.cfg.name}: cannot run on this vLLM here: {res.cannot_run}")
+    clean = len(results) - len(failing) - len(cannot)
     print(
-        f"\n{len(results) - len(failing)}/{len(results)} configurations clean, "
-        f"{time.perf_counter() - t0:.0f} s"
+        f"\n{clean}/{len(results)} configurations clean, {len(cannot)} cannot run on this "
+        f"vLLM here, {time.perf_counter() - t0:.0f} s"
     )
     return 1 if failing else 0
 

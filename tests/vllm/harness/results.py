@@ -57,6 +57,7 @@ class RunResult:
     live_digest: str = ""
     replay_digest: str = ""
     tier: Any = None  # the scheduler's CPU tier log refolded (kvlog.tier.replay.TierReplay)
+    cannot_run: str = ""  # why the installed vLLM cannot run this configuration here
     errors: list[str] = field(default_factory=list)
     details: dict[str, list[str]] = field(default_factory=dict)
 
@@ -82,6 +83,7 @@ class RunResult:
             and self.harness_errors == 0
             and self.finished == self.requests
             and self.replay_ok is not False
+            and (self.tier is None or bool(self.tier.exact))
         )
 
     def per_step_us(self, seconds: float) -> float:
@@ -129,6 +131,7 @@ COLUMNS = [
     ("seed's defragmenter", lambda r: f"{r.per_step_us(r.seed_s):.0f}" if r.seed_s else "-"),
     ("of it copies", lambda r: f"{r.per_step_us(r.copy_s):.0f}"),
     ("of it tier log", lambda r: f"{r.per_step_us(r.tier_s):.0f}"),
+    ("tier replay", lambda r: "-" if r.tier is None else "exact" if r.tier.exact else "DIFFERS"),
     ("vLLM sched us/step", lambda r: f"{r.per_step_us(r.sched_s):.0f}"),
     ("kvlog/sched", lambda r: f"{_over_scheduler(r):.2f}"),
     ("wall s", lambda r: f"{r.wall_s:.1f}"),

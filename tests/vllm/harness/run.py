@@ -3,6 +3,7 @@ in vllm-gaudi's order, the checks, the replay of the log."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import random
@@ -15,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from kvlog.util import vllm_compat
 from tests.vllm.harness.checks import Checks, _Abort, _LoadJob, _StoreJob
 from tests.vllm.harness.configs import RunConfig
 from tests.vllm.harness.gaudi_runner import KvlogCalls, runner_module
@@ -78,7 +80,8 @@ class Run(Checks):
             _env("VLLM_USE_V2_MODEL_RUNNER", "1" if cfg.v2_runner else "0"),
             _env("KVLOG_PATH", log_env),
         ):
-            self.vllm_config, self.kv_cache_config, self.scheduler = build_vllm(cfg)
+            self.vllm_config, self.kv_cache_config, self.scheduler = self._build_vllm()
+            self._only_v2_runner()
             if cfg.connector != "none":
                 self.connector = KVConnectorFactory.create_connector(
                     self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config
@@ -105,11 +108,31 @@ class Run(Checks):
             if ours is not theirs:
                 raise AssertionError("the defragmenter and the connector do not share an Engine")
         if cfg.connector == "reference":
-            num_chunks = int(self.connector.connector_worker.spec.num_chunks)
+            num_chunks = vllm_compat.spec_num_chunks(self.connector.connector_worker.spec)
             resolve = self.defrag.resolve if (cfg.reference_resolve and self.defrag) else None
             worker = ReferenceWorker(self.kv, cfg.blocks_per_chunk, num_chunks, resolve)
-            self.connector.connector_worker.worker = worker
+            conn_worker = self.connector.connector_worker  # 0.34: behind identity pointers
+            vllm_compat.attach_worker(conn_worker, worker, type(conn_worker), self.kv_cache_config)
             self.cpu_reader = worker.reader
+
+    def _build_vllm(self) -> tuple[Any, Any, Any]:
+        """``build_vllm``; where vLLM refuses the configuration on this machine (0.26's V2
+        model runner requires Triton, which no CPU-only install has), the run ends saying
+        so (``RunResult.cannot_run``: reported per configuration, never counted clean)."""
+        try:
+            return build_vllm(self.cfg)
+        except Exception as exc:
+            if "requires Triton" not in str(exc):
+                raise
+            self.result.cannot_run = "vLLM's Model Runner V2 requires Triton (not installed)"
+            raise _Abort from exc
+
+    def _only_v2_runner(self) -> None:
+        """vLLM 0.34 has the V2 model runner only: a V1 configuration runs its shape (and
+        the table says so)."""
+        if not self.cfg.v2_runner and not hasattr(self.scheduler, "use_v2_model_runner"):
+            self.cfg = dataclasses.replace(self.cfg, v2_runner=True)
+            self.result.cfg = self.cfg
 
     def _time_copies(self) -> None:
         """Count the time the shared Engine's executor spends carrying out plans (the
@@ -301,7 +324,7 @@ class Run(Checks):
         if cfg.order == "gpu":
             self._kvlog("handle_preemptions", self.connector.handle_preemptions, meta)
         self._kvlog("bind_connector_metadata", self.connector.bind_connector_metadata, meta)
-        load_first = cfg.order == "gaudi" or so.has_sync_kv_loads
+        load_first = cfg.order == "gaudi" or getattr(so, "has_sync_kv_loads", False)
         if load_first:
             self._kvlog("start_load_kv", self.connector.start_load_kv, None)
         self._check_live(so)
@@ -343,8 +366,7 @@ class Run(Checks):
 
         req_ids = list(so.num_scheduled_tokens)
         return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            **vllm_compat.runner_output_fields(ModelRunnerOutput, req_ids),
             sampled_token_ids=[sampled.get(r, []) for r in req_ids],
             kv_connector_output=kv_output,
         )

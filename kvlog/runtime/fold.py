@@ -258,6 +258,15 @@ class Fold:
         if self.stopped:
             return self
         start = self.start_seq
+        if self.last_event_seq >= 0 and start < self.reader.first_seq:
+            # a fold seated on a state reads on where retention has already cut the log
+            # (a live view polling a directory): the records in between are gone
+            gone = SegmentsRetired(self.path, start, self.reader.first_seq)
+            if not self.follow_retired:
+                raise gone
+            start = self._resume_after_retired(gone)
+            if self.stopped:
+                return self
         while True:
             try:
                 self._read(start, progress)

@@ -9,6 +9,7 @@ not a log is refused by ``kvlog``'s entry point before any work: one line, exit 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
 from typing import Any
@@ -44,6 +45,9 @@ def cmd_top(args: argparse.Namespace) -> int:
         raise ConfigError("--interval", args.interval, "seconds between 0.05 and 3600")
     if args.count < 0:
         raise ConfigError("--count", args.count, "a number of refreshes >= 0")
+    # records retention removes before the view reads them are shown in the view (its
+    # recorder row), not said on stderr once a poll over the live display
+    logging.getLogger("kvlog.runtime.fold").setLevel(logging.ERROR)
     watch = LogWatch(args.log)
     tier_path = tier_log_beside(args.log)
     sampler = Sampler(watch, None if tier_path is None else LogWatch(tier_path))

@@ -292,7 +292,7 @@ class Fold:
             if 0 <= stop < seq:
                 break
             self.seq = seq
-            if self._past_damage(seq, record):
+            if self.reader.damaged and self._past_damage(seq, record):
                 if self.stopped:
                     break
                 continue

@@ -341,6 +341,7 @@ class _Replayer:
         self.recorded = _Run("recorded", series)
         self.fold = Fold(path, [self.recorded.lane], verify=verify)
         self.fold.on_configured = self._start
+        self.fold.on_restart = self._restart
         self.fold.on_event.append(self._compare_step)
         self.recorded_config: CacheConfigured | None = None
         self.whatif: _Run | None = None
@@ -391,6 +392,14 @@ class _Replayer:
         fold.run(progress)
         if self.other is not None and not fold.stopped:
             self.other.at_end()
+
+    def _restart(self, config: CacheConfigured) -> None:
+        """Damage cut the log's ``CacheConfigured``: the runs start at the snapshot the
+        fold goes on from (``past_damage``)."""
+        self.recorded_config = config
+        self.recorded.summary.configured(config)
+        if self.overrides:
+            self._start_whatif_at_snapshot(config)
 
     def _start_whatif_at_snapshot(self, config: CacheConfigured) -> None:
         """The what-if lane of a log that starts at a snapshot: the snapshot's state under

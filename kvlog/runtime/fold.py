@@ -192,6 +192,10 @@ class Fold:
         """Called with the log's ``CacheConfigured`` before any lane takes it (a caller may
         add lanes there)."""
         self.on_event: list[EventHook] = []
+        self.on_restart: Callable[[CacheConfigured], None] | None = None
+        """Called with a snapshot's configuration when the fold goes on from it past damage
+        before it ever took the log's ``CacheConfigured`` (damage cut it; a caller may
+        add lanes there, as at ``on_configured``)."""
 
     @property
     def lane(self) -> Lane:
@@ -342,6 +346,10 @@ class Fold:
         self.num_records += 1
         self.num_checkpoints += 1
         self.counts["Checkpoint"] += 1
+        if not self.configured and self.on_restart is not None:
+            first = restore_snapshot(checkpoint.snapshot, checkpoint.digest, self.path, seq)
+            if not isinstance(first, str) and first.config is not None:
+                self.on_restart(first.config)
         for lane in self.lanes:  # the first is alive: its refusal stopped the fold
             if not lane.alive:
                 continue

@@ -241,3 +241,34 @@ def test_a_directory_goes_on_at_the_next_segment(
     assert infos[1].name in captured.err and "verified where it was read" in captured.out
     result = replay(log, salvage=True, past_damage=True)
     assert result.ok and result.unverified == [(infos[1].first_seq, infos[2].first_seq - 1)]
+
+
+def test_damage_that_cuts_the_configuration_goes_on_from_a_snapshot(
+    whole: Path, tmp_path: Path
+) -> None:
+    copy = tmp_path / "first.kvlog"
+    shutil.copy(whole, copy)
+    flip(copy, frames(copy)[0][1] + 20)  # the log's CacheConfigured
+    first_snapshot = snapshot_seqs(whole)[0]
+    result = replay(copy, salvage=True, past_damage=True, threshold=8)
+    assert result.ok and result.unverified == [(0, first_snapshot - 1)]
+    assert result.recorded_config is not None and result.recorded is not None
+    assert result.final_digest == replay(whole).final_digest
+    assert result.whatif is not None and result.whatif.whatif.num_steps > 0
+
+
+def test_a_missing_segment_is_gone_past(directory: Path, tmp_path: Path) -> None:
+    log = tmp_path / "dir"
+    shutil.copytree(directory, log)
+    infos = list_segments(str(log))
+    (log / infos[2].name).unlink()
+    with pytest.raises(CorruptLogError, match="missing"):
+        list(LogReader(log).records())
+    reader = LogReader(log, salvage=True, past_damage=True)
+    seqs = [s for s, _ in reader.records()]
+    assert seqs[-1] == max(s for s, _ in LogReader(directory).records())
+    [damage] = reader.damaged
+    assert (damage.first_seq, damage.resume_seq) == (infos[2].first_seq, infos[3].first_seq)
+    assert "missing" in damage.why
+    result = replay(log, salvage=True, past_damage=True)
+    assert result.ok and result.unverified == [(infos[2].first_seq, infos[3].first_seq - 1)]

@@ -137,6 +137,9 @@ class ReplayResult:
     salvaged: str = ""
     """With ``salvage``: where and why the intact prefix ended ('' when the log is whole,
     or every damage was gone past: ``damaged``)."""
+    salvage_resume_seq: int = -1
+    """With ``salvage``: where a valid record follows the damage it stopped at (``-1``:
+    none), so ``past_damage`` would go on there."""
     damaged: list[str] = field(default_factory=list)
     """With ``past_damage``: each damaged range gone past (``kvlog.log.DamagedRange``, in
     words): not read."""
@@ -443,6 +446,7 @@ class _Replayer:
         result.unverified = list(fold.unverified)
         if fold.reader.stopped is not None:
             result.salvaged = str(fold.reader.stopped)
+            result.salvage_resume_seq = fold.reader.stopped.resume_seq
         result.retired = list(fold.retired)
         reader = fold.reader
         result.closed_cleanly = reader.closed_cleanly

@@ -34,6 +34,7 @@ __all__ = [
     "ListFlag",
     "POLICY_FIELD_NAMES",
     "PAST_DAMAGE_HELP",
+    "PAST_DAMAGE_HINT",
     "SALVAGE_HELP",
     "TRACE_CONFIG",
     "TRACE_ONLY",
@@ -85,6 +86,8 @@ PAST_DAMAGE_HELP = (
     "with --salvage: go on past damage at the next valid record (or segment), one line per "
     "range not read"
 )
+
+PAST_DAMAGE_HINT = "valid records follow the damage: --past-damage goes on there"
 
 
 def add_salvage_flags(parser: argparse.ArgumentParser, past_damage_help: str) -> None:

@@ -7,7 +7,12 @@ import sys
 import typing
 from typing import Any
 
-from kvlog.cli.flags import HelpFormatter, add_salvage_flags, check_salvage_flags
+from kvlog.cli.flags import (
+    PAST_DAMAGE_HINT,
+    HelpFormatter,
+    add_salvage_flags,
+    check_salvage_flags,
+)
 from kvlog.errors import ConfigError
 from kvlog.events import Checkpoint, Event, to_dict
 from kvlog.log import LogReader
@@ -92,4 +97,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if reader.stopped is not None:
         what = "stopped at damage" if reader.damaged else "salvaged the intact prefix"
         print(f"kvlog inspect: {what}: {reader.stopped}", file=sys.stderr)
+        if reader.stopped.resume_seq >= 0 and not args.past_damage:
+            print(f"kvlog inspect: {PAST_DAMAGE_HINT}", file=sys.stderr)
     return 1 if reader.stopped is not None or reader.damaged else 0

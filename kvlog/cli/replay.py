@@ -15,6 +15,7 @@ from kvlog.analysis.policy import check_byte_budget
 from kvlog.analysis.replay import ReplayResult, replay
 from kvlog.analysis.tally import Series
 from kvlog.cli.flags import (
+    PAST_DAMAGE_HINT,
     HelpFormatter,
     add_parallel_flags,
     add_policy_flags,
@@ -148,6 +149,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if result.salvaged:
         what = "stopped at damage" if result.damaged else "salvaged the intact prefix"
         print(f"kvlog replay: {what}: {result.salvaged}", file=sys.stderr)
+        if result.salvage_resume_seq >= 0 and not args.past_damage:
+            print(f"kvlog replay: {PAST_DAMAGE_HINT}", file=sys.stderr)
     if result.salvaged or result.damaged:
         return 1
     if args.report:

@@ -361,7 +361,15 @@ def _in_segment(exc: CorruptLogError, base: int) -> CorruptLogError:
     segment's first record)."""
     message = f"{exc.message} [sequence numbers in this message count from {base}]"
     seq = exc.seq + base if exc.seq >= 0 else exc.seq
-    return CorruptLogError(message, path=exc.path, offset=exc.offset, seq=seq)
+    resume = exc.resume_seq + base if exc.resume_seq >= 0 else exc.resume_seq
+    return CorruptLogError(
+        message,
+        path=exc.path,
+        offset=exc.offset,
+        seq=seq,
+        resume_offset=exc.resume_offset,
+        resume_seq=resume,
+    )
 
 
 def _missing(info: SegmentInfo, where: str, following: int) -> CorruptLogError:

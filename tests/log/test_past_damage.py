@@ -120,6 +120,7 @@ def test_the_command_line_goes_past_damage(
     assert main(["inspect", "--salvage", str(copy)]) == 1
     stopped = capsys.readouterr()
     last_of_prefix = json.loads(stopped.out.splitlines()[-1])["seq"]
+    assert stopped.err.splitlines()[-1].endswith("--past-damage goes on there")  # the hint
     assert last_of_prefix < target
     assert main(["inspect", "--salvage", "--past-damage", str(copy)]) == 1
     captured = capsys.readouterr()
@@ -210,6 +211,7 @@ def test_a_directory_goes_on_within_a_segment(directory: Path, tmp_path: Path) -
         replay(log)
     prefix = replay(log, salvage=True)
     assert infos[1].name in prefix.salvaged and prefix.last_seq < target
+    assert prefix.salvage_resume_seq == target + 1  # in the whole log's numbers
     reader = LogReader(log, salvage=True, past_damage=True)
     seqs = [s for s, _ in reader.records()]
     everything = [s for s, _ in LogReader(directory).records()]

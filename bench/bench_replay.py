@@ -4,6 +4,8 @@
     python bench/bench_replay.py --quick    # ~20k events
     python bench/bench_replay.py --fifo-blocks 32768 --events 60000  # the FIFO-pool trace
     python bench/bench_replay.py --fifo-blocks 32768 --whole-steps   # one record per step
+    python bench/bench_replay.py --fifo-blocks 32768 --whole-steps --heavy --events 400000
+        # the heavy trace's 32k log, as the runner's path records it (steps/s printed)
 
 The log is recorded by ``kvlog synth`` (prefix caching, offload, defrag, memory pressure)
 into a temporary directory (or ``--log PATH``, reused when it exists). Every mode reads the
@@ -28,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kvlog import replay
-from kvlog.events import Checkpoint, Event
+from kvlog.events import Checkpoint, Event, StepEnded, StepScheduled
 from kvlog.log import read_log
 from kvlog.runtime.machine import Machine
 from kvlog.synth import SynthConfig, run_synth
@@ -47,18 +49,21 @@ def record(path: str, steps: int) -> int:
     return result.num_events
 
 
-def record_fifo(path: str, num_gpu_blocks: int, num_events: int, whole: bool = False) -> int:
+def record_fifo(
+    path: str, num_gpu_blocks: int, num_events: int, whole: bool = False, heavy: bool = False
+) -> int:
     """A log of the FIFO-pool trace of ``bench_step.py`` (defrag firing every step): the
     trace's warm-up, then steps until ``num_events`` events (counted fine-grained);
     default checkpoints. ``whole``: each step logged as one ``StepScheduled``, as the
     runner's path records it."""
-    from bench_step import THRESHOLD, Trace, as_steps
+    from bench_step import THRESHOLD, HeavyTrace, Trace, as_steps
 
     from kvlog import Engine
     from kvlog.events import CacheConfigured
 
     config = CacheConfigured(num_gpu_blocks=num_gpu_blocks, block_size=16, threshold=THRESHOLD)
-    trace = Trace(num_gpu_blocks, seed=num_gpu_blocks)
+    kind = HeavyTrace if heavy else Trace
+    trace = kind(num_gpu_blocks, seed=num_gpu_blocks + heavy)
     count = 0
     with Engine(config, log_path=path, sync="none") as engine:
         for event in trace.warm_up():
@@ -114,6 +119,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="with --fifo-blocks: log each step as one StepScheduled (the runner's path)",
     )
+    parser.add_argument(
+        "--heavy",
+        action="store_true",
+        help="with --fifo-blocks: bench_step's heavy trace (400-512 running requests, defrag "
+        "on most steps) instead of its FIFO-pool trace",
+    )
     args = parser.parse_args(argv)
     steps = 3000 if args.quick else 16000
     repeat = args.repeat or (1 if args.quick else 3)
@@ -122,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.exists(path):
         started = time.perf_counter()
         if args.fifo_blocks:
-            num = record_fifo(path, args.fifo_blocks, args.events, args.whole_steps)
+            num = record_fifo(path, args.fifo_blocks, args.events, args.whole_steps, args.heavy)
         else:
             num = record(path, steps)
         print(f"recorded {num:,} events in {time.perf_counter() - started:.1f} s -> {path}")
@@ -130,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
 
     base_s, num_records = best_of(repeat, lambda: decode_only(path))
     events = [r for _, r in read_log(path) if not isinstance(r, Checkpoint)]
+    num_steps = sum(isinstance(r, (StepScheduled, StepEnded)) for r in events)
     gc.collect()
     gc.freeze()  # the decoded events stand for the log file: no garbage to scan, for any mode
     modes: list[tuple[str, Callable[[], int]]] = [
@@ -149,6 +161,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:36} {seconds:8.3f} {events:8,} {rate} {seconds / base_s:14.1f}x")
     check = replay(path, series=False)
     print(f"verified {check.num_verified}/{check.num_checkpoints} checkpoints, ok={check.ok}")
+    seconds, _ = best_of(repeat, lambda: replay(path, series=False).num_events)
+    print(
+        f"replay with verification: {num_steps:,} steps in {seconds:.3f} s, "
+        f"{num_steps / seconds:,.0f} steps/s on one core ({seconds / base_s:.1f}x the bare "
+        "decode's time)"
+    )
     return 0 if check.ok else 1
 
 

@@ -2,6 +2,7 @@
 
     python bench/bench_step.py            # 4200 timed steps per size (a snapshot included)
     python bench/bench_step.py --quick    # 600 timed steps, 32k blocks and the 4k/1M pair only
+    python bench/bench_step.py --trace heavy   # the heavy trace only (2000 steps, --quick 600)
 
 A step is what the scheduler hands kvlog per step on a FIFO-pool trace with defrag firing:
 finishes while the pool is above 80% full, 0-2 arrivals of 4-64 blocks, 8 live requests
@@ -22,6 +23,14 @@ Every size and side runs once per round, rounds repeated (``--repeat``) and the 
 kept, so that a slow spell of this shared machine hits every size and both sides alike.
 Printed: kvlog's mean us per step and per event, the seed's, their ratio, and kvlog's
 per-event cost at each size over the smallest size's.
+
+The heavy trace (``HeavyTrace``, first unless ``--trace fifo``) is what a busy server
+hands over: 400-512 running requests, 32 of them growing a block each step, arrivals
+refilling them, random finishes: defrag fires on most steps. It is generated in an id space
+of 4,096 and of 32,768 blocks and each is applied, as one ``StepScheduled`` a step, to a
+pool of its own size and to a 1M pool (the same block ids, a larger pool); the seed as
+shipped runs the same steps. Printed: the ratio to the seed at 32k and the 1M pool's cost
+over the 4k pool's.
 """
 
 from __future__ import annotations
@@ -171,6 +180,44 @@ class Trace:
         return events
 
 
+class HeavyTrace(Trace):
+    """The heavy trace: hundreds of running requests (up to ``live``, 512 by default: about
+    400 in 4,096 ids, 500 in 32,768) in a pool of ``num_ids`` block ids kept about 80% full,
+    ``growths`` of them (32: a block every 16 decode steps of 512 requests) growing by one
+    block a step, up to 16 arrivals a step of about ``0.8 * num_ids / live`` blocks (half
+    to 1.5 times that) refilling ``live``, random requests finishing to make room: holes
+    every step, so defrag fires on most steps. The ids stay below ``num_ids`` whatever pool
+    the trace is applied to."""
+
+    def __init__(self, num_ids: int, seed: int, live: int = 512, growths: int = 32) -> None:
+        super().__init__(num_ids, seed)
+        self.live_target, self.growths = live, growths
+        self.mean_blocks = max(2, int(TARGET * num_ids / live))
+
+    def _arrive(self) -> BlocksAllocated:
+        req_id = f"req-{self.next_req}"
+        self.next_req += 1
+        self.live.append(req_id)
+        k = self.rng.randint(max(1, self.mean_blocks // 2), self.mean_blocks * 3 // 2)
+        return self._take(req_id, k)
+
+    def step(self, step: int) -> list[Event]:
+        events: list[Event] = []
+        headroom = self.growths + 16 * (self.mean_blocks * 3 // 2)
+        while self.used > TARGET * self.num_gpu_blocks - headroom:
+            events.append(self._finish())
+        if self.live and self.rng.random() < 0.5:  # a request ends on its own
+            events.append(self._finish())
+        arrivals = 0
+        while len(self.live) < self.live_target and arrivals < 16:
+            events.append(self._arrive())
+            arrivals += 1
+        for _ in range(self.growths):
+            events.append(self._take(self.rng.choice(self.live), 1))
+        events.append(StepEnded(step=step))
+        return events
+
+
 def model_apply(seed: SeedModel, event: Event) -> list[tuple[int, int]]:
     """One event on the restated seed; the pairs of its ``defragment()`` at ``StepEnded``."""
     if isinstance(event, BlocksAllocated):
@@ -234,7 +281,7 @@ def kvlog_run(
 ) -> Run:
     """kvlog's mean us per step (log on, default checkpoints), and its pairs per step."""
     config = CacheConfigured(num_gpu_blocks=size, block_size=16, threshold=THRESHOLD)
-    path = os.path.join(directory, f"{size}-{sync}.kvlog")
+    path = os.path.join(directory, f"{size}-{sync}-{len(steps)}.kvlog")
     engine = Engine(config, log_path=path, sync=sync)  # type: ignore[arg-type]
     for event in warm:
         engine.apply(event)
@@ -321,6 +368,87 @@ def results_table(
     return table
 
 
+HEAVY_TRACES = (4096, 32768)
+"""The heavy trace's id spaces: each is applied to a pool of its own size and to a 1M pool
+(the same block ids, a larger pool)."""
+BIG_POOL = 1 << 20
+
+
+def measure_heavy(
+    num_steps: int, repeat: int, directory: str, traces_of: tuple[int, ...] = HEAVY_TRACES
+) -> dict[int, dict[str, Run]]:
+    """Per heavy trace (by its id space): the best of ``repeat`` rounds of the runner's
+    path (one ``StepScheduled`` a step, log on) in a pool of the trace's size (``own``) and
+    in a 1M pool (``big``), and of the seed as shipped on the same steps."""
+    traces = {}
+    for ids in traces_of:
+        trace = HeavyTrace(ids, seed=ids + 1)
+        warm, steps = trace.warm_up(), [trace.step(s) for s in range(num_steps)]
+        traces[ids] = (warm, steps, as_steps(steps))
+    gc.collect()
+    gc.freeze()
+    best: dict[int, dict[str, Run]] = {ids: {} for ids in traces_of}
+    for _ in range(repeat):
+        for ids, (warm, steps, whole) in traces.items():
+            for name in ("own", "big", "shipped"):
+                if name == "shipped":
+                    got = seed_run(ids, warm, steps, shipped=True)
+                else:
+                    pool = ids if name == "own" else BIG_POOL
+                    got = kvlog_run(pool, warm, whole, "none", directory)
+                if name not in best[ids] or got.mean_us < best[ids][name].mean_us:
+                    best[ids][name] = got
+    gc.unfreeze()
+    for ids in traces_of:
+        pairs = [run.pairs for run in best[ids].values()]
+        assert all(p == pairs[0] for p in pairs), f"kvlog and the seed disagree ({ids} ids)"
+    return best
+
+
+def heavy_table(best: dict[int, dict[str, Run]], num_steps: int) -> Table:
+    table = Table(
+        title="heavy trace: us per step, StepScheduled (Engine.apply, log on) and the seed "
+        "as shipped, same steps, same run"
+    )
+    for column in (
+        "trace ids", "defrag%", "StepScheduled mean", "median", "seed as shipped mean",
+        "median", "shipped/StepScheduled mean", "median", "1M pool mean", "median",
+        "1M/own (mean)", "1M/own (median)",
+    ):  # fmt: skip
+        table.add_column(column, justify="right")
+    for ids, runs in best.items():
+        own, big, seed = runs["own"], runs["big"], runs["shipped"]
+        fired = 100 * sum(bool(p) for p in own.pairs) / num_steps
+        table.add_row(
+            str(ids), f"{fired:.0f}", f"{own.mean_us:.1f}", f"{own.median_us:.1f}",
+            f"{seed.mean_us:.0f}", f"{seed.median_us:.0f}", f"{seed.mean_us / own.mean_us:.1f}x",
+            f"{seed.median_us / own.median_us:.1f}x", f"{big.mean_us:.1f}",
+            f"{big.median_us:.1f}", f"{big.mean_us / own.mean_us:.2f}x",
+            f"{big.median_us / own.median_us:.2f}x",
+        )  # fmt: skip
+    return table
+
+
+def heavy_main(num_steps: int, repeat: int) -> int:
+    print(
+        f"heavy trace: {num_steps} steps per trace, best of {repeat} rounds, log on, "
+        "default checkpoints, events handed over fresh per step"
+    )
+    with tempfile.TemporaryDirectory() as directory:
+        best = measure_heavy(num_steps, repeat, directory)
+    Console(width=180).print(heavy_table(best, num_steps))
+    small, large = best[min(best)], best[max(best)]
+    print(
+        f"heavy, StepScheduled at {max(best)} ids: "
+        f"{large['shipped'].mean_us / large['own'].mean_us:.1f}x the seed as shipped (mean), "
+        f"{large['shipped'].median_us / large['own'].median_us:.1f}x (median) "
+        f"(target >= 100x); 1M pool over a {min(best)} pool, same ids: "
+        f"{small['big'].mean_us / small['own'].mean_us:.2f}x mean, "
+        f"{small['big'].median_us / small['own'].median_us:.2f}x median (target <= 1.3x)"
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="600 steps; 4k, 32k and 1M")
@@ -332,6 +460,13 @@ def main(argv: list[str] | None = None) -> int:
         help="time the events as built before the run (cold in a large pool's caches), "
         "not handed over fresh per step",
     )
+    parser.add_argument(
+        "--trace",
+        choices=("fifo", "heavy", "both"),
+        default="both",
+        help="the FIFO-pool trace (per pool size), the heavy trace (hundreds of running "
+        "requests, defrag most steps), or both",
+    )
     args = parser.parse_args(argv)
     global HAND_OVER
     HAND_OVER = not args.prebuilt
@@ -342,6 +477,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{num_steps} steps per size, best of {args.repeat} rounds, log on, default "
         f"checkpoints, {handed}"
     )
+    if args.trace in ("heavy", "both"):
+        heavy_main(args.steps or (600 if args.quick else 2000), args.repeat)
+        if args.trace == "heavy":
+            return 0
     with tempfile.TemporaryDirectory() as directory:
         best, events = measure(sizes, num_steps, args.repeat, directory)
     Console(width=180).print(results_table(sizes, best, events, num_steps))

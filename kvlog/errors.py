@@ -40,6 +40,8 @@ builtin exception, so callers that do not know kvlog can still catch ``ValueErro
     │                                        pip extra that brings it (kvlog sweep, reports)
     ├── EngineBroken (RuntimeError)          an Engine call cut short (an interrupt, an executor
     │                                        error) after its append: no more calls
+    ├── UnsupportedVllm (ImportError)        a vLLM release kvlog's connector does not support;
+    │                                        names the supported ones (kvlog.integrations)
     └── ExecutorError (RuntimeError)         an executor used wrongly (after shutdown, unknown plan)
         └── BackendUnavailable               a device backend this machine cannot run (no CUDA,
                                              no habana_frameworks)
@@ -79,6 +81,7 @@ __all__ = [
     "TraceError",
     "TransferSpecError",
     "UnknownJob",
+    "UnsupportedVllm",
 ]
 
 
@@ -288,6 +291,18 @@ class MissingExtra(KvlogError, ImportError):
         self.extra = extra
         super().__init__(
             f"{purpose} needs {module}, which is not installed: pip install 'kvlog[{extra}]'"
+        )
+
+
+class UnsupportedVllm(KvlogError, ImportError):
+    """The installed vLLM is none that kvlog's connector supports; one line naming them."""
+
+    def __init__(self, found: str, supported: tuple[str, ...]) -> None:
+        self.found = found
+        self.supported = supported
+        super().__init__(
+            f"kvlog supports vLLM {', '.join(supported)} (and their patch releases), found "
+            f"{found}: install one of those (docs/vllm.md)"
         )
 
 

@@ -158,6 +158,25 @@ def test_ci_reads_its_commands_from_the_readme() -> None:
     assert "PYTHONPATH=.floors pytest" in _ci_command("### The dependency floors")
 
 
+def test_ci_runs_a_stage_per_other_supported_vllm() -> None:
+    """Every supported vLLM but the real-vLLM stage's has a line of its own in the README's
+    "vLLM version stages" block, installing that release's nodeps file (issue 30)."""
+    from kvlog.integrations import SUPPORTED_VLLM
+
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert "/^### The vLLM version stages$/" in ci
+    block = README.split("\n### The vLLM version stages\n", 1)[1].split("```bash\n", 1)[1]
+    lines = block.split("\n```", 1)[0].splitlines()
+    main = re.search(r"vllm==(\d+\.\d+)", (ROOT / ".ci" / "vllm-nodeps.txt").read_text())
+    assert main is not None
+    others = [v.rsplit(".", 1)[0] for v in SUPPORTED_VLLM if not v.startswith(main[1] + ".")]
+    assert len(lines) == len(others) >= 2
+    for minor, line in zip(others, lines, strict=True):
+        nodeps = f".ci/vllm-{minor}-nodeps.txt"
+        assert f"-r {nodeps}" in line and line in COMMANDS, line
+        assert f"vllm=={minor}." in (ROOT / nodeps).read_text(encoding="utf-8")
+
+
 @pytest.mark.parametrize("page", sorted(PAGES))
 def test_every_link_leads_to_a_file(page: str) -> None:
     for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", PAGES[page]):
@@ -209,9 +228,9 @@ def _runnable(command: str, tmp: Path) -> list[str] | None:
     if PLACEHOLDERS.search(command) or "--parallel" in command:
         return None
     argv = shlex.split(command)[1:]
-    if len(argv) == 1 and argv[0] in ("synth", "replay", "inspect", "sweep", "ranks"):
+    if len(argv) == 1 and argv[0] in ("synth", "replay", "inspect", "sweep", "ranks", "top"):
         return None  # the command's name in a sentence ("as `kvlog synth` does")
-    if argv[0] in ("replay", "inspect", "sweep", "ranks") and not any(
+    if argv[0] in ("replay", "inspect", "sweep", "ranks", "top") and not any(
         word.endswith(".kvlog") or "/" in word for word in argv[1:]
     ):
         return None  # a flag named in a sentence ("`kvlog replay --report`"): no log to read

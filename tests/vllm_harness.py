@@ -46,14 +46,17 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-# run as a script (``python tests/vllm_harness.py``), the repository root is not on the path
+# run as a script (``python tests/vllm_harness.py``), the repository root is not on the path,
+# and Python put tests/ first, where the package tests/vllm would shadow vLLM itself
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.vllm.harness import *  # noqa: F403  (``import vllm_harness as harness`` sees every name)
-from tests.vllm.harness import (
+from tests.vllm.harness import *  # noqa: E402, F403  (``vllm_harness`` has every name)
+from tests.vllm.harness import (  # noqa: E402
     CI_MATRIX,
     CONFIGS,
     DEFRAG_ONLY,
+    GAUDI_RUNNER,
     REFERENCE_CLEAN,
     REFERENCE_UNAWARE,
     cost_summary,
@@ -75,6 +78,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--defrag-only", action="store_true", help="also run the defragmenter-only family"
     )
     parser.add_argument(
+        "--gaudi-runner",
+        action="store_true",
+        help="also run vllm-gaudi's runner output, with and without the Gaudi switch",
+    )
+    parser.add_argument(
         "--random", type=int, default=0, metavar="N", help="also run N random configurations"
     )
     parser.add_argument("--random-seed", type=int, default=0, help="seed of --random")
@@ -84,8 +92,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         choices=("none", "step", "always", "background"),
         help="the log's group commit for every run (default: each config's; background)",
     )
+    parser.add_argument(
+        "--runner-output",
+        choices=("vllm", "gaudi", "gaudi+switch"),
+        help="the runner's KVConnectorOutput for every vLLM-order run (default: each config's)",
+    )
     args = parser.parse_args(argv)
     if args.list:
+        import vllm
+
+        print(f"# vLLM {vllm.__version__} from {Path(vllm.__file__).parent}")
         for c in CONFIGS.values():
             print(f"{c.name:32} {c.describe()}")
         return 0
@@ -96,11 +112,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         chosen += [REFERENCE_CLEAN, REFERENCE_UNAWARE]
     if args.defrag_only:
         chosen += DEFRAG_ONLY
+    if args.gaudi_runner:
+        chosen += GAUDI_RUNNER
     chosen += random_configs(args.random, args.random_seed)
     if not chosen:
-        parser.error("give --matrix, --config NAME, --self-test, --defrag-only or --random N")
+        parser.error(
+            "give --matrix, --config NAME, --self-test, --defrag-only, --gaudi-runner or --random N"
+        )
     if args.log_sync:
         chosen = [dataclasses.replace(c, log_sync=args.log_sync) for c in chosen]
+    if args.runner_output:  # vllm-gaudi's runner has vllm-gaudi's call order
+        chosen = [
+            dataclasses.replace(c, runner_output=args.runner_output) if c.order == "gaudi" else c
+            for c in chosen
+        ]
     t0 = time.perf_counter()
     results = []
     for cfg in chosen:
@@ -108,17 +133,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             os.makedirs(args.keep, exist_ok=True)
         res = run_config(cfg, args.keep)
         results.append(res)
-        status = "ok" if res.ok else "FAILED"
+        status = "ok" if res.ok else f"CANNOT RUN: {res.cannot_run}" if res.cannot_run else "FAILED"
         print(f"{cfg.name}: {status} ({res.wall_s:.1f} s)", file=sys.stderr, flush=True)
     print(format_table(results))
     print(cost_summary(results))
-    failing = [r for r in results if not r.ok]
+    failing = [r for r in results if not r.ok and not r.cannot_run]
     for res in failing:
         print()
         print(res.summary())
+    cannot = [r for r in results if r.cannot_run]
+    for res in cannot:
+        print(f"{res.cfg.name}: cannot run on this vLLM here: {res.cannot_run}")
+    clean = len(results) - len(failing) - len(cannot)
     print(
-        f"\n{len(results) - len(failing)}/{len(results)} configurations clean, "
-        f"{time.perf_counter() - t0:.0f} s"
+        f"\n{clean}/{len(results)} configurations clean, {len(cannot)} cannot run on this "
+        f"vLLM here, {time.perf_counter() - t0:.0f} s"
     )
     return 1 if failing else 0
 

@@ -35,7 +35,7 @@ from typing import Any
 from kvlog import reducers
 from kvlog.analysis.cost import CostModel
 from kvlog.analysis.pool import Progress, read_bytes, run_all
-from kvlog.analysis.tally import RunSummary
+from kvlog.analysis.tally import RunTally
 from kvlog.errors import ConfigError
 from kvlog.events import CONFIG_DEFAULTS
 from kvlog.log import LogReader
@@ -151,7 +151,7 @@ class SweepRow:
     rejected: str = ""
 
     @classmethod
-    def of(cls, log: str, spec: PolicySpec, summary: RunSummary, state: reducers.State) -> SweepRow:
+    def of(cls, log: str, spec: PolicySpec, summary: RunTally, state: reducers.State) -> SweepRow:
         """The row of a what-if run: its summary's figures and final digest (none for a
         run that never took its configuration)."""
         overrides = json.dumps(spec.as_dict(), sort_keys=True)
@@ -191,7 +191,7 @@ def whatif(
     """Replay the events of the log at ``path`` under ``spec`` (checkpoints are skipped: a
     what-if state is not the recorded one) and sum up what it did."""
     name = log or _log_name(os.fspath(path))
-    summary = RunSummary(cost=cost)
+    summary = RunTally(cost=cost)
     lane = Lane(Machine(observers=[summary]), spec.as_dict())
     fold = Fold(path, [lane], verify=False)
     if fold.reader.first_seq > 0:  # a log directory without its oldest segments: from its

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from kvlog import reducers
 from kvlog.analysis.canary import CanaryReport, CanaryTracker, make_canary_executor
 from kvlog.analysis.policy import POLICY_FIELDS
-from kvlog.analysis.tally import RunFigures, RunSummary, Series
+from kvlog.analysis.tally import RunResult, RunTally, Series
 from kvlog.errors import ConfigError, InvalidEvent, NotConfigured
 from kvlog.events import (
     STEP_EVENTS,
@@ -61,7 +61,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Divergence",
     "ReplayResult",
-    "RunStats",
+    "PolicyResult",
     "WhatIf",
     "checkpoint_digest",
     "replay",
@@ -71,13 +71,13 @@ _POLICY_FIELDS = frozenset(row.name for row in POLICY_FIELDS)
 
 
 @dataclass
-class RunStats(RunFigures):
-    """What one policy did over the whole log: its run's :class:`~kvlog.analysis.tally.RunSummary`
-    (read through ``RunFigures``' names), its final digest, its refusal and its series."""
+class PolicyResult(RunResult):
+    """What one policy did over the whole log: its run's :class:`~kvlog.analysis.tally.RunTally`
+    (read through ``RunResult``' names), its final digest, its refusal and its series."""
 
     label: str
     config: CacheConfigured
-    summary: RunSummary
+    tally: RunTally
     final_digest: str = ""
     rejected: Divergence | None = None
     series: Series | None = None
@@ -88,8 +88,8 @@ class WhatIf:
     """A what-if run next to the recorded policy."""
 
     overrides: dict[str, Any]
-    recorded: RunStats
-    whatif: RunStats
+    recorded: PolicyResult
+    whatif: PolicyResult
     num_steps_max_used_differs: int = 0
 
     @property
@@ -127,7 +127,7 @@ class ReplayResult:
     last_event_seq: int = -1
     final_digest: str = ""
     divergence: Divergence | None = None
-    recorded: RunStats | None = None
+    recorded: PolicyResult | None = None
     whatif: WhatIf | None = None
     canary: CanaryReport | None = None
     tail: str = ""
@@ -224,16 +224,17 @@ class _FinishedInLog(Observer):
                 self.executor.wait(finished)
 
 
-class _Run:
-    """One policy's lane of the fold, with its summary (and its series, if kept)."""
+class _TalliedLane:
+    """One policy's :class:`Lane` of the fold with its :class:`RunTally` (and its
+    :class:`Series`, if kept); ``finish`` makes its :class:`PolicyResult`."""
 
     def __init__(self, label: str, series: bool, overrides: dict[str, Any] | None = None) -> None:
         self.label = label
         self.series = Series(label) if series else None
-        self.summary = RunSummary(on_step=None if self.series is None else self._add_step)
-        self.lane = Lane(Machine(observers=[self.summary]), overrides, label)
+        self.tally = RunTally(on_step=None if self.series is None else self._add_step)
+        self.lane = Lane(Machine(observers=[self.tally]), overrides, label)
 
-    def _add_step(self, summary: RunSummary, state: reducers.State, step: int) -> None:
+    def _add_step(self, summary: RunTally, state: reducers.State, step: int) -> None:
         assert self.series is not None, "a step hook only with a series"
         t = summary.plans
         self.series.add(
@@ -246,12 +247,12 @@ class _Run:
             t.step_padded_pairs,
         )
 
-    def finish(self, config: CacheConfigured) -> RunStats:
+    def finish(self, config: CacheConfigured) -> PolicyResult:
         state = self.lane.state
-        return RunStats(
+        return PolicyResult(
             self.label,
-            self.summary.config or config,
-            self.summary,
+            self.tally.config or config,
+            self.tally,
             final_digest=str(reducers.digest(state)),
             rejected=self.lane.rejected,
             series=self.series,
@@ -341,13 +342,13 @@ class _Replayer:
         self.execute = execute
         self.backend = backend
         self.series = series
-        self.recorded = _Run("recorded", series)
+        self.recorded = _TalliedLane("recorded", series)
         self.fold = Fold(path, [self.recorded.lane], verify=verify)
         self.fold.on_configured = self._start
         self.fold.on_restart = self._restart
         self.fold.on_event.append(self._compare_step)
         self.recorded_config: CacheConfigured | None = None
-        self.whatif: _Run | None = None
+        self.whatif: _TalliedLane | None = None
         self.other: _Other | None = None
         if against is not None:
             self.other = _Other(against, self.fold)
@@ -362,7 +363,7 @@ class _Replayer:
         bad override raises) and the canary executor on the run whose plans count."""
         self.recorded_config = config
         if self.overrides:
-            self.whatif = _Run("what-if", self.series, self.overrides)
+            self.whatif = _TalliedLane("what-if", self.series, self.overrides)
             self.whatif.lane.configured(config)
             self.fold.lanes.append(self.whatif.lane)
         if self.execute:
@@ -389,7 +390,7 @@ class _Replayer:
             config = fold.state.config
             self.recorded_config = config
             if config is not None:
-                self.recorded.summary.configured(config)
+                self.recorded.tally.configured(config)
                 if self.overrides:  # a what-if from the first snapshot on
                     self._start_whatif_at_snapshot(config)
         fold.run(progress)
@@ -407,9 +408,9 @@ class _Replayer:
     def _start_whatif_at_snapshot(self, config: CacheConfigured) -> None:
         """The what-if lane of a log that starts at a snapshot: the snapshot's state under
         the what-if's policy (its overrides checked here, so a bad one raises)."""
-        self.whatif = _Run("what-if", self.series, self.overrides)
+        self.whatif = _TalliedLane("what-if", self.series, self.overrides)
         whatif_config = self.whatif.lane.configured(config)
-        self.whatif.summary.configured(whatif_config)
+        self.whatif.tally.configured(whatif_config)
         self.fold.add_lane(self.whatif.lane)
 
     def _compare_step(self, seq: int, event: Event, plans: list[Plan]) -> None:

@@ -1,8 +1,11 @@
-"""What a run did: its plans' counts and bytes (:class:`PlanTally`) and, step by step, the
-highest used block and the cost model's time (:class:`RunSummary`, an observer of the run's
-machine), and per step what a replay draws (:class:`Series`). One definition, used by
-everything that sums a run up: replay's ``RunStats``, the sweep's rows, the synthetic run's
-counters, the report's pictures."""
+"""What a run did, in one vocabulary for every reader of a log.
+
+A run's machine is fed by the fold through a :class:`~kvlog.runtime.fold.Lane`; what the
+run does is tallied as it goes by a :class:`RunTally` (an observer of the machine: steps,
+the highest used block, the cost model's time), whose plan counts and bytes are its
+:class:`PlanTally`; step by step, for a picture, it is a :class:`Series`; reported, it is a
+:class:`RunResult` (a replay's per policy: ``PolicyResult``; a synthetic run's:
+``SynthResult``; a sweep's row is built from a RunTally too)."""
 
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ from kvlog.reducers import State
 from kvlog.runtime.machine import Observer
 from kvlog.util.units import p99
 
-__all__ = ["PlanTally", "RunFigures", "RunSummary", "Series", "StepHook"]
+__all__ = ["PlanTally", "RunResult", "RunTally", "Series", "StepHook"]
 
 
 class PlanTally:
@@ -89,12 +92,12 @@ class PlanTally:
         self.step_store_bytes = self.step_load_bytes = 0
 
 
-StepHook = Callable[["RunSummary", State, int], None]
+StepHook = Callable[["RunTally", State, int], None]
 """Called as ``hook(summary, state, step)`` at every step's end, before the step's plan
 totals restart (a replay's time series reads them there)."""
 
 
-class RunSummary(Observer):
+class RunTally(Observer):
     """What one run did, step by step: an observer of its machine.
 
     The configuration (page bytes) is the ``CacheConfigured`` the machine takes, or
@@ -187,64 +190,64 @@ class RunSummary(Observer):
         return p99(self.step_ms)
 
 
-class RunFigures:
+class RunResult:
     """A result's figures of one run under the names results report (``num_swap_plans``,
-    ``store_bytes``...), read from the run's :class:`RunSummary`: a base of the result
-    types (replay's ``RunStats``, ``SynthResult``), which hold it as ``summary``."""
+    ``store_bytes``...), read from the run's :class:`RunTally`: a base of the result
+    types (replay's ``PolicyResult``, ``SynthResult``), which hold it as ``tally``."""
 
-    summary: RunSummary
+    tally: RunTally
 
     @property
     def num_events(self) -> int:
-        return self.summary.num_events
+        return self.tally.num_events
 
     @property
     def num_steps(self) -> int:
-        return self.summary.num_steps
+        return self.tally.num_steps
 
     @property
     def num_swap_plans(self) -> int:
-        return self.summary.plans.swap_plans
+        return self.tally.plans.swap_plans
 
     @property
     def num_swapped_blocks(self) -> int:
-        return self.summary.plans.blocks_moved
+        return self.tally.plans.blocks_moved
 
     @property
     def swap_bytes(self) -> int:
-        return self.summary.plans.swap_bytes
+        return self.tally.plans.swap_bytes
 
     @property
     def num_stores(self) -> int:
-        return self.summary.plans.stores
+        return self.tally.plans.stores
 
     @property
     def num_loads(self) -> int:
-        return self.summary.plans.loads
+        return self.tally.plans.loads
 
     @property
     def store_bytes(self) -> int:
-        return self.summary.plans.store_bytes
+        return self.tally.plans.store_bytes
 
     @property
     def load_bytes(self) -> int:
-        return self.summary.plans.load_bytes
+        return self.tally.plans.load_bytes
 
     @property
     def bytes_moved(self) -> int:
-        return self.summary.plans.bytes_moved
+        return self.tally.plans.bytes_moved
 
     @property
     def peak_max_used(self) -> int:
-        return self.summary.peak_max_used
+        return self.tally.peak_max_used
 
     @property
     def sum_max_used(self) -> int:
-        return self.summary.sum_max_used
+        return self.tally.sum_max_used
 
     @property
     def mean_max_used(self) -> float:
-        return self.summary.mean_max_used
+        return self.tally.mean_max_used
 
 
 @dataclass

@@ -27,6 +27,7 @@ from kvlog.cli.sweep import (
     cmd_sweep,
 )
 from kvlog.cli.synth import add_synth, cmd_synth
+from kvlog.cli.top import add_top, cmd_top
 from kvlog.errors import KvlogError, LogExists
 from kvlog.events import SCHEMA_VERSION
 from kvlog.log import FORMAT_VERSION, check_log
@@ -70,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_demo(sub)
     add_sweep(sub, HelpFormatter)
     add_ranks(sub)
+    add_top(sub)
     return parser
 
 
@@ -87,6 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "demo": cmd_demo,
         "sweep": cmd_sweep,
         "ranks": cmd_ranks,
+        "top": cmd_top,
     }
     with _interruptible(), _paths_on_stdout():
         try:

@@ -36,7 +36,9 @@ from kvlog.present.text import (
     replay_text,
     retired_text,
     segments_text,
+    tier_explained_text,
 )
+from kvlog.tier.replay import explain_tier
 from kvlog.util.units import printable
 
 __all__ = ["add_replay", "check_replay_flags", "cmd_replay", "cmd_replay_parallel"]
@@ -142,6 +144,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
             **policy_fields(args),
         )
     print(replay_text(result))
+    if any(name.startswith("Tier") for name in result.counts):  # a tier log: misses explained
+        print(tier_explained_text(explain_tier(args.log)))
     for line in retired_text(result):
         print(f"kvlog replay: {line}", file=sys.stderr)
     for line in result.damaged:

@@ -15,6 +15,7 @@ from kvlog.events.types import (
     MAX_TIER_BATCH,
     TIER_EVICTIONS,
     TIER_LOOKUP_RESULTS,
+    TIER_RULES,
     TierBatch,
     TierConfigured,
     TierLoadCompleted,
@@ -87,6 +88,8 @@ def _configured(e: TierConfigured) -> None:
     _int(e, "blocks_per_chunk", e.blocks_per_chunk, 1, 1 << 16)
     _int(e, "tokens_per_chunk", e.tokens_per_chunk, 0, 1 << 32)
     _int(e, "chunk_bytes", e.chunk_bytes, 0, 1 << 40)
+    if e.rule not in TIER_RULES:
+        raise InvalidEvent(f"rule must be one of {list(TIER_RULES)}", e)
 
 
 def _looked_up(e: TierLookedUp) -> None:

@@ -42,6 +42,7 @@ __all__ = [
     "MAX_TIER_BATCH",
     "TIER_EVENTS",
     "TIER_EVICTIONS",
+    "TIER_RULES",
     "TIER_LOOKUP_RESULTS",
     "TierEvent",
     "TierConfigured",
@@ -288,12 +289,19 @@ class FencePlan(_Tagged, frozen=True):
 
 TIER_LOOKUP_RESULTS: tuple[str, ...] = ("miss", "hit", "hit_pending", "retry")
 TIER_EVICTIONS: tuple[str, ...] = ("lru", "arc")
+TIER_RULES: tuple[str, ...] = ("vllm-0.33", "vllm-0.26", "vllm-0.34")
+"""Which vLLM's ``CPUOffloadingManager`` a tier log follows (``TierConfigured.rule``):
+``vllm-0.33`` (the default: every log written before the field); ``vllm-0.26``, a tier of
+blocks whose store threshold counts lookups, with policies that know nothing of requests;
+``vllm-0.34``, 0.33's with each key counted toward the store threshold once per request and
+no ``touch``."""
 
 
 class TierConfigured(_Tagged, frozen=True):
     """The CPU tier's configuration: ``num_chunks`` slots of ``blocks_per_chunk`` GPU
     blocks (``chunk_bytes`` each), ``eviction`` (``"lru"``/``"arc"``), ``store_threshold``
-    (below 2: no admission filter) over a tracker of at most ``max_tracker_size`` keys."""
+    (below 2: no admission filter) over a tracker of at most ``max_tracker_size`` keys;
+    ``rule``: the vLLM release whose manager the tier follows (``TIER_RULES``)."""
 
     num_chunks: int
     eviction: str = "lru"
@@ -302,6 +310,7 @@ class TierConfigured(_Tagged, frozen=True):
     blocks_per_chunk: int = 1
     tokens_per_chunk: int = 0
     chunk_bytes: int = 0
+    rule: str = "vllm-0.33"
 
 
 class TierRequestStarted(_Tagged, frozen=True):

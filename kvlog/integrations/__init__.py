@@ -19,8 +19,10 @@ from kvlog.integrations.offload import (
     block_ids_of,
 )
 from kvlog.integrations.session import KvCacheSession, derive_num_gpu_blocks
+from kvlog.util.vllm_compat import SUPPORTED_VLLM
 
 __all__ = [
+    "SUPPORTED_VLLM",
     "CacheSwapHandle",
     "FacadeConfig",
     "KvCacheSession",

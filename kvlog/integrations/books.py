@@ -34,11 +34,12 @@ from kvlog.events import (
     Event,
     RequestFinished,
     RequestPreempted,
+    StepScheduled,
     validate_event,
 )
 from kvlog.reducers.view import BooksView
 
-__all__ = ["Claim", "RequestBooks", "Step"]
+__all__ = ["Claim", "RequestBooks", "Step", "fold"]
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,32 @@ Step = Event | Claim
 Batches = list[list[int]]
 """One request's blocks as the runner gave them, one list per allocation, in order (a table
 never repeats a block)."""
+
+
+def fold(plan: list[Step], step: int) -> StepScheduled | None:
+    """``plan`` (from :meth:`RequestBooks.plan`) as one ``StepScheduled`` numbered ``step``,
+    its claims left to the caller; None where no step states it: a partial release
+    (``BlocksReleased``), a request released after blocks the plan gives it, or given
+    blocks twice. Releases move before the allocations: a release only frees blocks, so
+    every allocation the plan checked stays valid and the step leaves the plan's state."""
+    finished: list[str] = []
+    preempted: list[str] = []
+    allocated: dict[str, list[int]] = {}
+    for item in plan:
+        if isinstance(item, Claim):
+            continue
+        if isinstance(item, BlocksAllocated):
+            if item.req_id in allocated:
+                return None
+            allocated[item.req_id] = item.block_ids
+        elif isinstance(item, (RequestFinished, RequestPreempted)):
+            if item.req_id in allocated:
+                return None
+            released = finished if isinstance(item, RequestFinished) else preempted
+            released.append(item.req_id)
+        else:
+            return None
+    return StepScheduled(step=step, allocated=allocated, finished=finished, preempted=preempted)
 
 
 class RequestBooks:

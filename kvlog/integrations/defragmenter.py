@@ -27,8 +27,12 @@ from kvlog.errors import BlockInUse, BlockOutOfRange, ConfigError, InvalidEvent
 from kvlog.events import StepScheduled, SwapPlan
 from kvlog.executors import Executor
 from kvlog.executors.layouts import KVCaches
+from kvlog.integrations import books as books_plan
 from kvlog.integrations.books import Claim
 from kvlog.integrations.config import FacadeConfig, config_from_env
+from kvlog.integrations.debug_lines import DefragLines
+from kvlog.integrations.holds import Claims
+from kvlog.integrations.metrics import MultiprocessExporter, process_exporter
 from kvlog.integrations.registry import shared_session
 from kvlog.integrations.session import (
     MAX_LOOKUP_BLOCKS,
@@ -90,17 +94,17 @@ def _req_ids(req_ids: Iterable[Any]) -> list[str]:
 
 
 def _fast_step(
-    session: KvCacheSession, engine: Engine, event: StepScheduled, released: set[str]
-) -> Ticket | None:
-    """The Engine's ticket for the step as one event, when it can be one: no load
-    placeholder holds a block it gives, the books infer nothing, and the Engine's check
-    accepts it. None where the books must step in (a placeholder's block, or a block still
-    counted as used without prefix caching: the caller infers); any other refusal is
-    raised (nothing changed)."""
+    session: KvCacheSession, engine: Engine, event: StepScheduled, released: set[str],
+    claims: Claims,
+) -> Ticket | None:  # fmt: skip
+    """The Engine's ticket for the step as one event, when it can be one: the step states
+    every placeholder its blocks take over (``claims``), the books infer nothing, and the
+    Engine's check accepts it. None where the books must step in (a block still counted
+    as used: the caller infers); any other refusal is raised (nothing changed)."""
     new = event.allocated
     holds = session.holds.by_block
-    if holds and any(not holds.keys().isdisjoint(b) for b in new.values()):
-        return None
+    if not claims.released and holds and any(not holds.keys().isdisjoint(b) for b in new.values()):
+        return None  # a placeholder's block the step does not release: fine-grained
     prefix_caching = session.prefix_caching
     verdict = engine.verdict(event, () if prefix_caching else (BlockInUse,))
     if not isinstance(verdict, Ticket):
@@ -110,6 +114,18 @@ def _fast_step(
     if prefix_caching and engine.view.held_by_receiver(new, released):
         return None
     return verdict
+
+
+def _claiming(step: StepScheduled, claims: Claims) -> StepScheduled:
+    """``step`` releasing the placeholders ``claims`` names (first, among its finished) and
+    holding the rest of their blocks again (first among its allocations)."""
+    if not claims.released:
+        return step
+    return StepScheduled(
+        step=step.step, allocated={**claims.held, **step.allocated},
+        finished=[*step.finished, *claims.released], preempted=step.preempted,
+        resumed=step.resumed,
+    )  # fmt: skip
 
 
 def detect_prefix_caching() -> bool:
@@ -209,11 +225,15 @@ class OnlineDefragmenter:
         )
         self.cache_utils: CacheSwapHandle | None = None
         self.last_swap: SwapPlan | None = None
-        self.debug = None
+        self.lines = DefragLines(environ if environ is not None else None)
+        self.debug = self.lines.say if self.lines.debug else None
+        """The plugin's debug logger (``VLLM_DEBUG=defrag``), else None."""
+        self._exporter: MultiprocessExporter | None = process_exporter()
         if kv_caches is not None:
             if block_size is None:
                 raise ConfigError("block_size", None, "given with kv_caches")
             self.initialize(kv_caches, block_size)
+        self.lines.initialized()
 
     # -- the seed's attributes -----------------------------------------------------------
     @property
@@ -275,24 +295,31 @@ class OnlineDefragmenter:
         blocks; then the new blocks (a resumed request's are its whole new table).
 
         Checked now, all or nothing (a bad input raises and changes nothing); applied with
-        ``defragment()`` as ONE ``StepScheduled`` event where the step needs nothing else.
-        The runner passes no preemptions; where the books must infer one, or a load's
-        placeholder lets go of a block, the step's changes are applied now as fine-grained
-        events instead (module ``kvlog.integrations.books``)."""
+        ``defragment()`` as ONE ``StepScheduled`` event. The placeholders of loads whose
+        blocks the step gives let go in that event (finished, the rest of their blocks held
+        again under a new name among its allocations), and so do the preemptions the books
+        infer where the runner passes none (module ``kvlog.integrations.books``); only a
+        step that releases part of a request's table is applied as fine-grained events."""
         session = self.session
         session.settle()  # an earlier update_state that no defragment() ended
         new = _allocations(new_blocks)
         finished, preempted = _req_ids(finished_reqs), _req_ids(preempted_reqs)
+        if self.lines.debug:
+            self.lines.updating_state(sum(map(len, new.values())), len(finished))
         resumed = _req_ids(resumed_reqs)
         engine = session.engine
         released = {*finished, *preempted, *(r for r in resumed if new.get(r))}
+        claims = session.holds.plan(new.values())
         event = StepScheduled(
             step=session.step, allocated=new, finished=finished, preempted=preempted,
             resumed=resumed,
         )  # fmt: skip
-        ticket = _fast_step(session, engine, event, released)
+        event = _claiming(event, claims)
+        ticket = _fast_step(session, engine, event, released, claims)
         if ticket is not None:
-            session.pend(event, released, ticket)
+            session.holds.claimed(claims)
+            books, prefix_caching = session.books, session.prefix_caching
+            session.pend(event, ticket, lambda: books.record_step(new, released, prefix_caching))
             return
         self._update_with_inference(new, finished, preempted, set(resumed))
 
@@ -300,10 +327,21 @@ class OnlineDefragmenter:
         self, new: dict[str, list[int]], finished: list[str], preempted: list[str],
         resumed: set[str],
     ) -> None:  # fmt: skip
-        """The step's changes as fine-grained events, with what the books infer."""
+        """The step's changes with what the books infer: one ``StepScheduled`` where the
+        plan releases whole tables only (``books.fold``), else fine-grained events."""
         session = self.session
         books = session.books
-        plan = books.plan(session.engine.view, new, finished, preempted, resumed)
+        engine = session.engine
+        plan = books.plan(engine.view, new, finished, preempted, resumed)
+        folded = books_plan.fold(plan, session.step)
+        if folded is not None:
+            claims = session.holds.plan(folded.allocated.values())
+            event = _claiming(folded, claims)
+            verdict = engine.verdict(event, (InvalidEvent,))
+            if isinstance(verdict, Ticket):
+                session.holds.claimed(claims)
+                session.pend(event, verdict, books.commit)
+                return
         for step in plan:
             if isinstance(step, Claim):
                 session.claim(step.block_ids)
@@ -314,9 +352,26 @@ class OnlineDefragmenter:
     def defragment(self) -> None:
         """End the step: collect finished transfers, then the step's event (the pending
         ``StepScheduled``, else ``StepEnded``); its swaps run now."""
-        plans = self.session.end_step()
+        session = self.session
+        plans = session.end_step()
         swaps = [p for p in plans if isinstance(p, SwapPlan)]
         self.last_swap = swaps[-1] if swaps else None
+        if swaps and self.lines.debug:
+            self._say_done(swaps)
+        exporter, reporter = self._exporter, session.reporter
+        if exporter is not None and reporter is not None and not session.reported_by_connector:
+            exporter.observe(reporter.take())
+
+    def _say_done(self, swaps: list[SwapPlan]) -> None:
+        """The plugin's ``defragmentation done`` line: the highest used id before (the
+        first source: defrag moves the highest used block first) and after."""
+        state = self.session.engine.state
+        moved = [p for p in swaps if p.pairs]
+        if not moved:
+            return
+        pre = max(state.max_used, *(src for p in moved for src, _ in p.pairs))
+        pairs = sum(len(p.pairs) for p in moved)
+        self.lines.done(pre, state.max_used, state.num_used, pairs, moved[-1].padded_to)
 
     def resolve(self, block_id: int) -> int:
         """Logical -> physical; ids the Engine does not know (pads, -1) pass unchanged; a
@@ -404,9 +459,14 @@ class OnlineDefragmenter:
         mode blocks 1 and 2 are swapped twice; in ``"move"`` mode block 1 is moved onto
         block 2 and block 2's bytes are put back.
         """
-        if not self.enabled or self.session.cache_config().num_gpu_blocks < 3:
+        if not self.enabled:
+            return
+        num_blocks = self.session.cache_config().num_gpu_blocks
+        if num_blocks < 3:
+            self.lines.warmup_skipped(num_blocks)
             return
         executor = self._idle_executor()
+        self.lines.warming_up(self.to_swap_pad_thresholds)
         for pad in self.to_swap_pad_thresholds:
             if self.session.prefix_caching:
                 self._execute_swap([(1, 2)], pad)
@@ -415,6 +475,7 @@ class OnlineDefragmenter:
                 saved = executor.read_gpu_block(2)
                 self._execute_swap([(1, 2)], pad)
                 executor.write_gpu_block(2, saved)
+        self.lines.warmed_up()
 
     def run_unlogged_swap(self, pairs: list[tuple[int, int]], padded_to: int) -> None:
         """The plugin's ``cache_utils.swap``: only while no block is in use or pinned."""

@@ -11,7 +11,12 @@ the environment it swaps, in the plugin's own monkeypatching style:
   ``prefix_caching``) where the plugin is importable, else from the environment;
 - the runner's ``run_defragmenter``, so that ``update_state`` also gets what the
   scheduler output says about preemptions (``preempted_req_ids``) and full tables (new
-  and resumed requests), instead of kvlog inferring them.
+  and resumed requests), instead of kvlog inferring them;
+- the runner's connector output (``get_finished_kv_transfers`` and the module's
+  ``KVConnectorOutput``, :mod:`kvlog.integrations.gaudi_connector`), so that, when a connector
+  is configured, its worker metadata (every store and load completion of vLLM's offloading
+  connector) and stats reach the scheduler on every step, as vLLM's own runner hands them,
+  not only on steps with nothing scheduled.
 
 Without ``KVLOG_GAUDI`` the plugin does nothing. ``install()`` applies the same patches
 by hand (tests call it on stand-in modules); it returns the patched module names.
@@ -28,6 +33,7 @@ from typing import Any
 
 from kvlog.integrations.config import parse_bool
 from kvlog.integrations.defragmenter import OnlineDefragmenter
+from kvlog.integrations.gaudi_connector import patch_runner_module
 
 __all__ = ["ENV_ENABLE", "GaudiDefragmenter", "install", "register", "run_defragmenter"]
 
@@ -91,7 +97,8 @@ def run_defragmenter(self: Any, scheduler_output: Any, warmup_mode: bool = False
 
 
 def install(module_names: Iterable[str] | None = None) -> list[str]:
-    """Patch the defragmenter class and the runner's call site; the patched modules."""
+    """Patch the defragmenter class, the runner's call site and its connector output; the
+    patched names."""
     names = [DEFRAG_MODULE, *RUNNER_MODULES] if module_names is None else list(module_names)
     patched: list[str] = []
     for name in names:
@@ -109,6 +116,7 @@ def install(module_names: Iterable[str] | None = None) -> list[str]:
             if isinstance(value, type) and "run_defragmenter" in vars(value):
                 setattr(value, "run_defragmenter", run_defragmenter)  # noqa: B010
                 patched.append(f"{name}.{value.__name__}.run_defragmenter")
+        patched += patch_runner_module(module)
     return patched
 
 

@@ -11,10 +11,22 @@ from __future__ import annotations
 import secrets
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
+from typing import NamedTuple
 
 from kvlog.events import HOLD_PREFIX, BlocksAllocated, Event, RequestFinished
 
-__all__ = ["LoadHolds"]
+__all__ = ["Claims", "LoadHolds"]
+
+
+class Claims(NamedTuple):
+    """What giving blocks to requests does to the placeholders, as one step states it:
+    the placeholders that let go (``released``: the step finishes them) and the new ones
+    that hold on to the rest of their blocks (``held``: name -> blocks, allocated by the
+    step before the requests' blocks); ``renamed``: the rename counter after them."""
+
+    released: list[str]
+    held: dict[str, list[int]]
+    renamed: int
 
 
 class LoadHolds:
@@ -43,6 +55,39 @@ class LoadHolds:
         """``event`` (from :meth:`hold` or :meth:`claim`) was applied."""
         self._by_block.update(dict.fromkeys(event.block_ids, event.req_id))
 
+    def plan(self, given: Iterable[list[int]]) -> Claims:
+        """The placeholders the blocks ``given`` now (one list per request) take over,
+        all at once, changing nothing: O(blocks given) when no placeholder holds any of
+        them; :meth:`claimed` keeps it once the step that states it is accepted."""
+        by_block = self._by_block
+        if not by_block or all(by_block.keys().isdisjoint(ids) for ids in given):
+            return Claims([], {}, self._renamed)
+        wanted = {b for ids in given for b in ids if b in by_block}
+        released = sorted({by_block[b] for b in wanted})
+        held: dict[str, list[int]] = {}
+        renamed = self._renamed
+        for hold_id in released:
+            rest = self._rest(hold_id, wanted)
+            if rest:
+                renamed += 1
+                held[f"{hold_id}.{renamed}"] = rest
+        return Claims(released, held, renamed)
+
+    def claimed(self, claims: Claims) -> None:
+        """The step stating ``claims`` (from :meth:`plan`, nothing held or claimed since)
+        was accepted: the placeholders are as it leaves them."""
+        if not claims.released:
+            return
+        gone = set(claims.released)
+        for b in [b for b, h in self._by_block.items() if h in gone]:
+            del self._by_block[b]
+        for hold_id, block_ids in claims.held.items():
+            self._by_block.update(dict.fromkeys(block_ids, hold_id))
+        self._renamed = claims.renamed
+
+    def _rest(self, hold_id: str, wanted: set[int]) -> list[int]:
+        return [b for b, h in self._by_block.items() if h == hold_id and b not in wanted]
+
     def claim(self, block_ids: Iterable[int]) -> list[Event]:
         """A request is being given these blocks: the events that make the placeholders
         holding any of them let go, and hold on to the rest of their blocks under a new
@@ -52,7 +97,7 @@ class LoadHolds:
         wanted = set(block_ids)
         events: list[Event] = []
         for hold_id in sorted({self._by_block[b] for b in wanted if b in self._by_block}):
-            rest = [b for b, h in self._by_block.items() if h == hold_id and b not in wanted]
+            rest = self._rest(hold_id, wanted)
             events.append(RequestFinished(req_id=hold_id))
             for b in [b for b, h in self._by_block.items() if h == hold_id]:
                 del self._by_block[b]

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
 
 import torch
 
+from kvlog.analysis.figures import EngineFigures
 from kvlog.analysis.policy import check_byte_budget
 from kvlog.errors import ConfigError, LayoutError, LogExists, LogWriterError, MissingExtra
 from kvlog.events import (
@@ -36,6 +38,12 @@ from kvlog.executors.layouts import KVCaches, register_layout
 from kvlog.integrations.books import Claim, RequestBooks
 from kvlog.integrations.config import FacadeConfig
 from kvlog.integrations.holds import LoadHolds
+from kvlog.integrations.metrics import (
+    RecorderFigures,
+    Reporter,
+    metrics_enabled,
+    recorder_figures,
+)
 from kvlog.integrations.registry import cache_tensors
 from kvlog.log import LogStatus, is_log_directory, list_segments
 from kvlog.log.detach import error_errno
@@ -147,7 +155,13 @@ class KvCacheSession:
         self.step = 0
         self._lookup: list[int] | None = None
         self._lookup_moves = -1
-        self._pending: tuple[StepScheduled, set[str], Ticket] | None = None
+        self.reporter: Reporter | None = None
+        """The Engine's figures for the metrics (``kvlog.integrations.metrics``), once it
+        started (None with ``KVLOG_METRICS=0``)."""
+        self.reported_by_connector = False
+        """Set by the connector's first ``get_kv_connector_stats``: the defragmenter then
+        leaves the reporting to it."""
+        self._pending: tuple[StepScheduled, Ticket, Callable[[], None]] | None = None
         """A step ``update_state`` checked, applied as one event by ``end_step`` (or as
         its fine-grained events by ``settle`` if anything else comes first); with the
         requests it releases, for the books."""
@@ -264,7 +278,27 @@ class KvCacheSession:
                 **self.executor_options,
             )
             self._engine = self._start_engine(config, executor)
+            self._watch(self._engine)
         return self._engine
+
+    def _watch(self, engine: Engine) -> None:
+        """Figures for the metrics: an observer on the Engine's machine from its first
+        event on, and the worker's recorder."""
+        if not metrics_enabled():
+            return
+        figures = EngineFigures(clock=time.monotonic, hold_prefix=self.holds.prefix)
+        engine.machine.observers.append(figures)
+        reporter = Reporter()
+        reporter.watch_engine(engine, figures)
+
+        def recorder() -> RecorderFigures:
+            status = self.log_status()
+            return recorder_figures(
+                status, engine.num_checkpoints, engine.recorder_lag_s(), engine.records_written
+            )
+
+        reporter.watch_recorder("worker", recorder, lambda: engine.recorder_attached)
+        self.reporter = reporter
 
     def _start_engine(self, config: CacheConfigured, executor: Executor) -> Engine:
         """The Engine, recording to the configured log; a log that cannot be opened (a
@@ -315,11 +349,12 @@ class KvCacheSession:
             self.settle()
         return self.engine.apply(event)
 
-    def pend(self, event: StepScheduled, released: set[str], ticket: Ticket) -> None:
-        """Hold a step that needs nothing but itself (no inference, no claims; ``ticket``:
-        the Engine's check of it against the state) for ``end_step``."""
+    def pend(self, event: StepScheduled, ticket: Ticket, kept: Callable[[], None]) -> None:
+        """Hold a whole step (``ticket``: the Engine's check of it against the state) for
+        ``end_step``; ``kept`` keeps the books of it once it is applied (as one event
+        there, or as its fine-grained events by ``settle``)."""
         assert self._pending is None, "pend() after settle(): facade bug"
-        self._pending = (event, released, ticket)
+        self._pending = (event, ticket, kept)
 
     def settle(self) -> None:
         """Apply a pending step's changes now, as the fine-grained events it stands for
@@ -327,12 +362,12 @@ class KvCacheSession:
         end, and must come after them."""
         if self._pending is None:
             return
-        event, released, _ = self._pending
+        event, _, kept = self._pending
         self._pending = None
         engine = self.engine
         for fine in engine.view.expand_step(event)[:-1]:
             engine.apply(fine)
-        self.books.record_step(event.allocated, released, self.prefix_caching)
+        kept()
 
     def end_step(self) -> list[Plan]:
         """Finished transfers first, then the step: the pending one as one
@@ -345,10 +380,10 @@ class KvCacheSession:
         if pending is None:
             plans = self.engine.apply(StepEnded(step=self.step))
         else:
-            event, released, ticket = pending
+            event, ticket, kept = pending
             plans = self.engine.apply(event, ticket)
             self._pending = None
-            self.books.record_step(event.allocated, released, self.prefix_caching)
+            kept()
         self.step += 1
         if plans and self._lookup is not None and self._lookup_moves == moves:
             self._follow_moves(plans)
@@ -414,9 +449,12 @@ class KvCacheSession:
         self._route(self._engine.wait(ids))
 
     def _route(self, results: Iterable[TransferCompletion]) -> None:
+        reporter = self.reporter
         for result in results:
             kind = self._kinds.pop(result.job_id, "store")
             self._finished[kind].append(result)
+            if reporter is not None:
+                reporter.note_finished(kind, result.num_bytes, result.elapsed_s)
 
     # -- blocks a load writes before the runner sees their request -----------------------
     def hold(

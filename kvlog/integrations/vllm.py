@@ -1,4 +1,4 @@
-"""``KvlogOffloadingConnector``: vLLM 0.33's ``OffloadingConnector`` with kvlog's worker.
+"""``KvlogOffloadingConnector``: vLLM's ``OffloadingConnector`` with kvlog's worker.
 
 Selected by configuration alone::
 
@@ -30,7 +30,10 @@ CPU offloading manager is recorded (``kvlog.tier.record``) into the scheduler pr
 log, ``scheduler_log_path(KVLOG_PATH)``: the CPU tier's inputs and answers, which
 ``kvlog.tier.replay.replay_tier`` replays exactly and ``kvlog sweep --cpu-bytes`` asks.
 
-This module is the only one in kvlog that imports vLLM.
+This module is the only one in kvlog that imports vLLM; every difference between the vLLM
+releases it runs on (``SUPPORTED_VLLM``: 0.26, 0.33, 0.34) goes through
+``kvlog.util.vllm_compat``. Under any other vLLM the connector's start (or this import, where
+vLLM's modules moved) raises ``UnsupportedVllm``, one line naming those releases.
 """
 
 from __future__ import annotations
@@ -43,32 +46,56 @@ from typing import Any
 
 import msgspec
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
-    OffloadingConnectorMetadata,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
-    OffloadingConnectorWorker,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
-    OffloadingConnector,
-)
 
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+        OffloadingConnectorMetadata,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import (
+        OffloadingConnectorWorker,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+        OffloadingConnector,
+    )
+except ImportError:  # a release whose connector modules moved: say which ones kvlog runs on
+    from kvlog.errors import UnsupportedVllm
+    from kvlog.util.vllm_compat import SUPPORTED_VLLM, unsupported
+
+    found = unsupported()
+    if found is not None:
+        raise UnsupportedVllm(found, SUPPORTED_VLLM) from None
+    raise
+
+from kvlog.errors import UnsupportedVllm
 from kvlog.events import CacheConfigured
 from kvlog.integrations.config import config_from_env
+from kvlog.integrations.metrics import PromMetrics, Reporter, metrics_enabled, recorder_figures
 from kvlog.integrations.offload import OffloadingWorker
 from kvlog.integrations.registry import shared_session
 from kvlog.integrations.session import JobKind, KvCacheSession
 from kvlog.log import LogStatus
+from kvlog.reducers.tier_misses import TierExplainer
 from kvlog.runtime.engine import Engine
 from kvlog.tier.record import TierRecorder, tier_config_of
+from kvlog.util import vllm_compat
 
 __all__ = [
     "KvlogConnectorWorker",
     "KvlogOffloadingConnector",
+    "check_vllm",
     "record_tier",
     "scheduler_log_path",
 ]
+
+
+def check_vllm() -> str:
+    """The installed vLLM's version, or ``UnsupportedVllm``: one line naming the supported
+    releases (``kvlog.integrations.SUPPORTED_VLLM``)."""
+    found = vllm_compat.unsupported()
+    if found is not None:
+        raise UnsupportedVllm(found, vllm_compat.SUPPORTED_VLLM)
+    return vllm_compat.installed_vllm()
 
 
 def _layers(kv_caches: Mapping[str, Any]) -> list[Any]:
@@ -86,8 +113,15 @@ class KvlogConnectorWorker(OffloadingConnectorWorker):  # type: ignore[misc]
     """vLLM's connector worker, with kvlog's Engine doing the transfers."""
 
     def __init__(self, spec: Any, vllm_config: Any, kv_cache_config: Any) -> None:
-        super().__init__(spec, vllm_config, kv_cache_config)
+        base = OffloadingConnectorWorker
+        super().__init__(
+            *vllm_compat.connector_worker_args(base, spec, vllm_config, kv_cache_config)
+        )
+        self.vllm_config = vllm_config  # vLLM 0.26's worker does not keep it
         self.session: KvCacheSession | None = None
+        self.kvlog_worker: OffloadingWorker | None = None
+        """kvlog's worker; ``self.worker`` is what vLLM calls (the same, or on vLLM 0.34
+        the same behind ``vllm_compat.IdentityPointers``)."""
 
     # -- start-up -------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:  # type: ignore[override]
@@ -110,8 +144,11 @@ class KvlogConnectorWorker(OffloadingConnectorWorker):  # type: ignore[misc]
         if not new and not session.started:
             session.configure(session.config, prefix_caching)
         self.session = session
-        num_chunks, blocks_per_chunk = int(self.spec.num_chunks), int(self.spec.blocks_per_chunk)
-        self.worker = OffloadingWorker(session, num_chunks, blocks_per_chunk, quarantine=True)
+        num_chunks = vllm_compat.spec_num_chunks(self.spec)
+        blocks_per_chunk = int(self.spec.blocks_per_chunk)
+        worker = OffloadingWorker(session, num_chunks, blocks_per_chunk, quarantine=True)
+        self.kvlog_worker = worker
+        vllm_compat.attach_worker(self, worker, OffloadingConnectorWorker, self.kv_cache_config)
 
     @property
     def engine(self) -> Engine:
@@ -121,18 +158,18 @@ class KvlogConnectorWorker(OffloadingConnectorWorker):  # type: ignore[misc]
     # -- the step -------------------------------------------------------------------------
     def declare(self, metadata: OffloadingConnectorMetadata) -> None:
         """Pin every job of this step not declared yet, in job-id order."""
-        worker = self.worker
-        assert isinstance(worker, OffloadingWorker), "register_kv_caches() first"
+        worker = self.kvlog_worker
+        assert worker is not None, "register_kv_caches() first"
         jobs: list[tuple[int, JobKind, Any]] = [
             (job_id, "load", entry) for job_id, entry in metadata.load_jobs.items()
         ]
-        if self._is_store_writer:  # other ranks never submit stores
+        if vllm_compat.is_store_writer(self):  # other ranks never submit stores
             jobs += [(job_id, "store", entry) for job_id, entry in metadata.store_jobs.items()]
         assert self.session is not None, "register_kv_caches() first"
         with worker.batched():  # one TransferBatch for the step's declarations
             for job_id, kind, entry in sorted(jobs, key=lambda job: job[0]):
                 if not self.session.known(job_id):
-                    req_id, sync = str(entry.req_id), bool(getattr(entry, "sync", False))
+                    req_id, sync = str(entry.req_id), vllm_compat.load_is_sync(entry)
                     worker.declare(kind, job_id, entry.src_spec, entry.dst_spec, req_id, sync)
 
     def handle_preemptions(self, kv_connector_metadata: OffloadingConnectorMetadata) -> None:
@@ -148,8 +185,8 @@ class KvlogConnectorWorker(OffloadingConnectorWorker):  # type: ignore[misc]
             super().start_kv_transfers(metadata)
 
     def _batched(self) -> contextlib.AbstractContextManager[None]:
-        worker = self.worker
-        assert isinstance(worker, OffloadingWorker), "register_kv_caches() first"
+        worker = self.kvlog_worker
+        assert worker is not None, "register_kv_caches() first"
         return worker.batched()
 
     def bind(self, metadata: OffloadingConnectorMetadata) -> None:
@@ -170,28 +207,65 @@ def scheduler_log_path(log_path: str) -> str:
     return f"{root}.scheduler{ext or '.kvlog'}"
 
 
-def record_tier(scheduler: Any, vllm_config: Any, kv_cache_config: Any) -> Engine | None:
-    """With ``KVLOG_PATH`` set, wrap the scheduler side's CPU offloading manager in a
-    ``TierRecorder`` that logs every call into the scheduler process's own log (an Engine
-    with no GPU books to keep: defrag off); None without ``KVLOG_PATH`` or a CPU manager."""
-    config = config_from_env()
-    manager = getattr(scheduler, "manager", None)
-    if config.log_path is None or manager is None or not hasattr(manager, "_policy"):
-        return None
+def _tier_config(scheduler: Any, vllm_config: Any) -> Any:
     spec = getattr(scheduler, "config", None)
     blocks_per_chunk = int(getattr(spec, "blocks_per_chunk", 1) or 1)
+    block_size = int(vllm_config.cache_config.block_size)
+    tier = tier_config_of(scheduler.manager, blocks_per_chunk)
+    return msgspec.structs.replace(tier, tokens_per_chunk=blocks_per_chunk * block_size)
+
+
+def record_tier(
+    scheduler: Any, vllm_config: Any, kv_cache_config: Any, reporter: Reporter | None = None
+) -> Engine | None:
+    """With ``KVLOG_PATH`` set, wrap the scheduler side's CPU offloading manager in a
+    ``TierRecorder`` that logs every call into the scheduler process's own log (an Engine
+    with no GPU books to keep: defrag off); None without ``KVLOG_PATH`` or a CPU manager.
+    With a ``reporter``, the calls are explained for the metrics too (``TierExplainer``:
+    the code that explains the log offline) and the log's recorder is reported."""
+    config = config_from_env()
+    manager = getattr(scheduler, "manager", None)
+    if manager is None or not vllm_compat.is_cpu_manager(manager):
+        return None
+    if config.log_path is None:
+        if reporter is not None:  # no log: the calls are explained all the same
+            try:
+                tier = _tier_config(scheduler, vllm_config)
+            except AttributeError as exc:  # a manager kvlog cannot read: no tier figures
+                logging.getLogger("kvlog").warning("kvlog: no CPU tier metrics: %r", exc)
+                return None
+            explainer = TierExplainer()
+            reporter.watch_tier(explainer)
+            scheduler.manager = TierRecorder(manager, explainer.feed, tier)
+        return None
     block_size = int(vllm_config.cache_config.block_size)
     cache = CacheConfigured(
         num_gpu_blocks=max(1, int(kv_cache_config.num_blocks)), block_size=block_size, defrag=False
     )
+    path = scheduler_log_path(config.log_path)
     try:
-        engine = Engine(cache, log_path=scheduler_log_path(config.log_path), sync="none")
+        engine = Engine(cache, log_path=path, sync="none", on_log_error="detach")
     except Exception as exc:  # the recorder never takes serving down
         logging.getLogger("kvlog").error("kvlog: no CPU tier log: %r", exc)
         return None
-    tier = tier_config_of(manager, blocks_per_chunk)
-    tier = msgspec.structs.replace(tier, tokens_per_chunk=blocks_per_chunk * block_size)
-    scheduler.manager = TierRecorder(manager, engine.apply, tier, batched=True)
+    tier = _tier_config(scheduler, vllm_config)
+    sink: Any = engine.apply
+    if reporter is not None:
+        explainer = TierExplainer()
+        reporter.watch_tier(explainer)
+
+        def sink(event: Any) -> None:
+            engine.apply(event)
+            explainer.feed(event)
+
+        def figures() -> Any:
+            status = engine.log_status()
+            return recorder_figures(
+                status, engine.num_checkpoints, engine.recorder_lag_s(), engine.records_written
+            )
+
+        reporter.watch_recorder("scheduler", figures, lambda: engine.recorder_attached)
+    scheduler.manager = TierRecorder(manager, sink, tier, batched=True)
     return engine
 
 
@@ -199,10 +273,16 @@ class KvlogOffloadingConnector(OffloadingConnector):  # type: ignore[misc]
     """vLLM's ``OffloadingConnector``; on the worker, kvlog keeps the books and moves bytes."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
+        check_vllm()
         super().__init__(vllm_config, role, kv_cache_config)
         self.tier_engine: Engine | None = None
+        self.tier_reporter: Reporter | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.tier_engine = record_tier(self.connector_scheduler, vllm_config, kv_cache_config)
+            vllm_compat.clamp_finished_stores(self.connector_scheduler)
+            self.tier_reporter = Reporter() if metrics_enabled() else None
+            self.tier_engine = record_tier(
+                self.connector_scheduler, vllm_config, kv_cache_config, self.tier_reporter
+            )
         if role == KVConnectorRole.WORKER:
             worker: Any = getattr(self, "connector_worker", None)
             assert worker is not None, "the WORKER role builds a connector worker"
@@ -235,6 +315,44 @@ class KvlogOffloadingConnector(OffloadingConnector):  # type: ignore[misc]
             self._flush_tier()
             engine, self.tier_engine = self.tier_engine, None
             engine.close()
+
+    # -- metrics (kvlog.integrations.metrics) ---------------------------------------------
+    def get_kv_connector_stats(self) -> Any:
+        """vLLM's offloading stats (scheduler side), with kvlog's figures merged in when a
+        payload is due: the worker's Engine and recorder, the scheduler's CPU tier and tier
+        log. vLLM sums the workers' payloads and merges the scheduler's."""
+        stats = super().get_kv_connector_stats()
+        payload = self._kvlog_payload()
+        if payload is None:
+            return stats
+        ours = self.build_kv_connector_stats(payload)
+        if stats is None or stats.is_empty():
+            return ours
+        return stats.aggregate(ours)
+
+    def _kvlog_payload(self) -> dict[str, Any] | None:
+        if self.tier_reporter is not None:
+            return self.tier_reporter.take()
+        worker = self.connector_worker
+        session = worker.session if isinstance(worker, KvlogConnectorWorker) else None
+        if session is None or session.reporter is None:
+            return None
+        session.reported_by_connector = True
+        return session.reporter.take()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> Any:
+        """kvlog's ``kvlog_`` series next to vLLM's own (its ``OffloadPromMetrics``)."""
+        inner = super().build_prom_metrics(
+            vllm_config, metric_types, labelnames, per_engine_labelvalues
+        )
+        return PromMetrics(metric_types, labelnames, per_engine_labelvalues, inner)
 
     @property
     def engine(self) -> Engine:

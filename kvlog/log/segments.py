@@ -273,6 +273,10 @@ class SegmentedWriter:
         """The whole log's sequence number of the next record."""
         return self._base + (0 if self._current is None else self._current.next_seq)
 
+    def unsynced_age_s(self) -> float:
+        """The open segment's ``LogWriter.unsynced_age_s`` (0 with none open)."""
+        return 0.0 if self._current is None else self._current.unsynced_age_s()
+
     @property
     def active_path(self) -> str | None:
         """The open segment's file, if one is open."""

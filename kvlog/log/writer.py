@@ -411,6 +411,13 @@ class LogWriter:
                 self._poison = exc
             raise
 
+    def unsynced_age_s(self) -> float:
+        """Seconds the oldest record written to the OS and not yet fsynced has waited (0:
+        none waits): the recorder's lag now."""
+        with self._counters:
+            since = self._unsynced_since
+        return 0.0 if since < 0 else max(0.0, time.monotonic() - since)
+
     def _note_written(self) -> None:
         """Everything framed so far is now with the OS (the buffer is empty)."""
         with self._counters:

@@ -104,7 +104,7 @@ def _style(i: int) -> dict[str, Any]:
 
 
 # -- the report ----------------------------------------------------------------------------
-class _Run:
+class _Drawn:
     """One series with what the report draws of it, computed once."""
 
     def __init__(
@@ -146,7 +146,7 @@ def write_report_figure(
     if not any(len(s) for s in series):
         _write_empty_figure(plt, path, title)
         return
-    runs = [_Run(s, config, cost, i) for i, s in enumerate(series)]
+    runs = [_Drawn(s, config, cost, i) for i, s in enumerate(series)]
     xs = np.asarray(series[0].step, dtype=np.float64)
     window = _window(len(xs))
     panels = [_blocks_panel, _fragmentation_panel, _moved_panel]
@@ -185,7 +185,7 @@ def _write_empty_figure(plt: Any, path: str, title: str) -> None:
     plt.close(fig)
 
 
-def _summary_table(ax: Any, runs: Sequence[_Run]) -> None:
+def _summary_table(ax: Any, runs: Sequence[_Drawn]) -> None:
     ax.axis("off")
     header = ["policy"]
     if runs[0].ms is not None:
@@ -243,7 +243,7 @@ def _spread_words(num_steps: int) -> str:
     return f"band: 10th to 90th percentile of each {size:,} steps"
 
 
-def _faint_and_mean(ax: Any, xs: np.ndarray, ys: Sequence[float], run: _Run, window: int,
+def _faint_and_mean(ax: Any, xs: np.ndarray, ys: Sequence[float], run: _Drawn, window: int,
                     label: str, scale: float = 1.0) -> None:  # fmt: skip
     values = np.asarray(ys, dtype=np.float64) / scale
     size = _spread_bin(len(values))
@@ -260,7 +260,7 @@ def _faint_and_mean(ax: Any, xs: np.ndarray, ys: Sequence[float], run: _Run, win
     ax.plot(xs, rolling_mean(values, window), label=label, linewidth=1.6, **run.style)
 
 
-def _blocks_panel(ax: Any, runs: Sequence[_Run], xs: np.ndarray, window: int,
+def _blocks_panel(ax: Any, runs: Sequence[_Drawn], xs: np.ndarray, window: int,
                   config: Any) -> None:  # fmt: skip
     if runs:
         used = np.asarray(runs[0].series.num_used, dtype=np.float64)
@@ -276,7 +276,7 @@ def _blocks_panel(ax: Any, runs: Sequence[_Run], xs: np.ndarray, window: int,
     )
 
 
-def _fragmentation_panel(ax: Any, runs: Sequence[_Run], xs: np.ndarray, window: int,
+def _fragmentation_panel(ax: Any, runs: Sequence[_Drawn], xs: np.ndarray, window: int,
                          config: Any) -> None:  # fmt: skip
     pool = config.num_gpu_blocks if config is not None else 0
     floor = max(MIN_FRAGMENTATION_IDS, pool // 20)
@@ -295,7 +295,7 @@ def _fragmentation_panel(ax: Any, runs: Sequence[_Run], xs: np.ndarray, window: 
     )
 
 
-def _cumulative(ax: Any, runs: Sequence[_Run], xs: np.ndarray, values: list[list[float]],
+def _cumulative(ax: Any, runs: Sequence[_Drawn], xs: np.ndarray, values: list[list[float]],
                 unit_kind: str, what: str) -> None:  # fmt: skip
     largest = max((sum(v) for v in values), default=0.0)
     name, size = byte_unit(largest) if unit_kind == "bytes" else ("blocks", 1)
@@ -307,23 +307,23 @@ def _cumulative(ax: Any, runs: Sequence[_Run], xs: np.ndarray, values: list[list
     ax.set_title(f"{what}, cumulative (total in the legend)", fontsize=10, loc="left")
 
 
-def _moved_panel(ax: Any, runs: Sequence[_Run], xs: np.ndarray, window: int,
+def _moved_panel(ax: Any, runs: Sequence[_Drawn], xs: np.ndarray, window: int,
                  config: Any) -> None:  # fmt: skip
     kind = runs[0].swap_unit if runs else "bytes"
     _cumulative(ax, runs, xs, [r.swap for r in runs], kind, "moved by defrag")
 
 
-def _transfer_panel(ax: Any, runs: Sequence[_Run], xs: np.ndarray, window: int,
+def _transfer_panel(ax: Any, runs: Sequence[_Drawn], xs: np.ndarray, window: int,
                     config: Any) -> None:  # fmt: skip
     if all(r.transfer == runs[0].transfer for r in runs):
-        every = _Run.__new__(_Run)
+        every = _Drawn.__new__(_Drawn)
         every.label, every.style = "every policy", {"color": "0.3", "linestyle": "-"}
         _cumulative(ax, [every], xs, [runs[0].transfer], "bytes", "stored + loaded")
     else:
         _cumulative(ax, runs, xs, [r.transfer for r in runs], "bytes", "stored + loaded")
 
 
-def _ms_panel(ax: Any, runs: Sequence[_Run], xs: np.ndarray, window: int,
+def _ms_panel(ax: Any, runs: Sequence[_Drawn], xs: np.ndarray, window: int,
               config: Any) -> None:  # fmt: skip
     top = 0.0
     for run in runs:

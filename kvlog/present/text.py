@@ -11,12 +11,13 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
+from kvlog.reducers.tier_misses import TierFigures
 from kvlog.util.units import format_bytes, format_value, plural, size_label
 
 if TYPE_CHECKING:
     from kvlog.analysis.grid import SweepRow
     from kvlog.analysis.parallel import SegmentedReplay
-    from kvlog.analysis.replay import ReplayResult, RunStats, WhatIf
+    from kvlog.analysis.replay import PolicyResult, ReplayResult, WhatIf
     from kvlog.synth import SynthResult
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "segments_text",
     "sweep_table",
     "synth_text",
+    "tier_explained_text",
 ]
 
 
@@ -158,7 +160,7 @@ def _stats_rows(result: ReplayResult) -> list[tuple[str, ...]]:
     rec = result.recorded
     if rec is None:
         return []
-    runs: list[RunStats] = [rec]
+    runs: list[PolicyResult] = [rec]
     if result.whatif is not None:
         runs.append(result.whatif.whatif)
     rows: list[tuple[str, ...]] = [("", *("what-if" if r is not rec else r.label for r in runs))]
@@ -402,6 +404,7 @@ TIER_COLUMNS = (
     "never read",
     "prefill saved",
     "load time",
+    "misses by reason",
 )
 """The CPU tier sweep's table (``kvlog sweep --cpu-bytes``): ``sweep.csv`` has the raw
 numbers under the CSV's own column names."""
@@ -425,9 +428,35 @@ def tier_table(rows: Sequence[dict[str, Any]]) -> list[tuple[str, ...]]:
                 f"{int(r['never_read']):,}",
                 f"{float(r['prefill_saved_s']):,.1f} s",
                 f"{float(r['load_s']):,.2f} s",
+                miss_reasons(r),
             )
         )
     return out
+
+
+def miss_reasons(row: dict[str, Any]) -> str:
+    """A row's misses by reason (``miss_<reason>`` columns), the largest first; '-' for a
+    variant with no reasons (``opt``)."""
+    found = [(k[5:], v) for k, v in row.items() if k.startswith("miss_") and v != ""]
+    if not found:
+        return "-"
+    found.sort(key=lambda kv: -int(kv[1]))
+    return ", ".join(f"{k} {int(v):,}" for k, v in found if int(v)) or "none"
+
+
+def tier_explained_text(figures: TierFigures) -> str:
+    """``kvlog replay`` of a tier log: its lookups, hit rate and misses by reason (the code
+    the connector's live metrics use)."""
+    misses = sorted(figures.misses.items(), key=lambda kv: -kv[1])
+    lines = [
+        f"CPU tier: {figures.lookups:,} lookups, {figures.hits:,} hits "
+        f"({figures.hit_rate:.2%}), {sum(figures.misses.values()):,} misses",
+        "  misses by reason: " + (", ".join(f"{k} {v:,}" for k, v in misses if v) or "none"),
+        f"  chunks stored {figures.chunks_stored:,}, loaded {figures.chunks_loaded:,}, "
+        f"evicted {figures.chunks_evicted:,}; stores refused {figures.stores_refused:,}; "
+        f"stored chunks never read {figures.never_read:,} (+{figures.unread:,} still resident)",
+    ]
+    return "\n".join(lines)
 
 
 def segments_text(result: SegmentedReplay, elapsed_s: float) -> str:

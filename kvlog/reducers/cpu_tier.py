@@ -1,4 +1,4 @@
-"""The CPU tier as a reducer: vLLM 0.33's ``CPUOffloadingManager``, call for call.
+"""The CPU tier as a reducer: vLLM's ``CPUOffloadingManager``, call for call.
 
 :class:`TierState` holds what the manager holds (the policy, the chunk pool, the
 store-threshold tracker, the cache generation, one :class:`TierContext` per ``ReqContext``);
@@ -8,6 +8,13 @@ chunks, the evicted keys, and the ``OffloadingEvent``s the manager queued). Chec
 first: a call vLLM's manager would assert on (loading a key it does not hold, completing a
 load never prepared) raises ``InvalidEvent`` and changes nothing.
 
+The manager is the one of the vLLM release that recorded the log (``TierConfigured.rule``,
+``events.TIER_RULES``): ``vllm-0.33`` (logs from before the field too); ``vllm-0.34``, where a
+key counts toward the store threshold once per request and there is no ``touch``;
+``vllm-0.26``, a tier of blocks whose threshold counts lookups, whose policies
+(:mod:`kvlog.reducers.tier_policies_v026`) know nothing of requests, and whose failed stores
+queue no event.
+
 ``reduce`` reproduces the answers; comparing them with the answers a log recorded is
 :func:`kvlog.tier.replay.replay_tier`'s job. Pure: no torch, no I/O, no clock.
 """
@@ -16,6 +23,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,11 +44,13 @@ from kvlog.events import (
     TierTouched,
 )
 from kvlog.reducers.tier_policies import ArcPolicy, Chunk, LruPolicy, TierContext, TierPolicy
+from kvlog.reducers.tier_policies_v026 import Arc026Policy, Lru026Policy
 
 __all__ = [
     "TierAnswer",
     "TierChange",
     "TierState",
+    "count_lookup",
     "count_offer",
     "initial_tier_state",
     "reduce_tier",
@@ -85,14 +95,29 @@ class TierState:
     contexts: dict[int, TierContext] = field(default_factory=dict)
 
     @property
+    def rule(self) -> str:
+        """The vLLM release whose manager this tier follows."""
+        return self.config.rule
+
+    @property
     def num_free(self) -> int:
         """Chunks free now (never used, or released)."""
         return len(self.free_list) + self.config.num_chunks - self.num_allocated
 
 
+_POLICIES: dict[str, dict[str, type[TierPolicy]]] = {
+    "vllm-0.33": {"lru": LruPolicy, "arc": ArcPolicy},
+    "vllm-0.34": {"lru": LruPolicy, "arc": ArcPolicy},
+    "vllm-0.26": {"lru": Lru026Policy, "arc": Arc026Policy},
+}
+
+
 def initial_tier_state(config: TierConfigured) -> TierState:
     """An empty tier as ``CPUOffloadingManager(num_chunks, eviction, ...)`` starts."""
-    policy_type = {"lru": LruPolicy, "arc": ArcPolicy}.get(config.eviction)
+    policies = _POLICIES.get(config.rule)
+    if policies is None:
+        raise InvalidEvent(f"unknown manager rule {config.rule!r}", config)
+    policy_type = policies.get(config.eviction)
     if policy_type is None:
         raise InvalidEvent(f"unknown eviction policy {config.eviction!r}", config)
     counts: OrderedDict[bytes, int] | None = OrderedDict() if config.store_threshold >= 2 else None
@@ -117,6 +142,7 @@ def _context(state: TierState, event: Any) -> TierContext:
             part.clear()
         context.reused_keys.clear()
         context.store_miss_keys.clear()
+        context.counted_keys.clear()
         context.finished = False
     return context
 
@@ -141,20 +167,22 @@ def _record_access(
     context.reused_keys.update(key for key in reused if key not in context.inserted_keys)
 
 
-def _record_offer(state: TierState, keys: Sequence[bytes]) -> None:
-    """The store-threshold tracker counts an offer."""
-    assert state.counts is not None, "the tracker exists only with a store threshold"
-    count_offer(state.counts, keys, state.config.max_tracker_size)
-
-
-def count_offer(counts: OrderedDict[bytes, int], keys: Sequence[bytes], limit: int) -> None:
+def count_offer(
+    counts: OrderedDict[bytes, int],
+    keys: Sequence[bytes],
+    limit: int,
+    counted: AbstractSet[bytes] = frozenset(),
+) -> None:
     """vLLM's admission tracker: count each offered key (most recent last), ageing the
-    least recently offered keys out past ``limit`` but never one of this offer's own."""
+    least recently offered keys out past ``limit`` but never one of this offer's own.
+    Keys in ``counted`` (vLLM 0.34: counted by this request before) stay tracked but do
+    not count again."""
     protected = set()
     for key in keys:
         if key in counts:
             counts.move_to_end(key)
-            counts[key] += 1
+            if key not in counted:
+                counts[key] += 1
             protected.add(key)
     unprotected = len(counts) - len(protected)
     for key in keys:
@@ -168,6 +196,18 @@ def count_offer(counts: OrderedDict[bytes, int], keys: Sequence[bytes], limit: i
         counts[key] = 1
 
 
+def count_lookup(counts: OrderedDict[bytes, int], key: bytes, limit: int) -> None:
+    """vLLM 0.26's admission tracker: each lookup counts its key (most recent last); a new
+    key past ``limit`` ages the least recently looked-up key out."""
+    if key in counts:
+        counts.move_to_end(key)
+        counts[key] += 1
+        return
+    if len(counts) >= limit:
+        counts.popitem(last=False)
+    counts[key] = 1
+
+
 # -- the calls -----------------------------------------------------------------------------
 def _started(state: TierState, event: TierRequestStarted) -> TierAnswer:
     _context(state, event)
@@ -176,12 +216,16 @@ def _started(state: TierState, event: TierRequestStarted) -> TierAnswer:
 
 def _looked_up(state: TierState, event: TierLookedUp) -> TierAnswer:
     _context(state, event)
+    if state.counts is not None and state.rule == "vllm-0.26":
+        count_lookup(state.counts, event.key, state.config.max_tracker_size)
     chunk = state.policy.get(event.key)
     result = "miss" if chunk is None else "hit" if chunk.is_ready else "hit_pending"
     return TierAnswer(result=result)
 
 
 def _touched(state: TierState, event: TierTouched) -> TierAnswer:
+    if state.rule == "vllm-0.34":
+        raise InvalidEvent("vLLM 0.34's manager has no touch", event)
     state.policy.touch(event.keys, _context(state, event))
     return _NO_ANSWER
 
@@ -204,7 +248,8 @@ def _load_prepared(state: TierState, event: TierLoadPrepared) -> TierAnswer:
             state.policy.mark_non_evictable(key)
             state.num_evictable -= 1
         chunk.ref_cnt += 1
-    _record_access(state, context, event.keys, reused=event.keys)
+    if state.rule != "vllm-0.26":
+        _record_access(state, context, event.keys, reused=event.keys)
     return TierAnswer(chunk_ids=[chunk.chunk_id for chunk in chunks])
 
 
@@ -236,14 +281,16 @@ def _store_completed(state: TierState, event: TierStoreCompleted) -> TierAnswer:
             state.policy.remove(key)
             state.free_list.append(chunk.chunk_id)
         done.append(key)
-    if not done:
-        return _NO_ANSWER
+    if not done or (not event.success and state.rule == "vllm-0.26"):
+        return _NO_ANSWER  # 0.26 queues no event for a failed store
     change = TierChange(done, removed=not event.success, metadata_only=not event.success)
     return TierAnswer(changes=[change])
 
 
 def _finished(state: TierState, event: TierRequestFinished) -> TierAnswer:
     context = state.contexts.pop(event.context, None)
+    if state.rule == "vllm-0.26":
+        return _NO_ANSWER  # 0.26's policies know nothing of requests
     if context is None or context.generation != state.generation or context.finished:
         return _NO_ANSWER  # vLLM: no access record of this generation, nothing to apply
     for key, position in zip(event.position_keys, event.positions, strict=True):
@@ -269,10 +316,14 @@ def _reset(state: TierState, event: TierReset) -> TierAnswer:
     return _NO_ANSWER
 
 
-def _partition(state: TierState, keys: list[bytes]) -> tuple[list[bytes], list[bytes]]:
+def _partition(
+    state: TierState, keys: list[bytes], context: TierContext
+) -> tuple[list[bytes], list[bytes]]:
     """The offer's new keys (admitted by the store threshold) and its ready resident keys."""
+    per_request = state.rule == "vllm-0.34"
     if state.counts is not None:
-        _record_offer(state, keys)
+        counted = context.counted_keys if per_request else frozenset()
+        count_offer(state.counts, keys, state.config.max_tracker_size, counted)
     to_store, ready = [], []
     for key in keys:
         chunk = state.policy.get(key)
@@ -284,6 +335,8 @@ def _partition(state: TierState, keys: list[bytes]) -> tuple[list[bytes], list[b
     if counts is not None:
         threshold = state.config.store_threshold
         to_store = [key for key in to_store if counts.get(key, 0) >= threshold]
+        if per_request:
+            context.counted_keys.update(keys)
     return to_store, ready
 
 
@@ -300,13 +353,34 @@ def _allocate(state: TierState, count: int) -> list[Chunk]:
 def _store_prepared(state: TierState, event: TierStorePrepared) -> TierAnswer:
     keys = list(event.keys)
     context = _context(state, event)
-    to_store, ready = _partition(state, keys)
+    if state.rule == "vllm-0.26":
+        return _store_prepared_026(state, keys, context)
+    to_store, ready = _partition(state, keys, context)
     misses = [key for key in to_store if key not in context.store_miss_keys]
     if misses:
         state.policy.on_store_miss(misses, context)
         context.store_miss_keys.update(misses)
     recorded = set(to_store).union(ready)
     _record_access(state, context, [key for key in keys if key in recorded], reused=ready)
+    return _store(state, to_store, set(keys), context)
+
+
+def _store_prepared_026(state: TierState, keys: list[bytes], context: TierContext) -> TierAnswer:
+    """vLLM 0.26's ``prepare_store``: the threshold (counted at lookup) filters the offer,
+    then the keys not resident are stored; only the admitted keys are kept from eviction."""
+    counts = state.counts
+    if counts is not None:
+        threshold = state.config.store_threshold
+        keys = [key for key in keys if counts.get(key, 0) >= threshold]
+    to_store = [key for key in keys if state.policy.get(key) is None]
+    return _store(state, to_store, set(keys), context)
+
+
+def _store(
+    state: TierState, to_store: list[bytes], protected: set[bytes], context: TierContext
+) -> TierAnswer:
+    """Evict what ``to_store`` needs (never a ``protected`` key), then allocate and insert:
+    the manager's answer, or a refusal (nothing changed) when too few keys are idle."""
     if not to_store:
         return TierAnswer()
     num_to_evict = len(to_store) - state.num_free
@@ -315,7 +389,7 @@ def _store_prepared(state: TierState, event: TierStorePrepared) -> TierAnswer:
     if num_to_evict > 0:
         if num_to_evict > state.num_evictable:
             return TierAnswer(accepted=False)
-        chosen = state.policy.evict(num_to_evict, set(keys))
+        chosen = state.policy.evict(num_to_evict, protected)
         if chosen is None:
             return TierAnswer(accepted=False)
         state.num_evictable -= len(chosen)

@@ -49,6 +49,8 @@ class TierContext:
     inserted_keys: set[bytes] = field(default_factory=set)
     reused_keys: set[bytes] = field(default_factory=set)
     store_miss_keys: set[bytes] = field(default_factory=set)
+    counted_keys: set[bytes] = field(default_factory=set)
+    """Keys this request counted toward the store threshold (vLLM 0.34: once each)."""
     finished: bool = False
     rank_generation: int = -1
     rank: int = 0

@@ -352,6 +352,31 @@ class Engine:
                 status = msgspec.structs.replace(status, last_seq=self._last_seq)
             return status
 
+    @property
+    def num_checkpoints(self) -> int:
+        """Checkpoint records this Engine wrote (the final one of ``close`` included)."""
+        return self._num_checkpoints
+
+    @property
+    def records_written(self) -> int:
+        """Records the log holds (events and checkpoints, a continued log's earlier ones
+        too; a closed log's end record not counted); after a detach, up to the last one
+        known appended."""
+        log = self._log
+        if log is None:
+            return self._status.last_seq + 1
+        return log.next_seq - log.closed  # close() appended one LogEnd
+
+    @property
+    def recorder_attached(self) -> bool:
+        """Whether records still go to a log (one attribute test: a metric asks every step)."""
+        return self._log is not None
+
+    def recorder_lag_s(self) -> float:
+        """Seconds the oldest record not yet fsynced has waited (0: none, or no log)."""
+        log = self._log
+        return 0.0 if log is None else log.unsynced_age_s()
+
     def check(self, event: Event) -> Ticket:
         """Raise what ``apply(event)`` would raise against the state as it is now (a
         ``KvlogError``); change nothing, log nothing. The ticket it returns, handed to

@@ -12,7 +12,7 @@ digest, and that a snapshot passed on the way restores to the state replayed up 
 Every reader of a log folds it with this: ``Engine.resume`` (:func:`state_at_end`),
 ``replay`` (verification, what-ifs, ``against``, canaries: observers and hooks on the
 lanes), the sweep's what-ifs and its segment replay. Nothing here writes a log; what a run
-did is its observers' business (``kvlog.analysis.tally.RunSummary``).
+did is its observers' business (``kvlog.analysis.tally.RunTally``).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from kvlog.analysis.canary import CanaryReport, CanaryTracker
-from kvlog.analysis.tally import RunFigures, RunSummary
+from kvlog.analysis.tally import RunResult, RunTally
 from kvlog.events import (
     BlocksAllocated,
     Event,
@@ -101,12 +101,12 @@ def step_boundaries() -> Iterator[Callable[[], None]]:
 
 
 @dataclass
-class SynthResult(RunFigures):
-    """Counters of one synthetic run (what the Engine's machine did: ``RunFigures``)."""
+class SynthResult(RunResult):
+    """Counters of one synthetic run (what the Engine's machine did: ``RunResult``)."""
 
     config: SynthConfig
     log_path: str | None = None
-    summary: RunSummary = field(default_factory=RunSummary)
+    tally: RunTally = field(default_factory=RunTally)
     """What the Engine's machine did: an observer of it (``watch``)."""
     num_requests: int = 0
     num_finished: int = 0
@@ -124,9 +124,9 @@ class SynthResult(RunFigures):
     def watch(self, engine: Engine) -> None:
         """Sum up what ``engine``'s machine does from now on (and the ``CacheConfigured``
         it applied when it was built, before anything watched it)."""
-        self.summary = RunSummary(engine.config)
-        self.summary.num_events = 1
-        engine.machine.observers.append(self.summary)
+        self.tally = RunTally(engine.config)
+        self.tally.num_events = 1
+        engine.machine.observers.append(self.tally)
 
     @property
     def canary_ok(self) -> bool:

@@ -33,6 +33,7 @@ from kvlog.synth.driver import SynthResult
 from kvlog.synth.serving import TraceConfig
 from kvlog.synth.traces import HASH_BLOCK_TOKENS, TraceRequest
 from kvlog.synth.vllm_stubs import VOCAB, build_scheduler, make_request
+from kvlog.util import vllm_compat
 from kvlog.util.splitmix import splitmix64
 
 __all__ = ["VllmTraceRun", "prompt_tokens", "trace_scheduler"]
@@ -136,7 +137,7 @@ class VllmTraceRun:
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             blocks = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:
+            if req_id in vllm_compat.resumed_req_ids(cached):
                 self._admitted(req_id, cached.num_computed_tokens[i], bs)
             if blocks and blocks[0]:
                 self._emit(BlocksAllocated(req_id=req_id, block_ids=list(blocks[0])))
@@ -158,11 +159,8 @@ class VllmTraceRun:
             done = request.is_prefill_chunk
             token = splitmix64((int(r.rpartition("-")[2]) << 24) ^ request.num_tokens) % VOCAB
             sampled.append([] if done else [token])
-        return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-        )
+        fields = vllm_compat.runner_output_fields(ModelRunnerOutput, req_ids)
+        return ModelRunnerOutput(**fields, sampled_token_ids=sampled)
 
     def _emit(self, event: Any) -> None:
         """One scheduler input to the engine (the result's summary counts it)."""

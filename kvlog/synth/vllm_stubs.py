@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvlog.errors import MissingExtra
+from kvlog.util import vllm_compat
 
 __all__ = ["VOCAB", "StubModelConfig", "build_scheduler", "make_request"]
 
@@ -28,6 +29,9 @@ class StubModelConfig:
         self.runner_type = "generate"
         self.is_diffusion = False
         self.supports_multimodal_inputs = False
+        self.is_multimodal_model = False  # vLLM 0.26 asks these two
+        self.enable_return_routed_experts = False
+        self.is_moe = False  # and 0.26 picks its default runner by this
         self.return_sampling_mask = False
         self.skip_tokenizer_init = True
         self.multimodal_config = None
@@ -68,7 +72,7 @@ def build_scheduler(
         from vllm.config import CacheConfig, DeviceConfig, SchedulerConfig, VllmConfig
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler
         from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+        from vllm.v1.kv_cache_interface import FullAttentionSpec
         from vllm.v1.structured_output import StructuredOutputManager
     except ImportError as exc:
         raise MissingExtra("vllm", "vllm", "vLLM's own scheduler") from exc
@@ -92,11 +96,7 @@ def build_scheduler(
     spec = FullAttentionSpec(
         block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype
     )
-    kv_cache_config = KVCacheConfig(
-        num_blocks=num_gpu_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(list(layer_names), spec)],
-    )
+    kv_cache_config = _kv_cache_config(num_gpu_blocks, list(layer_names), spec)
     cache_config.num_gpu_blocks = num_gpu_blocks
     cls = AsyncScheduler if async_scheduling else Scheduler
     scheduler = cls(
@@ -108,6 +108,19 @@ def build_scheduler(
         log_stats=False,
     )
     return vllm_config, kv_cache_config, scheduler
+
+
+def _kv_cache_config(num_gpu_blocks: int, layer_names: list[str], spec: Any) -> Any:
+    """One KV-cache group of ``spec`` over ``layer_names``, its allocation described the way
+    the installed vLLM sizes its CPU tier by (``vllm_compat.kv_cache_tensors``)."""
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+
+    total_bytes = spec.page_size_bytes * len(layer_names) * num_gpu_blocks
+    return KVCacheConfig(
+        num_blocks=num_gpu_blocks,
+        kv_cache_tensors=vllm_compat.kv_cache_tensors(KVCacheTensor, total_bytes, layer_names),
+        kv_cache_groups=[KVCacheGroupSpec(layer_names, spec)],
+    )
 
 
 _HASHERS: dict[int, Any] = {}

@@ -3,16 +3,19 @@
 The connector's scheduler role wraps its ``CPUOffloadingManager`` in one (config only: no
 edit to vLLM). Each call is forwarded unchanged and its arguments and answer are handed to
 ``sink`` as a tier event (``events.TIER_EVENTS``); a sink that fails detaches the recorder
-(the manager keeps serving, the ``kvlog`` logger says so). No vLLM import: the manager and
-the request contexts are used through the attributes vLLM 0.33 gives them.
+(the manager keeps serving, the ``kvlog`` logger says so). No vLLM import, and no vLLM
+name beyond the manager's public calls: the manager's configuration and the request
+contexts are read through :mod:`kvlog.util.vllm_compat` (``contexts``: a
+:class:`ContextAccess`, by default its ``ContextMarks``, which knows each release's
+``ReqContext``).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable, Collection
-from typing import Any
+from collections.abc import Callable, Collection, Mapping
+from typing import Any, Protocol
 
 from kvlog.events import (
     MAX_TIER_BATCH,
@@ -30,8 +33,9 @@ from kvlog.events import (
     TierStorePrepared,
     TierTouched,
 )
+from kvlog.util import vllm_compat
 
-__all__ = ["TierRecorder", "tier_config_of"]
+__all__ = ["ContextAccess", "TierRecorder", "tier_config_of"]
 
 _log = logging.getLogger("kvlog")
 
@@ -48,16 +52,22 @@ class _ContextMark:
 
 
 def tier_config_of(manager: Any, blocks_per_chunk: int = 1, chunk_bytes: int = 0) -> TierConfigured:
-    """The ``TierConfigured`` of a vLLM ``CPUOffloadingManager``."""
-    policy = type(manager._policy).__name__
-    return TierConfigured(
-        num_chunks=int(manager._num_chunks),
-        eviction="arc" if policy.startswith("ARC") else "lru",
-        store_threshold=int(manager.store_threshold),
-        max_tracker_size=int(manager.max_tracker_size),
-        blocks_per_chunk=blocks_per_chunk,
-        chunk_bytes=chunk_bytes,
-    )
+    """The ``TierConfigured`` of a vLLM ``CPUOffloadingManager`` (its rule included)."""
+    fields = vllm_compat.tier_fields(manager)
+    return TierConfigured(**fields, blocks_per_chunk=blocks_per_chunk, chunk_bytes=chunk_bytes)
+
+
+class ContextAccess(Protocol):
+    """How the recorder keeps its mark on a request context and reads its key positions."""
+
+    def get(self, context: Any, kind: type) -> Any:
+        """The mark of type ``kind`` kept on ``context`` (None: none yet)."""
+
+    def set(self, context: Any, mark: Any) -> None:
+        """Keep ``mark`` on ``context`` for as long as the context lives."""
+
+    def positions(self, context: Any) -> Mapping[bytes, int]:
+        """Key -> end-token position, in the order the scheduler set them."""
 
 
 class TierRecorder:
@@ -74,9 +84,11 @@ class TierRecorder:
         sink: Callable[[Event], object],
         config: TierConfigured,
         *,
+        contexts: ContextAccess | None = None,
         batched: bool = False,
     ) -> None:
         self.manager = manager
+        self.contexts: ContextAccess = vllm_compat.ContextMarks() if contexts is None else contexts
         self.sink: Callable[[Event], object] | None = sink
         self._numbers = itertools.count()
         self._batch: list[TierEvent] | None = [] if batched else None
@@ -121,13 +133,14 @@ class TierRecorder:
     ) -> tuple[str, int, list[bytes], list[int]]:
         """The context's request id, number and (``positions_too``) the key positions set
         since its last event that carried positions."""
-        mark = req_context.get_state(_ContextMark)
+        contexts = self.contexts
+        mark = contexts.get(req_context, _ContextMark)
         if mark is None:
             mark = _ContextMark(next(self._numbers))
-            req_context.set_state(mark)
+            contexts.set(req_context, mark)
         if not positions_too:
             return str(req_context.req_id), mark.number, [], []
-        positions: dict[bytes, int] = getattr(req_context, "_offload_key_positions", {})
+        positions = contexts.positions(req_context)
         new = list(itertools.islice(positions.items(), mark.recorded, None))
         mark.recorded = len(positions)
         return str(req_context.req_id), mark.number, [k for k, _ in new], [p for _, p in new]

@@ -25,8 +25,9 @@ from kvlog.events import (
 )
 from kvlog.log import read_log
 from kvlog.reducers.cpu_tier import TierAnswer, TierState, reduce_tier
+from kvlog.reducers.tier_misses import TierExplainer, TierFigures
 
-__all__ = ["TierMismatch", "TierReplay", "replay_tier", "tier_events"]
+__all__ = ["TierMismatch", "TierReplay", "explain_tier", "replay_tier", "tier_events"]
 
 
 class TierMismatch(msgspec.Struct, frozen=True):
@@ -109,3 +110,12 @@ def replay_tier(source: str | os.PathLike[str] | Iterable[Event | Record]) -> Ti
             )
             break
     return out
+
+
+def explain_tier(source: str | os.PathLike[str] | Iterable[Event | Record]) -> TierFigures:
+    """Every lookup of a tier log explained (``reducers/tier_misses.py``: the code the
+    connector's live metrics use): hits, misses by reason, stores never read."""
+    explainer = TierExplainer()
+    for event in tier_events(source):
+        explainer.feed(event)
+    return explainer.figures

@@ -35,6 +35,7 @@ from kvlog.events import (
     TierStorePrepared,
 )
 from kvlog.reducers.cpu_tier import TierAnswer, TierState, reduce_tier
+from kvlog.reducers.tier_misses import MISS_REASONS, TierExplainer
 from kvlog.tier.trace import TierAccess
 from kvlog.tier.variants import EVICTIONS, TierTally, TierVariant
 
@@ -61,6 +62,9 @@ class TierResult:
     tally: TierTally
     prefill_s_per_token: float
     cost: CostModel
+    misses: dict[str, int] | None = None
+    """Misses by reason (``reducers/tier_misses.py``, the code the live metrics use);
+    None for ``opt``, which makes no manager calls."""
 
     @property
     def hit_rate(self) -> float:
@@ -108,6 +112,7 @@ class TierResult:
             "evictions": t.evictions,
             "never_read": t.never_read,
             "refused_stores": t.refused_stores,
+            **{f"miss_{r}": ("" if self.misses is None else self.misses[r]) for r in MISS_REASONS},
             "prefill_saved_s": round(self.prefill_saved_s, 6),
             "load_s": round(self.load_s, 6),
             "store_s": round(self.store_s, 6),
@@ -119,15 +124,26 @@ def run_variant(
     variant: TierVariant,
     prefill_s_per_token: float = DEFAULT_PREFILL_S_PER_TOKEN,
     cost: CostModel | None = None,
+    record: Recorder | None = None,
 ) -> TierResult:
-    """Run one variant over the accesses (``opt`` through ``optimum.belady``)."""
+    """Run one variant over the accesses (``opt`` through ``optimum.belady``); ``record``
+    takes each manager call as a log would hold it (``lru``/``arc``). The misses are
+    explained by a ``TierExplainer`` fed the same calls (the live metrics' code)."""
     if variant.eviction == "opt":
         from kvlog.tier.optimum import belady
 
         tally = belady(accesses, variant)
-    else:
-        tally = replay_policy(accesses, variant)
-    return TierResult(variant, tally, prefill_s_per_token, cost or CostModel())
+        return TierResult(variant, tally, prefill_s_per_token, cost or CostModel())
+    explainer = TierExplainer()
+
+    def explain(event: TierEvent) -> None:
+        explainer.feed(event)
+        if record is not None:
+            record(event)
+
+    tally = replay_policy(accesses, variant, explain)
+    misses = dict(explainer.figures.misses)
+    return TierResult(variant, tally, prefill_s_per_token, cost or CostModel(), misses)
 
 
 Recorder = Callable[[TierEvent], object]

@@ -33,3 +33,23 @@ def test_the_baseline_sorts_like_the_seed_it_stands_for() -> None:
         (3, 6),
     ]
     assert seed.defragment() == [(9, 1), (5, 3)]
+
+
+def test_the_heavy_trace_runs_hundreds_of_requests_and_fires_defrag_in_most_steps(
+    tmp_path: Path,
+) -> None:
+    """The heavy trace keeps hundreds of requests running in its id space, and
+    kvlog's whole steps in a pool of the trace's size and in a 1M pool make the seed's
+    pairs."""
+    trace = bench_step.HeavyTrace(4096, seed=3)
+    warm = trace.warm_up()
+    steps = [trace.step(s) for s in range(200)]
+    assert len(trace.live) >= 350
+    ids = {b for events in steps for e in events for b in getattr(e, "block_ids", [])}
+    assert max(ids) < 4096
+    whole = bench_step.as_steps(steps)
+    own = bench_step.kvlog_run(4096, warm, whole, "none", str(tmp_path)).pairs
+    big = bench_step.kvlog_run(bench_step.BIG_POOL, warm, whole, "none", str(tmp_path)).pairs
+    shipped = bench_step.seed_run(4096, warm, steps, shipped=True).pairs
+    assert own == big == shipped
+    assert sum(bool(p) for p in own) > 150  # defrag fires on most steps

@@ -69,9 +69,9 @@ def synth(
         engine = Engine(config.cache_config(), log_path, **options)  # type: ignore[arg-type]
     run = SynthRun(config, engine, None).run()
     result = {f.name: getattr(run, f.name) for f in dataclasses.fields(run)}
-    for name in ("log_path", "elapsed_s", "summary"):
+    for name in ("log_path", "elapsed_s", "tally"):
         result.pop(name)
-    result["summary"] = _figures(run.summary)
+    result["tally"] = _figures(run.tally)
     return engine, result
 
 
@@ -120,7 +120,7 @@ def test_a_detaching_engine_serves_on_and_the_log_replays_to_the_gap(
     assert os.strerror(code) in said[0].getMessage()
     replayed = replay(path)
     assert replayed.ok and replayed.divergence is None
-    assert 0 < replayed.num_events < expected["summary"]["num_events"]  # type: ignore[index,operator]
+    assert 0 < replayed.num_events < expected["tally"]["num_events"]  # type: ignore[index,operator]
     # a persistent fsync error still lets the gap record reach the page cache (not known
     # durable: status.gap_marked is False); a persistent write error keeps it out
     assert len(replayed.gaps) == 1 if transient else len(replayed.gaps) <= (site == "sync")

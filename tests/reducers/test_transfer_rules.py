@@ -31,7 +31,6 @@ import random
 from typing import Any
 
 import pytest
-import reducer_helpers as helpers
 
 import kvlog.events
 from kvlog import Engine, errors
@@ -53,6 +52,7 @@ from kvlog.events import (
 from kvlog.executors import make_executor
 from kvlog.log import read_log
 from kvlog.reducers import State, check_invariants, digest, restore, snapshot
+from tests.support import reducer_helpers as helpers
 from tests.support.reducer_helpers import alloc, rejected, run
 
 LOADS_DEFER = "deferred" in LoadRequested.__struct_fields__

@@ -74,14 +74,22 @@ def test_connector_is_vllms_offloading_connector_and_overrides_keep_signatures()
     ]
     # build_connector_meta writes the step's tier calls, shutdown closes the tier log;
     # log_status is kvlog's own (no vLLM method)
+    # get_kv_connector_stats and build_prom_metrics (a classmethod) carry kvlog's metrics
     assert sorted(own) == [
         "bind_connector_metadata",
         "build_connector_meta",
+        "get_kv_connector_stats",
         "log_status",
         "shutdown",
     ]
     assert not hasattr(KVConnectorBase_V1, "log_status")
-    for name in ("bind_connector_metadata", "build_connector_meta", "shutdown"):
+    for name in (
+        "bind_connector_metadata",
+        "build_connector_meta",
+        "shutdown",
+        "get_kv_connector_stats",
+        "build_prom_metrics",
+    ):
         assert _params(KvlogOffloadingConnector, name) == _params(KVConnectorBase_V1, name)
     assert _params(KvlogOffloadingConnector, "__init__") == _params(OffloadingConnector, "__init__")
 

@@ -1,35 +1,37 @@
-"""The tier reducer against vLLM 0.33's real ``CPUOffloadingManager``: every answer the same.
+"""The tier reducer against the installed vLLM's real ``CPUOffloadingManager`` (issues 23, 30).
 
 Random call sequences (hypothesis) drive the real manager, wrapped in kvlog's
 ``TierRecorder``; every recorded call is refolded by ``reducers/cpu_tier.py`` at once and
 every return value compared: lookup answers, load chunks, the keys a store chose, their
 chunks, the evicted keys, and the manager's ``OffloadingEvent``s. LRU and ARC, store
-threshold off, 1 and 2 (a small tracker, so it ages keys out). Runs in the vLLM stage only;
-``test_figures`` prints the sequences and calls compared.
+threshold off, 1 and 2 (a small tracker, so it ages keys out). Runs in the vLLM stages only,
+once per supported vLLM (0.26: a tier of blocks, no key positions; 0.34: no ``touch``): the
+recorded ``TierConfigured.rule`` picks the reducer's rule; ``test_figures`` prints the
+sequences and calls compared.
 """
 
 from __future__ import annotations
 
 import collections
+import inspect
 from typing import Any
 
 import pytest
 
 pytest.importorskip(
-    "vllm",
-    minversion="0.33",
-    reason="vLLM 0.33 is not installed here: the vLLM stage runs this module in its own venv",
+    "vllm", reason="vLLM is not installed here: the vLLM stages run this module in their venvs"
 )
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
+from vllm.v1.kv_offload.base import ReqContext, make_offload_key
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
 from kvlog.events import TierBatch
 from kvlog.reducers.cpu_tier import TierState, reduce_tier
 from kvlog.tier.record import TierRecorder, tier_config_of
 from kvlog.tier.replay import _comparable, _recorded, replay_tier, tier_events
+from kvlog.util import vllm_compat
 from tests.support.strategies import tier_calls
 
 NUM_HASHES = 16
@@ -47,12 +49,13 @@ class Driver:
     def __init__(self, config: dict[str, Any], flush_every: int = 0) -> None:
         """``flush_every``: a batched recorder, flushed every that many calls (its log is
         compared whole by the test, not call by call)."""
-        self.manager = CPUOffloadingManager(enable_events=True, **config)
+        self.manager = _manager(config)
         self.log: list[Any] = []
         self.flush_every = flush_every
         self.calls = self.started = 0
+        self.recorder_config = tier_config_of(self.manager)
         self.recorder = TierRecorder(
-            self.manager, self.log.append, tier_config_of(self.manager), batched=flush_every > 0
+            self.manager, self.log.append, self.recorder_config, batched=flush_every > 0
         )
         self.state: TierState | None = None
         self.done = 0
@@ -78,7 +81,10 @@ class Driver:
                 self.compared += 1
             changes += answer.changes
         self.done = len(self.log)
-        real = [(list(e.keys), e.removed, e.metadata_only) for e in self.manager.events or ()]
+        real = [
+            (list(e.keys), e.removed, getattr(e, "metadata_only", False))  # none in 0.26
+            for e in self.manager.events or ()
+        ]
         ours = [(c.keys, c.removed, c.metadata_only) for c in changes]
         assert ours == real, (ours, real)
         assert self.manager.events is not None
@@ -90,7 +96,8 @@ class Driver:
         group = b % 2
         keys = [_key((a + i) % NUM_HASHES, group) for i in range(b % 7 + 1)]
         for i, key in enumerate(keys[: len(keys) // 2 + 1]):
-            context.set_offload_key_position(key, (i + 1) * TOKENS_PER_CHUNK)
+            if hasattr(context, "set_offload_key_position"):  # 0.33 on
+                context.set_offload_key_position(key, (i + 1) * TOKENS_PER_CHUNK)
         self.slots[slot] = (context, keys, False)
         self.recorder.on_new_request(context)
 
@@ -125,9 +132,10 @@ class Driver:
         if kind in (1, 9):
             self.recorder.lookup(keys[b % len(keys)], context)
         elif kind == 2:
-            self.recorder.touch(chosen, context)
+            if vllm_compat.has_touch(self.manager):  # gone in 0.34
+                self.recorder.touch(chosen, context)
         elif kind == 3:
-            ready = [k for k in chosen if self.manager.lookup(k, context) == LookupResult.HIT]
+            ready = [k for k in chosen if _ready(self.manager, k)]
             if ready:
                 self.recorder.prepare_load(ready, context)
                 self.loads.append((ready, context))
@@ -138,9 +146,24 @@ class Driver:
         elif kind == 7:
             self.recorder.on_request_finished(context)
             self.slots[index] = (context, keys, True)
-        else:
+        elif hasattr(context, "set_offload_key_position"):  # 0.33 on
             for i, key in enumerate(keys):
                 context.set_offload_key_position(key, (i + 1) * TOKENS_PER_CHUNK)
+
+
+def _manager(config: dict[str, Any]) -> CPUOffloadingManager:
+    """The manager of the installed vLLM (0.26 counts its tier in ``num_blocks``)."""
+    config = dict(config)
+    if "num_chunks" not in inspect.signature(CPUOffloadingManager).parameters:
+        config["num_blocks"] = config.pop("num_chunks")
+    return CPUOffloadingManager(enable_events=True, **config)
+
+
+def _ready(manager: CPUOffloadingManager, key: bytes) -> bool:
+    """Whether ``key`` is stored and readable, asked without a call that counts (0.26's
+    ``lookup`` counts toward the store threshold)."""
+    chunk = manager._policy.get(key)
+    return chunk is not None and bool(chunk.is_ready)
 
 
 def _run(eviction: str, threshold: int, case: tuple[dict[str, Any], list[Any]]) -> None:
@@ -150,7 +173,8 @@ def _run(eviction: str, threshold: int, case: tuple[dict[str, Any], list[Any]]) 
         driver.call(*call)
     replayed = replay_tier(driver.log)  # the whole log again, from the start
     assert replayed.mismatch is None, replayed.mismatch
-    name = f"{eviction} threshold {threshold}"
+    rule = driver.recorder_config.rule
+    name = f"vLLM {vllm_compat.installed_vllm()} ({rule}) {eviction} threshold {threshold}"
     FIGURES[(name, 0, "sequences")] += 1
     FIGURES[(name, 1, "calls")] += len(driver.log) - 1
     FIGURES[(name, 2, "answers compared")] += driver.compared

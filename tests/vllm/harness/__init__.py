@@ -22,12 +22,15 @@ from tests.vllm.harness.configs import (
     CONFIGS,
     DEFRAG_MOST_STEPS,
     DEFRAG_ONLY,
+    GAUDI_RUNNER,
+    GAUDI_RUNNER_CI,
     KVLOG_CONNECTOR,
     MAX_DETAILS,
     REFERENCE_CLEAN,
     REFERENCE_UNAWARE,
     RunConfig,
     random_configs,
+    without_switch,
 )
 from tests.vllm.harness.kvcache import CpuReader, KvCache, ReferenceWorker
 from tests.vllm.harness.results import COLUMNS, MAIN_CONFIGS, RunResult, cost_summary, format_table
@@ -47,6 +50,8 @@ __all__ = [
     "CONFIGS",
     "DEFRAG_MOST_STEPS",
     "DEFRAG_ONLY",
+    "GAUDI_RUNNER",
+    "GAUDI_RUNNER_CI",
     "KVLOG_CONNECTOR",
     "MAIN_CONFIGS",
     "MAX_DETAILS",
@@ -72,4 +77,5 @@ __all__ = [
     "random_configs",
     "run_config",
     "vllm_chunk_mapping",
+    "without_switch",
 ]

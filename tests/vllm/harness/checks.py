@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from kvlog.util import vllm_compat
 from tests.vllm.harness.chunks import _cdiv, vllm_chunk_mapping
 from tests.vllm.harness.vllm_objects import _internal_id
 
@@ -199,8 +200,9 @@ class Checks:
                 )
             ]
             self._coverage(job.dst_spec, len(job.src_spec.block_ids))
-            self.load_jobs[job_id] = _LoadJob(job.req_id, bool(job.sync), pairs)
-            if job.sync:
+            sync = vllm_compat.load_is_sync(job)  # vLLM 0.26 has async loads only
+            self.load_jobs[job_id] = _LoadJob(job.req_id, sync, pairs)
+            if sync:
                 self.result.loads_sync += 1
             else:
                 self.result.loads_async += 1

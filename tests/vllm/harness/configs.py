@@ -3,6 +3,7 @@ random configurations."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,11 @@ class RunConfig:
     gaudi_warmup: bool = True  # build, warm up, then rebuild the defragmenter like the runner
     # "kvlog"; "reference": a plain vLLM-semantics worker, no kvlog; "none": no offloading
     connector: str = "kvlog"
+    # the runner's KVConnectorOutput: "vllm" (vLLM's GPU runner: the connector's worker
+    # metadata and stats every step); "gaudi" (vllm-gaudi's runner: on forward steps only the
+    # finished transfers, the rest on steps with nothing scheduled); "gaudi+switch" (that
+    # runner with kvlog's Gaudi switch applied: ``kvlog.integrations.gaudi.install``)
+    runner_output: str = "vllm"
     reference_resolve: bool = False  # the reference worker resolves ids at submit (seed-like)
     # kvlog's executor backend: "cpu" runs transfers at submit; "fake" is an asynchronous
     # device whose transfers run 1-4 polls later, reading their source bytes only then
@@ -76,6 +82,8 @@ class RunConfig:
         ]
         if self.pass_preempted:
             bits.append("switch")
+        if self.runner_output != "vllm":
+            bits.append(f"output={self.runner_output}")
         if self.backend != "cpu":
             bits.append(f"backend={self.backend}")
         if self.offload_prompt_only:
@@ -271,7 +279,37 @@ def _matrix() -> list[RunConfig]:
     return out
 
 
+def _gaudi_runner() -> list[RunConfig]:
+    """vllm-gaudi's runner output (``runner_output``), each configuration with kvlog's Gaudi
+    switch (``gaudi-switch-*``: clean) and without it (``gaudi-plain-*``: vLLM's offloading
+    fails, with vLLM's own worker as with kvlog's). Prefix caching on/off, sync/async loads,
+    blocks_per_chunk 1/2, V1/V2 runner, sync/async scheduling; the default workload."""
+    base = [
+        RunConfig("nopc-bpc1-async", False, 1, False, False, False, seed=70),
+        RunConfig("pc-bpc2-sync", True, 2, True, False, True, backend="fake", seed=71),
+        RunConfig("nopc-bpc2-sync", False, 2, True, True, False, seed=72),
+        RunConfig(
+            "pc-bpc1-async", True, 1, False, True, True, pass_preempted=True, backend="fake",
+            seed=73,
+        ),
+    ]  # fmt: skip
+    return [
+        dataclasses.replace(c, name=f"gaudi-{tag}-{c.name}", runner_output=shape)
+        for c in base
+        for tag, shape in (("switch", "gaudi+switch"), ("plain", "gaudi"))
+    ]
+
+
+def without_switch(name: str) -> str:
+    """The ``gaudi-plain-*`` twin of a ``gaudi-switch-*`` configuration."""
+    assert name.startswith("gaudi-switch-"), name
+    return "gaudi-plain-" + name.removeprefix("gaudi-switch-")
+
+
 CI_MATRIX = _matrix()
+GAUDI_RUNNER = _gaudi_runner()
+# the pair the vLLM stage's pytest runs (V1 runner: every supported vLLM runs it on CPU)
+GAUDI_RUNNER_CI = ("gaudi-switch-nopc-bpc1-async",)
 CONFIGS = {c.name: c for c in CI_MATRIX}
 # the configurations whose defrag must plan swaps on more than half of the steps
 DEFRAG_MOST_STEPS = frozenset(c.name for c in CI_MATRIX[:12])
@@ -299,5 +337,5 @@ DEFRAG_ONLY = [
     for v2 in (False, True)
     for a in (False, True)
 ]
-for _c in (REFERENCE_CLEAN, REFERENCE_UNAWARE, *DEFRAG_ONLY):
+for _c in (REFERENCE_CLEAN, REFERENCE_UNAWARE, *DEFRAG_ONLY, *GAUDI_RUNNER):
     CONFIGS[_c.name] = _c

@@ -41,6 +41,8 @@ class RunResult:
     aborted: int = 0
     aborted_loading: int = 0  # aborted while vLLM waited for their load
     flush_steps: int = 0  # steps whose metadata has jobs_to_flush
+    completions_forward: int = 0  # jobs the runner reported complete on forward steps
+    completions_idle: int = 0  # ... on steps with nothing scheduled
     finished_stores: int = 0  # unfinished stores of requests vLLM has finished (blocks freed)
     skipped_first: int = 0  # transfers whose first chunk is entered at block_indices % bpc
     partial_last: int = 0  # transfers whose last chunk is partial
@@ -55,6 +57,7 @@ class RunResult:
     live_digest: str = ""
     replay_digest: str = ""
     tier: Any = None  # the scheduler's CPU tier log refolded (kvlog.tier.replay.TierReplay)
+    cannot_run: str = ""  # why the installed vLLM cannot run this configuration here
     errors: list[str] = field(default_factory=list)
     details: dict[str, list[str]] = field(default_factory=dict)
 
@@ -80,6 +83,7 @@ class RunResult:
             and self.harness_errors == 0
             and self.finished == self.requests
             and self.replay_ok is not False
+            and (self.tier is None or bool(self.tier.exact))
         )
 
     def per_step_us(self, seconds: float) -> float:
@@ -110,6 +114,7 @@ COLUMNS = [
     ("preempt", lambda r: r.preemptions),
     ("stores", lambda r: r.stores_done),
     ("loads s/a", lambda r: f"{r.loads_sync}/{r.loads_async}"),
+    ("done fwd/idle", lambda r: f"{r.completions_forward}/{r.completions_idle}"),
     ("swaps", lambda r: f"{r.swaps}@{r.swap_steps}"),
     ("canary slots", lambda r: r.live_slots_checked),
     ("bad live", lambda r: r.live_bad_slots),
@@ -126,6 +131,7 @@ COLUMNS = [
     ("seed's defragmenter", lambda r: f"{r.per_step_us(r.seed_s):.0f}" if r.seed_s else "-"),
     ("of it copies", lambda r: f"{r.per_step_us(r.copy_s):.0f}"),
     ("of it tier log", lambda r: f"{r.per_step_us(r.tier_s):.0f}"),
+    ("tier replay", lambda r: "-" if r.tier is None else "exact" if r.tier.exact else "DIFFERS"),
     ("vLLM sched us/step", lambda r: f"{r.per_step_us(r.sched_s):.0f}"),
     ("kvlog/sched", lambda r: f"{_over_scheduler(r):.2f}"),
     ("wall s", lambda r: f"{r.wall_s:.1f}"),

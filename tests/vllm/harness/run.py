@@ -3,6 +3,7 @@ in vllm-gaudi's order, the checks, the replay of the log."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import random
@@ -15,8 +16,10 @@ from typing import Any
 
 import numpy as np
 
+from kvlog.util import vllm_compat
 from tests.vllm.harness.checks import Checks, _Abort, _LoadJob, _StoreJob
 from tests.vllm.harness.configs import RunConfig
+from tests.vllm.harness.gaudi_runner import KvlogCalls, runner_module
 from tests.vllm.harness.kvcache import CpuReader, KvCache, ReferenceWorker
 from tests.vllm.harness.results import RunResult
 from tests.vllm.harness.vllm_objects import _env, build_vllm, make_defragmenter, make_request
@@ -46,6 +49,7 @@ class Run(Checks):
         self.finished: set[str] = set()
         self.aborted: set[str] = set()
         self.defrag: Any = None
+        self.gaudi_runner: Any = None  # vllm-gaudi's runner shape (``runner_output``)
         self.seed: Any = None  # the plugin's defragmenter, timed beside kvlog's (_shadow)
         self.cpu_reader: CpuReader | None = None
         self.log_path = os.path.join(workdir, f"{cfg.name}.kvlog")
@@ -76,7 +80,8 @@ class Run(Checks):
             _env("VLLM_USE_V2_MODEL_RUNNER", "1" if cfg.v2_runner else "0"),
             _env("KVLOG_PATH", log_env),
         ):
-            self.vllm_config, self.kv_cache_config, self.scheduler = build_vllm(cfg)
+            self.vllm_config, self.kv_cache_config, self.scheduler = self._build_vllm()
+            self._only_v2_runner()
             if cfg.connector != "none":
                 self.connector = KVConnectorFactory.create_connector(
                     self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config
@@ -103,11 +108,31 @@ class Run(Checks):
             if ours is not theirs:
                 raise AssertionError("the defragmenter and the connector do not share an Engine")
         if cfg.connector == "reference":
-            num_chunks = int(self.connector.connector_worker.spec.num_chunks)
+            num_chunks = vllm_compat.spec_num_chunks(self.connector.connector_worker.spec)
             resolve = self.defrag.resolve if (cfg.reference_resolve and self.defrag) else None
             worker = ReferenceWorker(self.kv, cfg.blocks_per_chunk, num_chunks, resolve)
-            self.connector.connector_worker.worker = worker
+            conn_worker = self.connector.connector_worker  # 0.34: behind identity pointers
+            vllm_compat.attach_worker(conn_worker, worker, type(conn_worker), self.kv_cache_config)
             self.cpu_reader = worker.reader
+
+    def _build_vllm(self) -> tuple[Any, Any, Any]:
+        """``build_vllm``; where vLLM refuses the configuration on this machine (0.26's V2
+        model runner requires Triton, which no CPU-only install has), the run ends saying
+        so (``RunResult.cannot_run``: reported per configuration, never counted clean)."""
+        try:
+            return build_vllm(self.cfg)
+        except Exception as exc:
+            if "requires Triton" not in str(exc):
+                raise
+            self.result.cannot_run = "vLLM's Model Runner V2 requires Triton (not installed)"
+            raise _Abort from exc
+
+    def _only_v2_runner(self) -> None:
+        """vLLM 0.34 has the V2 model runner only: a V1 configuration runs its shape (and
+        the table says so)."""
+        if not self.cfg.v2_runner and not hasattr(self.scheduler, "use_v2_model_runner"):
+            self.cfg = dataclasses.replace(self.cfg, v2_runner=True)
+            self.result.cfg = self.cfg
 
     def _time_copies(self) -> None:
         """Count the time the shared Engine's executor spends carrying out plans (the
@@ -263,8 +288,6 @@ class Run(Checks):
 
     # -- one worker step ---------------------------------------------------------------------
     def _worker_step(self, so: Any) -> Any:
-        from vllm.v1.outputs import KVConnectorOutput
-
         cfg = self.cfg
         self._observe_schedule(so)
         if self.defrag is not None and cfg.defrag:
@@ -277,10 +300,31 @@ class Run(Checks):
         meta = so.kv_connector_metadata
         self._record_jobs(meta)
         self.result.flush_steps += bool(meta.jobs_to_flush)
+        if cfg.runner_output != "vllm" and so.total_num_scheduled_tokens:
+            sampled, output = self._gaudi_runner_step(so)
+        else:  # vLLM's runner; vllm-gaudi's too on a step with nothing scheduled
+            sampled, output = self._vllm_runner_step(so)
+        worker_meta = output.kv_connector_worker_meta
+        if worker_meta is not None:
+            done = worker_meta.completed_jobs
+            if so.total_num_scheduled_tokens:
+                self.result.completions_forward += len(done)
+            else:
+                self.result.completions_idle += len(done)
+            self._check_completed(done)
+        return self._runner_output(so, sampled, output)
+
+    def _vllm_runner_step(self, so: Any) -> tuple[dict[str, list[int]], Any]:
+        """vLLM's GPU runner's connector calls around the forward (``order``: its own, or
+        vllm-gaudi's), and the step's whole ``KVConnectorOutput``."""
+        from vllm.v1.outputs import KVConnectorOutput
+
+        cfg = self.cfg
+        meta = so.kv_connector_metadata
         if cfg.order == "gpu":
             self._kvlog("handle_preemptions", self.connector.handle_preemptions, meta)
         self._kvlog("bind_connector_metadata", self.connector.bind_connector_metadata, meta)
-        load_first = cfg.order == "gaudi" or so.has_sync_kv_loads
+        load_first = cfg.order == "gaudi" or getattr(so, "has_sync_kv_loads", False)
         if load_first:
             self._kvlog("start_load_kv", self.connector.start_load_kv, None)
         self._check_live(so)
@@ -295,14 +339,26 @@ class Run(Checks):
             "build_connector_worker_meta", self.connector.build_connector_worker_meta
         )
         self._kvlog("clear_connector_metadata", self.connector.clear_connector_metadata)
-        if worker_meta is not None:
-            self._check_completed(worker_meta.completed_jobs)
         output = KVConnectorOutput(
             finished_sending=sending or set(),
             finished_recving=recving or set(),
             kv_connector_worker_meta=worker_meta,
         )
-        return self._runner_output(so, sampled, output)
+        return sampled, output
+
+    def _gaudi_runner_step(self, so: Any) -> tuple[dict[str, list[int]], Any]:
+        """vllm-gaudi's forward step (``harness.gaudi_runner``: its connector lines around
+        the forward, its ``KVConnectorOutput``; the Gaudi switch applied with
+        ``gaudi+switch``), each connector call through ``_kvlog``."""
+        if self.gaudi_runner is None:
+            calls = KvlogCalls(self._kvlog, self.connector)
+            module = runner_module(lambda: calls, self.cfg.runner_output == "gaudi+switch")
+            self.gaudi_runner = module.HPUModelRunner(self._checked_forward)
+        return self.gaudi_runner.sample_tokens(so)  # type: ignore[no-any-return]
+
+    def _checked_forward(self, so: Any) -> dict[str, list[int]]:
+        self._check_live(so)
+        return self._forward(so)
 
     @staticmethod
     def _runner_output(so: Any, sampled: dict[str, list[int]], kv_output: Any) -> Any:
@@ -310,8 +366,7 @@ class Run(Checks):
 
         req_ids = list(so.num_scheduled_tokens)
         return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            **vllm_compat.runner_output_fields(ModelRunnerOutput, req_ids),
             sampled_token_ids=[sampled.get(r, []) for r in req_ids],
             kv_connector_output=kv_output,
         )

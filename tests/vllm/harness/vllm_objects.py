@@ -78,7 +78,8 @@ def build_vllm(cfg: RunConfig) -> tuple[Any, Any, Any]:
         async_scheduling=cfg.async_scheduling,
         model="kvlog-harness-stub",
     )
-    if scheduler.use_v2_model_runner != cfg.v2_runner:
+    v2_runner = getattr(scheduler, "use_v2_model_runner", None)  # None: 0.34, V2 only
+    if v2_runner is not None and v2_runner != cfg.v2_runner:
         raise AssertionError("VLLM_USE_V2_MODEL_RUNNER did not select the runner shape")
     return vllm_config, kv_cache_config, scheduler
 

@@ -1,0 +1,105 @@
+"""The CPU tier's eviction policies as vLLM 0.26's ``CachePolicy``s decide (LRU, ARC).
+
+vLLM 0.26's tier counts blocks (``num_blocks``, each ``blocks_per_chunk`` GPU blocks) and its
+policies know nothing of requests: the LRU keeps its idle keys in one recency list (a store's
+completion or a load's end appends, ``touch`` moves to the end, eviction takes from the
+front); ARC is 0.33's (:class:`~kvlog.reducers.tier_policies.ArcPolicy`) but never falls
+back to T1 when T2 has no idle key. Same decisions as
+``vllm/v1/kv_offload/cpu/policies/{lru,arc}.py`` of vLLM 0.26 on the same calls; the
+differential test (``tests/test_cpu_tier_vllm.py``) runs both. Pure Python, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from kvlog.reducers.tier_policies import ArcPolicy, Chunk, TierContext, TierPolicy
+
+__all__ = ["Arc026Policy", "Lru026Policy"]
+
+
+class Lru026Policy(TierPolicy):
+    """vLLM 0.26's LRU: idle keys in recency order, least recent first."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.chunks: dict[bytes, Chunk] = {}
+        self.evictable: OrderedDict[bytes, None] = OrderedDict()
+
+    def get(self, key: bytes) -> Chunk | None:
+        return self.chunks.get(key)
+
+    def insert(self, key: bytes, chunk: Chunk, context: TierContext) -> None:
+        self.chunks[key] = chunk
+        if chunk.ref_cnt == 0:
+            self.evictable[key] = None
+
+    def remove(self, key: bytes) -> None:
+        del self.chunks[key]
+        self.evictable.pop(key, None)
+
+    def touch(self, keys: Sequence[bytes], context: TierContext) -> None:
+        for key in reversed(keys):
+            if key in self.evictable:
+                self.evictable.move_to_end(key)
+
+    def clear(self) -> None:
+        self.evictable.clear()
+        self.chunks.clear()
+
+    def evict(self, n: int, protected: set[bytes]) -> list[tuple[bytes, Chunk]] | None:
+        """The ``n`` least recent idle keys outside ``protected``; all or none."""
+        if n == 0:
+            return []
+        picked: list[bytes] = []
+        for key in self.evictable:
+            if key in protected:
+                continue
+            picked.append(key)
+            if len(picked) == n:
+                break
+        if len(picked) < n:
+            return None
+        out = []
+        for key in picked:
+            del self.evictable[key]
+            out.append((key, self.chunks.pop(key)))
+        return out
+
+    def mark_evictable(self, key: bytes) -> None:
+        self.evictable[key] = None
+
+    def mark_non_evictable(self, key: bytes) -> None:
+        del self.evictable[key]
+
+
+class Arc026Policy(ArcPolicy):
+    """vLLM 0.26's ARC: 0.33's, but an eviction that finds no idle key where its target
+    sends it (T2 below the T1 target) fails instead of taking one from T1."""
+
+    def evict(self, n: int, protected: set[bytes]) -> list[tuple[bytes, Chunk]] | None:
+        if n == 0:
+            return []
+        t1_size = len(self.t1)
+        t1_idle = ((k, c) for k, c in self.t1.items() if c.ref_cnt == 0 and k not in protected)
+        t2_idle = ((k, c) for k, c in self.t2.items() if c.ref_cnt == 0 and k not in protected)
+        picked: list[tuple[bytes, Chunk, bool]] = []
+        for _ in range(n):
+            entry = next(t1_idle, None) if t1_size >= int(self.target_t1_size) else None
+            from_t1 = entry is not None
+            if entry is None:
+                entry = next(t2_idle, None)
+            if entry is None:
+                return None
+            t1_size -= from_t1
+            picked.append((entry[0], entry[1], from_t1))
+        out = []
+        for key, chunk, from_t1 in picked:
+            del (self.t1 if from_t1 else self.t2)[key]
+            (self.b1 if from_t1 else self.b2)[key] = None
+            out.append((key, chunk))
+        for ghost in (self.b1, self.b2):
+            for _ in range(len(ghost) - self.capacity):
+                ghost.popitem(last=False)
+        return out

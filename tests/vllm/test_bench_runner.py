@@ -1,0 +1,30 @@
+"""``bench/bench_runner.py`` at a toy scale (a smoke test: figures come from running the
+script at serving scale): the run makes every call of the runner's step, splits kvlog's
+time by call, and its log replays to the live digest."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="the real-vLLM stage runs this (its own virtualenv)")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import bench_runner
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_the_serving_scale_bench_runs_at_a_toy_scale(prefix_caching: bool) -> None:
+    scale = bench_runner.Scale(
+        blocks=512, block_size=16, seqs=16, batched_tokens=256, prompt=120, output_min=8,
+        output_max=40, cpu_blocks=512, max_waiting=8, threshold=4,
+    )  # fmt: skip
+    figs, _ = bench_runner.measure(scale, prefix_caching, steps=60, warmup=20, replay=True)
+    assert figs.errors == [] and figs.replay == "ok"
+    assert figs.steps == 60
+    for call in ("update_state", "defragment", "resolve_all", "bind_connector_metadata"):
+        assert figs.mean[call] > 0, call
+    assert figs.mean["seed"] > 0 and figs.mean["scheduler"] > 0
+    assert figs.mean["kvlog"] >= figs.mean["update_state"] + figs.mean["resolve_all"]
+    assert figs.counts["stores"] > 0

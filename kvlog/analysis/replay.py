@@ -401,7 +401,7 @@ class _Replayer:
         """Damage cut the log's ``CacheConfigured``: the runs start at the snapshot the
         fold goes on from (``past_damage``)."""
         self.recorded_config = config
-        self.recorded.summary.configured(config)
+        self.recorded.tally.configured(config)
         if self.overrides:
             self._start_whatif_at_snapshot(config)
 

@@ -70,7 +70,9 @@ _decoder: msgspec.msgpack.Decoder[LogRecord] = msgspec.msgpack.Decoder(LogRecord
 
 class DamagedRange(NamedTuple):
     """Records a reader went past (``LogReader(salvage=True, past_damage=True)``): from
-    ``first_seq`` (the first not read) to ``resume_seq`` (where reading went on), why."""
+    ``first_seq`` (the first not read) to ``resume_seq`` (where reading went on), why;
+    empty (``resume_seq == first_seq``) for damage that cost no record (bytes after a
+    sealed segment's close)."""
 
     first_seq: int
     resume_seq: int
@@ -79,13 +81,13 @@ class DamagedRange(NamedTuple):
     offset: int = -1
 
     def __str__(self) -> str:
-        seqs = f"seq {self.first_seq:,}-{self.resume_seq - 1:,}"
+        lost = f"seq {self.first_seq:,}-{self.resume_seq - 1:,} not read"
         if self.resume_seq - 1 == self.first_seq:
-            seqs = f"seq {self.first_seq:,}"
+            lost = f"seq {self.first_seq:,} not read"
+        if self.resume_seq <= self.first_seq:  # e.g. bytes after a sealed segment's close
+            lost = "no record lost"
         at = f", byte offset {self.offset:,}" if self.offset >= 0 else ""
-        return (
-            f"{seqs} not read: {self.why} ({self.path}{at}); read on from seq {self.resume_seq:,}"
-        )
+        return f"{lost}: {self.why} ({self.path}{at}); read on from seq {self.resume_seq:,}"
 
 
 class LogReader:

@@ -367,11 +367,7 @@ class Fold:
         """Whether ``record`` lies after damage the reader went past and before the next
         snapshot (read, not folded: the state misses the records not read); the snapshot
         itself seats the lanes and the fold goes on from it."""
-        damaged = self.reader.damaged
-        if len(damaged) > self._damage_seen:
-            if self._lost_from < 0:
-                self._lost_from = damaged[self._damage_seen].first_seq
-            self._damage_seen = len(damaged)
+        self._take_damage()
         if self._lost_from < 0:
             return False
         if type(record) is Checkpoint and record.snapshot:
@@ -383,14 +379,20 @@ class Fold:
             self.counts[type(record).__name__] += 1
         return True
 
+    def _take_damage(self) -> None:
+        """The fold is lost from the first record of the damage gone past since it last
+        looked (a range that lost no record loses nothing)."""
+        damaged = self.reader.damaged
+        for damage in damaged[self._damage_seen :]:
+            if self._lost_from < 0 and damage.first_seq < damage.resume_seq:
+                self._lost_from = damage.first_seq
+        self._damage_seen = len(damaged)
+
     def _end_damage(self) -> None:
         """At the end of the read: the records from damage on that no snapshot followed."""
-        damaged = self.reader.damaged
-        if len(damaged) > self._damage_seen and self._lost_from < 0:
-            self._lost_from = damaged[self._damage_seen].first_seq
-        self._damage_seen = len(damaged)
+        self._take_damage()
         if self._lost_from >= 0:
-            last = max(self.reader.last_seq, damaged[-1].resume_seq - 1)
+            last = max(self.reader.last_seq, self.reader.damaged[-1].resume_seq - 1)
             self.unverified.append((self._lost_from, last))
             self._lost_from = -1
 

@@ -274,3 +274,24 @@ def test_a_missing_segment_is_gone_past(directory: Path, tmp_path: Path) -> None
     assert "missing" in damage.why
     result = replay(log, salvage=True, past_damage=True)
     assert result.ok and result.unverified == [(infos[2].first_seq, infos[3].first_seq - 1)]
+
+
+def test_bytes_after_a_sealed_segments_close_lose_no_record(
+    directory: Path, tmp_path: Path
+) -> None:
+    log = tmp_path / "dir"
+    shutil.copytree(directory, log)
+    infos = list_segments(str(log))
+    with open(log / infos[1].name, "ab") as file:
+        file.write(b"\0" * 3)
+    prefix = LogReader(log, salvage=True)
+    assert max(s for s, _ in prefix.records()) == infos[1].last_seq  # stops after it
+    reader = LogReader(log, salvage=True, past_damage=True)
+    seqs = [s for s, _ in reader.records()]
+    assert seqs == [s for s, _ in LogReader(directory).records()]  # every record
+    [damage] = reader.damaged
+    assert damage.first_seq == damage.resume_seq == infos[2].first_seq
+    assert str(damage).startswith("no record lost: ")
+    result = replay(log, salvage=True, past_damage=True)
+    assert result.ok and result.unverified == []  # the verification goes on unbroken
+    assert result.num_verified == replay(directory).num_verified

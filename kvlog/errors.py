@@ -148,13 +148,26 @@ class CorruptLogError(KvlogError, ValueError):
     """A log that is damaged other than by a torn tail (which is repaired instead).
 
     ``offset`` is the byte offset of the bad record, ``seq`` the sequence number expected
-    there (or the one read, where it was readable).
+    there (or the one read, where it was readable). ``resume_offset`` and ``resume_seq``:
+    where the first valid record after the damage lies in the same file (-1: none found),
+    so a salvaging reader can go on there.
     """
 
-    def __init__(self, message: str, *, path: str = "", offset: int = -1, seq: int = -1) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str = "",
+        offset: int = -1,
+        seq: int = -1,
+        resume_offset: int = -1,
+        resume_seq: int = -1,
+    ) -> None:
         self.path = path
         self.offset = offset
         self.seq = seq
+        self.resume_offset = resume_offset
+        self.resume_seq = resume_seq
         self.message = message
         where = f"{path}: " if path else ""
         at = [f"byte offset {offset}"] if offset >= 0 else []

@@ -135,7 +135,17 @@ class ReplayResult:
     gaps: list[str] = field(default_factory=list)
     """Where the recorder detached after an I/O error (``LogDetached`` records)."""
     salvaged: str = ""
-    """With ``salvage``: where and why the intact prefix ended ('' when the log is whole)."""
+    """With ``salvage``: where and why the intact prefix ended ('' when the log is whole,
+    or every damage was gone past: ``damaged``)."""
+    salvage_resume_seq: int = -1
+    """With ``salvage``: where a valid record follows the damage it stopped at (``-1``:
+    none), so ``past_damage`` would go on there."""
+    damaged: list[str] = field(default_factory=list)
+    """With ``past_damage``: each damaged range gone past (``kvlog.log.DamagedRange``, in
+    words): not read."""
+    unverified: list[tuple[int, int]] = field(default_factory=list)
+    """With ``past_damage``: sequence numbers (first, last) from each damaged range to the
+    snapshot the replay went on from (or to the end): not replayed, not verified."""
     retired: list[tuple[int, int]] = field(default_factory=list)
     """Sequence numbers (first, last) the writer's retention removed while the replay read
     the log: not read, not verified (it went on from the next segment's snapshot)."""
@@ -270,6 +280,7 @@ def replay(
     series: bool = True,
     progress: Progress | None = None,
     salvage: bool = False,
+    past_damage: bool = False,
     **policy_overrides: Any,
 ) -> ReplayResult:
     """Re-run the log at ``path``; see the module docstring.
@@ -279,12 +290,18 @@ def replay(
     (``backend`` "cpu" or "fake") and check every live block at the end. ``from_snapshot``:
     start from the latest checkpoint snapshot (only for plain verification).
     ``salvage``: replay the intact prefix of a damaged log (``result.salvaged`` says where
-    and why it stops). ``policy_overrides``: ``CacheConfigured`` fields for a what-if run.
+    and why it stops). ``past_damage`` (with ``salvage``): go on past damage followed by
+    valid records, from the next checkpoint with a snapshot (restored, checked against its
+    digest); ``result.damaged`` and ``result.unverified`` say what was not read, not
+    verified; not with ``against`` or ``execute``. ``policy_overrides``:
+    ``CacheConfigured`` fields for a what-if run.
     A log directory whose oldest segments are gone starts at its first snapshot; segments
     retention removes during the replay are skipped to the next segment's snapshot
     (``result.retired``), but under ``against`` or ``execute`` (``SegmentsRetired``).
     """
     _check_overrides(policy_overrides)
+    if past_damage and (not salvage or against is not None or execute):
+        raise ValueError("past_damage needs salvage, and neither against nor execute")
     if from_snapshot and (policy_overrides or against is not None or execute):
         raise ValueError(
             "from_snapshot replays the recorded policy only: no what-if, against or execute"
@@ -299,6 +316,7 @@ def replay(
         series,
     )
     replayer.fold.reader.salvage = salvage
+    replayer.fold.reader.past_damage = past_damage
     started = time.perf_counter()
     replayer.run(from_snapshot, progress)
     result = replayer.finish()
@@ -327,6 +345,7 @@ class _Replayer:
         self.recorded = _TalliedLane("recorded", series)
         self.fold = Fold(path, [self.recorded.lane], verify=verify)
         self.fold.on_configured = self._start
+        self.fold.on_restart = self._restart
         self.fold.on_event.append(self._compare_step)
         self.recorded_config: CacheConfigured | None = None
         self.whatif: _TalliedLane | None = None
@@ -378,6 +397,14 @@ class _Replayer:
         if self.other is not None and not fold.stopped:
             self.other.at_end()
 
+    def _restart(self, config: CacheConfigured) -> None:
+        """Damage cut the log's ``CacheConfigured``: the runs start at the snapshot the
+        fold goes on from (``past_damage``)."""
+        self.recorded_config = config
+        self.recorded.tally.configured(config)
+        if self.overrides:
+            self._start_whatif_at_snapshot(config)
+
     def _start_whatif_at_snapshot(self, config: CacheConfigured) -> None:
         """The what-if lane of a log that starts at a snapshot: the snapshot's state under
         the what-if's policy (its overrides checked here, so a bad one raises)."""
@@ -416,8 +443,11 @@ class _Replayer:
             f"the recorder detached after seq {seq - 1}: {gap.error}"
             for seq, gap in fold.reader.gaps
         ]
+        result.damaged = [str(d) for d in fold.reader.damaged]
+        result.unverified = list(fold.unverified)
         if fold.reader.stopped is not None:
             result.salvaged = str(fold.reader.stopped)
+            result.salvage_resume_seq = fold.reader.stopped.resume_seq
         result.retired = list(fold.retired)
         reader = fold.reader
         result.closed_cleanly = reader.closed_cleanly

@@ -33,17 +33,21 @@ __all__ = [
     "HelpFormatter",
     "ListFlag",
     "POLICY_FIELD_NAMES",
+    "PAST_DAMAGE_HELP",
+    "PAST_DAMAGE_HINT",
     "SALVAGE_HELP",
     "TRACE_CONFIG",
     "TRACE_ONLY",
     "add_cost_flags",
     "add_parallel_flags",
     "add_policy_flags",
+    "add_salvage_flags",
     "add_tier_flags",
     "add_trace_flags",
     "arg_type",
     "as_typed",
     "check_policy_flags",
+    "check_salvage_flags",
     "check_tier_flags",
     "flag_of",
     "list_of",
@@ -78,6 +82,27 @@ POLICY_FIELD_NAMES = frozenset(row.name for row in POLICY_FIELDS)
 
 
 SALVAGE_HELP = "read the intact prefix of a damaged log; say where and why it stops (exit 1)"
+PAST_DAMAGE_HELP = (
+    "with --salvage: go on past damage at the next valid record (or segment), one line per "
+    "range not read"
+)
+
+PAST_DAMAGE_HINT = "valid records follow the damage: --past-damage goes on there"
+
+
+def add_salvage_flags(parser: argparse.ArgumentParser, past_damage_help: str) -> None:
+    """``--salvage`` and ``--past-damage`` (``check_salvage_flags`` refuses the second
+    alone)."""
+    parser.add_argument("--salvage", action="store_true", help=SALVAGE_HELP)
+    parser.add_argument(
+        "--past-damage", action="store_true", help=f"{PAST_DAMAGE_HELP}; {past_damage_help}"
+    )
+
+
+def check_salvage_flags(args: argparse.Namespace) -> None:
+    """``ConfigError`` for ``--past-damage`` without ``--salvage``."""
+    if args.past_damage and not args.salvage:
+        raise ConfigError("--past-damage", True, "--salvage with it", shown="--past-damage")
 
 
 # -- argument types ------------------------------------------------------------------------

@@ -7,7 +7,12 @@ import sys
 import typing
 from typing import Any
 
-from kvlog.cli.flags import SALVAGE_HELP, HelpFormatter
+from kvlog.cli.flags import (
+    PAST_DAMAGE_HINT,
+    HelpFormatter,
+    add_salvage_flags,
+    check_salvage_flags,
+)
 from kvlog.errors import ConfigError
 from kvlog.events import Checkpoint, Event, to_dict
 from kvlog.log import LogReader
@@ -43,7 +48,7 @@ def add_inspect(sub: Any) -> None:
         action="store_true",
         help="print checkpoint snapshots whole (base64; megabytes for a large pool)",
     )
-    p.add_argument("--salvage", action="store_true", help=SALVAGE_HELP)
+    add_salvage_flags(p, "every readable record is printed")
 
 
 # -- inspect -----------------------------------------------------------------------------
@@ -54,7 +59,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         raise ConfigError("--from", args.start, "a sequence number >= 0")
     if args.end < -1:
         raise ConfigError("--to", args.end, "a sequence number >= 0 (or -1: the end)")
-    reader = LogReader(args.log, salvage=args.salvage)
+    check_salvage_flags(args)
+    reader = LogReader(args.log, salvage=args.salvage, past_damage=args.past_damage)
     write = sys.stdout.write
     if args.header:
         header = msgspec.structs.asdict(reader.header)
@@ -86,7 +92,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(f"kvlog inspect: torn tail (not modified): {reader.tail}", file=sys.stderr)
     for seq, gap in reader.gaps:
         print(f"kvlog inspect: the recorder detached at seq {seq}: {gap.error}", file=sys.stderr)
+    for damage in reader.damaged:
+        print(f"kvlog inspect: went past damage: {damage}", file=sys.stderr)
     if reader.stopped is not None:
-        print(f"kvlog inspect: salvaged the intact prefix: {reader.stopped}", file=sys.stderr)
-        return 1
-    return 0
+        what = "stopped at damage" if reader.damaged else "salvaged the intact prefix"
+        print(f"kvlog inspect: {what}: {reader.stopped}", file=sys.stderr)
+        if reader.stopped.resume_seq >= 0 and not args.past_damage:
+            print(f"kvlog inspect: {PAST_DAMAGE_HINT}", file=sys.stderr)
+    return 1 if reader.stopped is not None or reader.damaged else 0

@@ -15,12 +15,14 @@ from kvlog.analysis.policy import check_byte_budget
 from kvlog.analysis.replay import ReplayResult, replay
 from kvlog.analysis.tally import Series
 from kvlog.cli.flags import (
-    SALVAGE_HELP,
+    PAST_DAMAGE_HINT,
     HelpFormatter,
     add_parallel_flags,
     add_policy_flags,
+    add_salvage_flags,
     as_typed,
     check_policy_flags,
+    check_salvage_flags,
     flag_of,
     policy_fields,
     recorded_config,
@@ -65,7 +67,9 @@ def add_replay(sub: Any) -> None:
     p.add_argument("--backend", choices=("cpu", "fake"), default="cpu")
     p.add_argument("--from-snapshot", action="store_true", help="start at the latest snapshot")
     p.add_argument("--report", help="plot to FILE (.png or .svg, kvlog[plot]; .csv numbers)")
-    p.add_argument("--salvage", action="store_true", help=SALVAGE_HELP)
+    add_salvage_flags(
+        p, "the replay goes on from the next snapshot after it (not with --against or --execute)"
+    )
     add_policy_flags(p, defaults=False)
     add_parallel_flags(p)
 
@@ -77,6 +81,7 @@ _PARALLEL_REFUSES = (
     ("report", "--report"),
     ("from_snapshot", "--from-snapshot"),
     ("salvage", "--salvage"),
+    ("past_damage", "--past-damage"),
 )
 
 
@@ -85,7 +90,12 @@ def check_replay_flags(args: argparse.Namespace) -> None:
     verifies the recorded run only, ``--from-snapshot`` too, ``--report`` must be
     writable (checked first, not after the replay); ``--address``/``--num-cpus`` need
     ``--parallel``. Raises :class:`~kvlog.errors.ConfigError` naming the flag."""
+    check_salvage_flags(args)
     whatif = policy_fields(args)
+    if args.past_damage and (args.against or args.execute):
+        flag = "--against" if args.against else "--execute"
+        raise ConfigError("--past-damage", flag, "no --against or --execute (they need every "
+                          "event)", shown=f"--past-damage with {flag}")  # fmt: skip
     if args.parallel:
         for name, flag in _PARALLEL_REFUSES:
             if getattr(args, name):
@@ -130,6 +140,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
             series=bool(args.report),
             progress=lambda _records, done: update(min(done, total), total),
             salvage=args.salvage,
+            past_damage=args.past_damage,
             **policy_fields(args),
         )
     print(replay_text(result))
@@ -137,8 +148,14 @@ def cmd_replay(args: argparse.Namespace) -> int:
         print(tier_explained_text(explain_tier(args.log)))
     for line in retired_text(result):
         print(f"kvlog replay: {line}", file=sys.stderr)
+    for line in result.damaged:
+        print(f"kvlog replay: went past damage: {line}", file=sys.stderr)
     if result.salvaged:
-        print(f"kvlog replay: salvaged the intact prefix: {result.salvaged}", file=sys.stderr)
+        what = "stopped at damage" if result.damaged else "salvaged the intact prefix"
+        print(f"kvlog replay: {what}: {result.salvaged}", file=sys.stderr)
+        if result.salvage_resume_seq >= 0 and not args.past_damage:
+            print(f"kvlog replay: {PAST_DAMAGE_HINT}", file=sys.stderr)
+    if result.salvaged or result.damaged:
         return 1
     if args.report:
         title = f"kvlog replay {printable(os.path.basename(args.log))}"

@@ -19,7 +19,7 @@ from kvlog.log.format import (
     Recovery,
 )
 from kvlog.log.manifest import is_log_directory, list_segments
-from kvlog.log.reader import LogReader, check_log, read_header, read_log
+from kvlog.log.reader import DamagedRange, LogReader, check_log, read_header, read_log
 from kvlog.log.segments import DEFAULT_SEGMENT_BYTES, SegmentedWriter
 from kvlog.log.snapshots import first_snapshot, latest_snapshot
 from kvlog.log.writer import (
@@ -39,6 +39,7 @@ __all__ = [
     "MAX_RECORD_BYTES",
     "SYNC_INTERVAL_BOUNDS",
     "SYNC_MODES",
+    "DamagedRange",
     "LogDetached",
     "LogHeader",
     "LogReader",

@@ -23,8 +23,8 @@ import contextlib
 import errno
 import logging
 import os
-from collections.abc import Iterator
-from typing import BinaryIO
+from collections.abc import Generator, Iterator
+from typing import BinaryIO, NamedTuple
 
 import msgspec
 
@@ -55,10 +55,39 @@ from kvlog.log.manifest import (
 from kvlog.log.scan import FrameScanner
 from kvlog.log.writer import check_kind, path_error
 
-__all__ = ["LogReader", "RecordAssembler", "check_log", "read_header", "read_log"]
+__all__ = [
+    "DamagedRange",
+    "LogReader",
+    "RecordAssembler",
+    "check_log",
+    "read_header",
+    "read_log",
+]
 
 _logger = logging.getLogger("kvlog.log")
 _decoder: msgspec.msgpack.Decoder[LogRecord] = msgspec.msgpack.Decoder(LogRecord)
+
+
+class DamagedRange(NamedTuple):
+    """Records a reader went past (``LogReader(salvage=True, past_damage=True)``): from
+    ``first_seq`` (the first not read) to ``resume_seq`` (where reading went on), why;
+    empty (``resume_seq == first_seq``) for damage that cost no record (bytes after a
+    sealed segment's close)."""
+
+    first_seq: int
+    resume_seq: int
+    why: str
+    path: str = ""
+    offset: int = -1
+
+    def __str__(self) -> str:
+        lost = f"seq {self.first_seq:,}-{self.resume_seq - 1:,} not read"
+        if self.resume_seq - 1 == self.first_seq:
+            lost = f"seq {self.first_seq:,} not read"
+        if self.resume_seq <= self.first_seq:  # e.g. bytes after a sealed segment's close
+            lost = "no record lost"
+        at = f", byte offset {self.offset:,}" if self.offset >= 0 else ""
+        return f"{lost}: {self.why} ({self.path}{at}); read on from seq {self.resume_seq:,}"
 
 
 class LogReader:
@@ -67,13 +96,24 @@ class LogReader:
 
     ``salvage=True``: damage that would raise ``CorruptLogError`` during ``records()`` ends
     the iteration instead, after every intact record before it; ``stopped`` then holds the
-    error (where and why). ``gaps``: the ``LogDetached`` records met so far, as ``(seq,
-    record)``: the recorder stopped there after an I/O error."""
+    error (where and why). With ``past_damage=True`` too, damage followed by a valid
+    record goes on there (in a file, or in a directory's segment), and a damaged or
+    missing segment of a directory goes on at the next segment: each range not read is a
+    :class:`DamagedRange` in ``damaged``, in order; snapshot parts cut by damage are
+    dropped (their checkpoint comes without its snapshot). ``gaps``: the ``LogDetached``
+    records met so far, as ``(seq, record)``: the recorder stopped there after an I/O
+    error."""
 
-    def __init__(self, path: str | os.PathLike[str], *, salvage: bool = False) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], *, salvage: bool = False, past_damage: bool = False
+    ) -> None:
+        if past_damage and not salvage:
+            raise ValueError("past_damage needs salvage (it goes on past what salvage stops at)")
         self.path = os.fspath(path)
         self.salvage = salvage
+        self.past_damage = past_damage
         self.stopped: CorruptLogError | None = None
+        self.damaged: list[DamagedRange] = []
         self.gaps: list[tuple[int, LogDetached]] = []
         self.segments: list[SegmentInfo] | None = None
         """A directory's segments, oldest first (None for a single file)."""
@@ -177,6 +217,8 @@ class LogReader:
                 file, self.path, self._data_offset, size, seed, closed=self.closed_cleanly
             )
             assembler = RecordAssembler(self.path, scanner, max(start_seq - base, 0))
+            assembler.past_damage, assembler.damaged = self.past_damage, self.damaged
+            assembler.seq_base = base
             try:
                 for seq, record in assembler.records():
                     yield seq + base, record
@@ -196,7 +238,8 @@ class LogReader:
         """Every segment's records in turn, each checked to go on where the one before it
         ended (and a sealed one against its manifest entry). A segment whose file went
         away since the listing is looked up again (compressed since), or the read stops
-        with ``SegmentsRetired`` (removed by the writer's retention)."""
+        with ``SegmentsRetired`` (removed by the writer's retention). With
+        ``past_damage``, a segment's damage goes on at the next segment."""
         assert self.segments is not None, "a directory reader has segments"
         expected = self.segments[0].first_seq
         i = 0
@@ -207,36 +250,65 @@ class LogReader:
             if 0 <= following <= start_seq:
                 expected = following
                 continue
-            where = os.path.join(self.path, info.name)
-            if info.first_seq in self.missing:
-                raise _missing(info, where, following)
             if self._torn is not None and info is self._torn[0]:
                 self._torn_tail(expected)
                 return
-            if info.first_seq != expected:
-                raise CorruptLogError(
-                    f"segment {info.name} starts at sequence number {info.first_seq}, "
-                    f"but the log goes on at {expected}: a segment is missing",
-                    path=where,
-                    seq=expected,
-                )
-            with contextlib.ExitStack() as stack:
-                try:
-                    plain = stack.enter_context(open_segment(self.path, info))
-                    reader = self._segment_reader(info, where, plain)
-                except FileNotFoundError:  # LogNotFound included
-                    i = self._relist(info, expected)
-                    continue
-                try:
-                    yield from reader._file_records(start_seq)
-                finally:
-                    self.gaps += reader.gaps
-            if self.salvage:
-                _check_digest(info, where)
-            self._check_sealed(info, reader, where)
-            self.tail, self.last_seq, self.flags = reader.tail, reader.last_seq, reader.flags
-            self.end_offset = reader.end_offset
-            expected = reader.last_seq + 1
+            try:
+                expected, again = yield from self._segment(info, following, expected, start_seq)
+            except CorruptLogError as exc:
+                if not self._goes_past(exc, max(expected, self.last_seq + 1), following):
+                    raise
+                expected = following
+                continue
+            if again >= 0:
+                i = again
+
+    def _segment(
+        self, info: SegmentInfo, following: int, expected: int, start_seq: int
+    ) -> Generator[tuple[int, Record], None, tuple[int, int]]:
+        """One segment's records; then ``(the next sequence number, -1)``, or ``(expected,
+        index)`` to read on from the listing's ``index`` (the file moved: ``_relist``)."""
+        where = os.path.join(self.path, info.name)
+        if info.first_seq in self.missing:
+            raise _missing(info, where, following)
+        if info.first_seq != expected:
+            error = CorruptLogError(
+                f"segment {info.name} starts at sequence number {info.first_seq}, "
+                f"but the log goes on at {expected}: a segment is missing",
+                path=where,
+                seq=expected,
+            )
+            if not (self.past_damage and info.first_seq > expected):
+                raise error
+            self.damaged.append(DamagedRange(expected, info.first_seq, error.message, where))
+        with contextlib.ExitStack() as stack:
+            try:
+                plain = stack.enter_context(open_segment(self.path, info))
+                reader = self._segment_reader(info, where, plain)
+            except FileNotFoundError:  # LogNotFound included
+                return expected, self._relist(info, expected)
+            # salvage is this reader's business; damage gone past is seen as it happens
+            reader.past_damage, reader.damaged = self.past_damage, self.damaged
+            before = len(self.damaged)
+            try:
+                yield from reader._file_records(start_seq)
+            finally:
+                self.gaps += reader.gaps
+        if self.salvage and len(self.damaged) == before:  # damage gone past: SHA-256 differs
+            _check_digest(info, where)
+        self._check_sealed(info, reader, where)
+        self.tail, self.last_seq, self.flags = reader.tail, reader.last_seq, reader.flags
+        self.end_offset = reader.end_offset
+        return reader.last_seq + 1, -1
+
+    def _goes_past(self, exc: CorruptLogError, first: int, following: int) -> bool:
+        """With ``past_damage``, a damaged segment is noted in ``damaged`` and the read
+        goes on at the next segment (``following``); False when it stops there."""
+        if not self.past_damage or following < 0 or isinstance(exc, SchemaVersionError):
+            return False
+        where = exc.path or self.path
+        self.damaged.append(DamagedRange(first, following, exc.message, where, exc.offset))
+        return True
 
     def _torn_tail(self, expected: int) -> None:
         """The last segment holds no header: a torn tail after the records before it."""
@@ -291,7 +363,15 @@ def _in_segment(exc: CorruptLogError, base: int) -> CorruptLogError:
     segment's first record)."""
     message = f"{exc.message} [sequence numbers in this message count from {base}]"
     seq = exc.seq + base if exc.seq >= 0 else exc.seq
-    return CorruptLogError(message, path=exc.path, offset=exc.offset, seq=seq)
+    resume = exc.resume_seq + base if exc.resume_seq >= 0 else exc.resume_seq
+    return CorruptLogError(
+        message,
+        path=exc.path,
+        offset=exc.offset,
+        seq=seq,
+        resume_offset=exc.resume_offset,
+        resume_seq=resume,
+    )
 
 
 def _missing(info: SegmentInfo, where: str, following: int) -> CorruptLogError:
@@ -345,11 +425,20 @@ def _open(path: str) -> BinaryIO:
 
 
 class RecordAssembler:
-    """Decodes frames into records: joins snapshot parts, skips close records."""
+    """Decodes frames into records: joins snapshot parts, skips close records. With
+    ``past_damage``, damage the scanner finds valid frames after is gone past (each range
+    in ``damaged``, in the file's own sequence numbers); a snapshot whose parts it cut
+    is dropped, its checkpoint comes without it."""
 
     def __init__(self, path: str, scanner: FrameScanner, start_seq: int) -> None:
         self.path = path
         self.gaps: list[tuple[int, LogDetached]] = []
+        self.past_damage = False
+        self.damaged: list[DamagedRange] = []
+        """The ranges gone past, with the whole log's sequence numbers (``seq_base`` on);
+        a reader shares its own list here, so a consumer sees each as it happens."""
+        self.seq_base = 0  # the whole log's sequence number of this file's record 0
+        self.after_damage = False  # parts of a run cut by damage are dropped until index 0
         self.scanner = scanner
         self.start_seq = start_seq
         self.parts: list[bytes] = []
@@ -357,6 +446,21 @@ class RecordAssembler:
         self.skipped_parts = False  # parts of the current run lay before start_seq
 
     def records(self) -> Iterator[tuple[int, Record]]:
+        while True:
+            try:
+                yield from self._records()
+                return
+            except CorruptLogError as exc:
+                if not self.past_damage or exc.resume_seq < 0:
+                    raise
+                why = self.scanner.reason or exc.message
+                base = self.seq_base
+                first, resume = exc.seq + base, exc.resume_seq + base
+                self.damaged.append(DamagedRange(first, resume, why, self.path, exc.offset))
+                self.scanner.resume_at(exc.resume_offset, exc.resume_seq)
+                self.parts, self.after_damage = [], True
+
+    def _records(self) -> Iterator[tuple[int, Record]]:
         offset, seq = -1, -1
         try:
             for offset, seq, payload in self.scanner.frames():
@@ -379,7 +483,7 @@ class RecordAssembler:
             self._part(offset, seq, record)
             return None
         parts, skipped = self.parts, self.skipped_parts
-        self.parts, self.skipped_parts = [], False
+        self.parts, self.skipped_parts, self.after_damage = [], False, False
         if kind is LogDetached:
             assert isinstance(record, LogDetached)
             if parts:
@@ -403,6 +507,10 @@ class RecordAssembler:
     def _part(self, offset: int, seq: int, part: SnapshotPart) -> None:
         if self.skipped_parts and not self.parts:
             return  # the run began before start_seq: its checkpoint comes without it
+        if self.after_damage:
+            if part.index:
+                return  # the run began before damage gone past: its checkpoint without it
+            self.after_damage = False
         count = part.count if not self.parts else self.count
         if part.index != len(self.parts) or part.count != count or part.index >= count:
             raise self._corrupt(

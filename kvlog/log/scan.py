@@ -6,7 +6,8 @@ sequence number ``E`` (incomplete, implausible length, or checksum mismatch):
 - if some byte offset after it starts a *valid* frame (plausible length that fits in the
   file, checksum right) whose sequence number is ``>= E``, the log is corrupt: the bad
   frame is followed by good data, so truncating would lose durable records.
-  ``CorruptLogError`` names the bad frame's byte offset and ``E``;
+  ``CorruptLogError`` names the bad frame's byte offset and ``E``, and where that valid
+  frame is (``resume_offset``, ``resume_seq``): ``FrameScanner.resume_at`` goes on there;
 - otherwise everything from the bad frame on is a torn tail (a write cut short by a crash),
   reported as a ``Recovery``.
 
@@ -94,6 +95,8 @@ class FrameScanner:
         self.last_seq = -1
         self.end_offset = start_offset
         self.tail: Recovery | None = None
+        self.reason = ""
+        """Why the last bad frame met was bad (a few words, without where)."""
 
     def frames(self) -> Iterator[tuple[int, int, memoryview]]:
         """Yield ``(offset, seq, payload)``; a payload view is valid until the next one."""
@@ -185,12 +188,12 @@ class FrameScanner:
         return ""
 
     def _bad_frame(self, offset: int, reason: str) -> None:
-        expected = self.last_seq + 1
+        expected, self.reason = self.last_seq + 1, reason
         fd = self._file.fileno()
         found = find_valid_frame(fd, offset + 1, self._size, expected, self._seed)
         why = ""
+        found_offset, found_seq = found if found is not None else (-1, -1)
         if found is not None:
-            found_offset, found_seq = found
             why = (
                 f"{reason}, but a valid record (sequence number {found_seq}) "
                 f"follows at byte offset {found_offset}"
@@ -203,8 +206,26 @@ class FrameScanner:
                 "failing checksums are there: damage (or another log's header), not a torn write"
             )
         if why:
-            raise CorruptLogError(why, path=self._path, offset=offset, seq=expected)
+            raise CorruptLogError(
+                why,
+                path=self._path,
+                offset=offset,
+                seq=expected,
+                resume_offset=found_offset,
+                resume_seq=found_seq,
+            )
         self.tail = Recovery(self._size - offset, self.last_seq, offset, reason)
+
+    def resume_at(self, offset: int, seq: int) -> None:
+        """Go on past damage: the next ``frames()`` starts at the valid frame ``seq`` at
+        ``offset`` (a ``CorruptLogError``'s ``resume_offset``/``resume_seq``); snapshot
+        parts pending before the damage are forgotten."""
+        if not self.end_offset < offset < self._size or seq <= self.last_seq:
+            raise ValueError(f"cannot resume at byte offset {offset}, sequence number {seq}")
+        self._buf, self._view = b"", memoryview(b"")
+        self._buf_start, self._pos = offset, 0
+        self.last_seq, self.end_offset, self.tail = seq - 1, offset, None
+        self._run, self._last_kind, self._last_frame = (-1, -1), -1, (-1, -1)
 
     def _fill(self, need: int) -> bool:
         """Make ``need`` bytes from the read position available; False at end of file."""

@@ -25,6 +25,7 @@ __all__ = [
     "render_table",
     "replay_text",
     "retired_text",
+    "unverified_text",
     "segments_text",
     "sweep_table",
     "synth_text",
@@ -229,9 +230,14 @@ def replay_text(result: ReplayResult) -> str:
     if result.tail:
         rows.append(("torn tail", result.tail))
     rows += [("gap", gap) for gap in result.gaps]  # the recorder detached (an I/O error)
+    if result.damaged:
+        count = plural(len(result.damaged), "damaged range")
+        rows.append(("salvaged", f"went past {count} (each: stderr)"))
     if result.salvaged:
-        rows.append(("salvaged", "the intact prefix; the log is damaged after it (why: stderr)"))
+        what = "then stopped at damage" if result.damaged else "the intact prefix; the log"
+        rows.append(("salvaged", f"{what} is damaged after it (why: stderr)"))
     rows += [("retired", text) for text in retired_text(result)]
+    rows += [("not verified", text) for text in unverified_text(result)]
     rows += _directory_rows(result)
     parts = ["replay\n" + render_table(rows), render_table(_stats_rows(result), header=True)]
     if result.whatif is not None:
@@ -260,6 +266,16 @@ def retired_text(result: ReplayResult) -> list[str]:
         f"seq {first:,}-{last:,} removed by the log's retention during the read: not verified"
         for first, last in result.retired
     ]
+
+
+def unverified_text(result: ReplayResult) -> list[str]:
+    """One line per run of sequence numbers a replay went past damage over."""
+    out = []
+    for first, last in result.unverified:
+        went_on = f"from the snapshot at seq {last + 1:,}" if last + 1 <= result.last_seq else ""
+        until = f"went on {went_on}" if went_on else "no snapshot followed: replayed no further"
+        out.append(f"seq {first:,}-{last:,} damaged or after damage: not verified ({until})")
+    return out
 
 
 def _directory_rows(result: ReplayResult) -> list[tuple[str, str]]:
@@ -303,6 +319,12 @@ def _verdict(result: ReplayResult) -> str:
             f"verified from the latest snapshot (seq {result.start_seq - 1:,}) on: the replay "
             f"agrees with the log there {checked}; seq {result.first_seq:,}-"
             f"{result.start_seq - 2:,} not replayed" + _not_read(result.segments_not_read)
+        )
+    if d is None and result.unverified:
+        skipped = ", ".join(f"seq {first:,}-{last:,}" for first, last in result.unverified)
+        return (
+            f"verified where it was read: the replay agrees with the log outside the damage "
+            f"{checked}; not read or not verified (damage): {skipped}"
         )
     if d is None:
         where = " where it was read" if result.retired else ""

@@ -28,7 +28,16 @@ import msgspec
 
 from kvlog import reducers
 from kvlog.errors import CorruptLogError, InvalidEvent, SegmentsRetired
-from kvlog.events import CacheConfigured, Checkpoint, Event, Plan, encode, to_dict, validate_event
+from kvlog.events import (
+    CacheConfigured,
+    Checkpoint,
+    Event,
+    Plan,
+    Record,
+    encode,
+    to_dict,
+    validate_event,
+)
 from kvlog.log import LogReader, first_snapshot, latest_snapshot
 from kvlog.reducers import checkpoint
 from kvlog.runtime.machine import Machine
@@ -172,10 +181,21 @@ class Fold:
         self.retired: list[tuple[int, int]] = []
         """The sequence numbers (first, last) retention removed during the read: not read,
         not verified."""
+        self.unverified: list[tuple[int, int]] = []
+        """With a reader that goes past damage (``LogReader.past_damage``): the sequence
+        numbers (first, last) from each damaged range (``reader.damaged``: not read) to
+        the snapshot the fold went on from (read, not folded), or to the end: not
+        verified."""
+        self._damage_seen = 0  # how many of reader.damaged the fold took in
+        self._lost_from = -1  # the first seq not verified since damage (-1: not lost)
         self.on_configured: Callable[[CacheConfigured], None] | None = None
         """Called with the log's ``CacheConfigured`` before any lane takes it (a caller may
         add lanes there)."""
         self.on_event: list[EventHook] = []
+        self.on_restart: Callable[[CacheConfigured], None] | None = None
+        """Called with a snapshot's configuration when the fold goes on from it past damage
+        before it ever took the log's ``CacheConfigured`` (damage cut it; a caller may
+        add lanes there, as at ``on_configured``)."""
 
     @property
     def lane(self) -> Lane:
@@ -270,6 +290,7 @@ class Fold:
         while True:
             try:
                 self._read(start, progress)
+                self._end_damage()
                 return self
             except SegmentsRetired as exc:
                 if not self.follow_retired or exc.resume_seq < 0:
@@ -284,6 +305,10 @@ class Fold:
             if 0 <= stop < seq:
                 break
             self.seq = seq
+            if self.reader.damaged and self._past_damage(seq, record):
+                if self.stopped:
+                    break
+                continue
             self.num_records += 1
             self.counts[type(record).__name__] += 1
             if isinstance(record, Checkpoint):
@@ -320,9 +345,20 @@ class Fold:
             ) from exc
         self.retired.append((exc.first_seq, seq - 1))
         _log.warning("%s: %s; not verified: seq %d-%d", self.path, exc, exc.first_seq, seq - 1)
+        self._go_on_from(seq, checkpoint)
+        return seq + 1
+
+    def _go_on_from(self, seq: int, checkpoint: Checkpoint) -> None:
+        """Seat every live lane on ``checkpoint``'s snapshot (read, checked against its
+        digest, not counted verified: the events before it were not folded); a bad one
+        is the fold's divergence and stops it."""
         self.num_records += 1
         self.num_checkpoints += 1
         self.counts["Checkpoint"] += 1
+        if not self.configured and self.on_restart is not None:
+            first = restore_snapshot(checkpoint.snapshot, checkpoint.digest, self.path, seq)
+            if not isinstance(first, str) and first.config is not None:
+                self.on_restart(first.config)
         for lane in self.lanes:  # the first is alive: its refusal stopped the fold
             if not lane.alive:
                 continue
@@ -330,12 +366,44 @@ class Fold:
             if isinstance(state, str):
                 self._bad_snapshot(seq, checkpoint, state)
                 self.stopped = True
-                return seq + 1
+                return
             self._seat(lane, state)
         self.seq = seq
         self.last_event_seq = self.last_verified_seq = checkpoint.seq
         self.last_event = None
-        return seq + 1
+
+    def _past_damage(self, seq: int, record: Record) -> bool:
+        """Whether ``record`` lies after damage the reader went past and before the next
+        snapshot (read, not folded: the state misses the records not read); the snapshot
+        itself seats the lanes and the fold goes on from it."""
+        self._take_damage()
+        if self._lost_from < 0:
+            return False
+        if type(record) is Checkpoint and record.snapshot:
+            self.unverified.append((self._lost_from, seq - 1))
+            self._lost_from = -1
+            self._go_on_from(seq, record)
+        else:
+            self.num_records += 1
+            self.counts[type(record).__name__] += 1
+        return True
+
+    def _take_damage(self) -> None:
+        """The fold is lost from the first record of the damage gone past since it last
+        looked (a range that lost no record loses nothing)."""
+        damaged = self.reader.damaged
+        for damage in damaged[self._damage_seen :]:
+            if self._lost_from < 0 and damage.first_seq < damage.resume_seq:
+                self._lost_from = damage.first_seq
+        self._damage_seen = len(damaged)
+
+    def _end_damage(self) -> None:
+        """At the end of the read: the records from damage on that no snapshot followed."""
+        self._take_damage()
+        if self._lost_from >= 0:
+            last = max(self.reader.last_seq, self.reader.damaged[-1].resume_seq - 1)
+            self.unverified.append((self._lost_from, last))
+            self._lost_from = -1
 
     def _event(self, seq: int, event: Event) -> None:
         self.num_events += 1

@@ -252,6 +252,10 @@ class LruPolicy(TierPolicy):
 class ArcPolicy(TierPolicy):
     """vLLM's ARC: T1 (seen once), T2 (reused), ghosts B1/B2, adaptive T1 target."""
 
+    falls_back_to_t1 = True
+    """An eviction that finds no idle key in T2 (sent there by the T1 target) takes one
+    from T1 (vLLM 0.33 and 0.34; 0.26 fails instead)."""
+
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
         self.target_t1_size = 0.0
@@ -321,7 +325,7 @@ class ArcPolicy(TierPolicy):
 
     def evict(self, n: int, protected: set[bytes]) -> list[tuple[bytes, Chunk]] | None:
         """``n`` idle keys outside ``protected``, from T1 while it is at or above its
-        target, else T2 (either one when the other has none); all or none."""
+        target, else T2 (T1 when T2 has none, where ``falls_back_to_t1``); all or none."""
         if n == 0:
             return []
         t1_size = len(self.t1)
@@ -334,6 +338,8 @@ class ArcPolicy(TierPolicy):
             if entry is None:
                 entry = next(t2_idle, None)
             if entry is None:
+                if not self.falls_back_to_t1:
+                    return None
                 entry, from_t1 = next(t1_idle, None), True
                 if entry is None:
                     return None

@@ -78,28 +78,4 @@ class Arc026Policy(ArcPolicy):
     """vLLM 0.26's ARC: 0.33's, but an eviction that finds no idle key where its target
     sends it (T2 below the T1 target) fails instead of taking one from T1."""
 
-    def evict(self, n: int, protected: set[bytes]) -> list[tuple[bytes, Chunk]] | None:
-        if n == 0:
-            return []
-        t1_size = len(self.t1)
-        t1_idle = ((k, c) for k, c in self.t1.items() if c.ref_cnt == 0 and k not in protected)
-        t2_idle = ((k, c) for k, c in self.t2.items() if c.ref_cnt == 0 and k not in protected)
-        picked: list[tuple[bytes, Chunk, bool]] = []
-        for _ in range(n):
-            entry = next(t1_idle, None) if t1_size >= int(self.target_t1_size) else None
-            from_t1 = entry is not None
-            if entry is None:
-                entry = next(t2_idle, None)
-            if entry is None:
-                return None
-            t1_size -= from_t1
-            picked.append((entry[0], entry[1], from_t1))
-        out = []
-        for key, chunk, from_t1 in picked:
-            del (self.t1 if from_t1 else self.t2)[key]
-            (self.b1 if from_t1 else self.b2)[key] = None
-            out.append((key, chunk))
-        for ghost in (self.b1, self.b2):
-            for _ in range(len(ghost) - self.capacity):
-                ghost.popitem(last=False)
-        return out
+    falls_back_to_t1 = False

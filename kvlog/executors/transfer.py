@@ -104,7 +104,8 @@ class TransferExecutor:
     def submit(self, plan: TransferPlan) -> None:
         """Queue one job; it runs after its dependencies, on a transfer stream."""
         assert plan.job_id not in self._in_flight, f"job {plan.job_id} is already in flight"
-        pairs = np.asarray(plan.pairs, dtype=np.int64).reshape(-1, 2)
+        flat = itertools.chain.from_iterable(plan.pairs)
+        pairs = np.fromiter(flat, np.int64, 2 * len(plan.pairs)).reshape(-1, 2)
         self._check(plan, pairs)
         direction = self._directions[plan.kind]
         device = self._device

@@ -101,6 +101,8 @@ def _independent(state: State, batch: TransferBatch) -> list[Any] | None:
 
 def _disjoint(loads: list[np.ndarray], cpu: dict[str, list[np.ndarray]]) -> bool:
     """No GPU block written by two loads, no CPU sub-block used by a store and a load."""
+    if sum(map(len, loads)) + sum(map(len, cpu["store"])) + sum(map(len, cpu["load"])) <= 256:
+        return _disjoint_few(loads, cpu)  # a step's few jobs: sets beat numpy's set-up
     if len(loads) > 1:
         written = np.concatenate(loads)
         if np.unique(written).size != written.size:
@@ -109,6 +111,20 @@ def _disjoint(loads: list[np.ndarray], cpu: dict[str, list[np.ndarray]]) -> bool
         stored, loaded = np.concatenate(cpu["store"]), np.concatenate(cpu["load"])
         if np.isin(stored, loaded).any():
             return False
+    return True
+
+
+def _disjoint_few(loads: list[np.ndarray], cpu: dict[str, list[np.ndarray]]) -> bool:
+    """``_disjoint`` over Python sets."""
+    written: set[int] = set()
+    for ids in loads:  # each load's own ids are distinct (validated)
+        listed = ids.tolist()
+        if not written.isdisjoint(listed):
+            return False
+        written.update(listed)
+    if cpu["store"] and cpu["load"]:
+        stored = {s for ids in cpu["store"] for s in ids.tolist()}
+        return all(stored.isdisjoint(ids.tolist()) for ids in cpu["load"])
     return True
 
 

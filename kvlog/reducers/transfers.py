@@ -143,6 +143,10 @@ def _group_subs(event: Transfer, cpu: IdArray, factor: int) -> IdArray:
 
 def cpu_sub_blocks(event: Transfer, cpu: IdArray, factor: int) -> IdArray:
     """The CPU sub-block of each GPU block of the event, in order (see the module rule)."""
+    if factor == 1:  # a CPU block is a GPU block: every rule pairs the ids as they come
+        needed = sum(event.group_sizes) if event.group_sizes else len(event.gpu_block_ids)
+        if needed == cpu.size:
+            return cpu
     if event.group_sizes:
         return _group_subs(event, cpu, factor)
     return _seed_subs(event, cpu, factor)

@@ -92,8 +92,9 @@ class TransferExecutor:
         self._directions = {"store": _Direction(), "load": _Direction()}
         self._in_flight: dict[int, _Job] = {}
         self._seq = itertools.count()
-        self._host_rows: tuple[list[np.ndarray], list[np.ndarray]] | None = None
-        """GPU and CPU views as numpy (host devices), built on first use."""
+        self._host_rows: dict[bool, list[tuple[np.ndarray, np.ndarray]]] | None = None
+        """Per direction (store: True), the (destination, source) row arrays of each
+        tensor as numpy (host devices), built on first use."""
 
     @property
     def jobs_in_flight(self) -> list[int]:
@@ -210,13 +211,13 @@ class TransferExecutor:
 
             return host_work
         if self._host_rows is None:
-            self._host_rows = (
-                [host_rows(view) for view in self._gpu_views],
-                [host_rows(view) for view in self._cpu_views],
-            )
-        gpu_rows, cpu_rows = self._host_rows
-        dst_rows, src_rows = (cpu_rows, gpu_rows) if store else (gpu_rows, cpu_rows)
-        pairs = list(zip(dst_rows, src_rows, strict=True))
+            gpu_rows = [host_rows(view) for view in self._gpu_views]
+            cpu_rows = [host_rows(view) for view in self._cpu_views]
+            self._host_rows = {
+                True: list(zip(cpu_rows, gpu_rows, strict=True)),
+                False: list(zip(gpu_rows, cpu_rows, strict=True)),
+            }
+        pairs = self._host_rows[store]
         src, dst = src.copy(), dst.copy()
 
         def indexed_work() -> None:

@@ -84,14 +84,15 @@ def _independent(state: State, batch: TransferBatch) -> list[Any] | None:
             return None
         last = event.job_id
         try:
-            physical, subs = transfers.check_submit(state, event)
+            checked = transfers.check_submit(state, event)
         except InvalidEvent:
             return None
+        physical, subs, _ = checked
         requested.add(event.job_id)
         if type(event) is LoadRequested:
             loads.append(physical)
         cpu["store" if type(event) is StoreRequested else "load"].append(subs)
-        found.append((physical, subs))
+        found.append(checked)
     if len(requested) > 1 and not _disjoint(loads, cpu):
         return None
     if len(state.store_jobs) + len(state.load_jobs) + len(requested) > MAX_JOBS_IN_FLIGHT:

@@ -291,3 +291,27 @@ def test_an_empty_job_and_an_empty_swap_are_no_ops(backend: str) -> None:
     (result,) = executor.wait([4])
     assert (result.job_id, result.success, result.num_bytes) == (4, True, 0)
     assert [executor.read_gpu_block(b) for b in range(NUM_BLOCKS)] == before
+
+
+@pytest.mark.parametrize("mode", ["move", "swap"])
+def test_a_host_swap_plan_moves_the_same_bytes_in_one_gather_or_in_chunks(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plan that fits one chunk is one gather and one scatter a tensor; a plan larger
+    than the scratch bound goes a chunk of pairs at a time: the bytes end the same."""
+    from kvlog.executors import swap
+
+    pairs = [(19, 1), (18, 2), (11, 3), (7, 12), (9, 4)]
+    ends = []
+    for scratch in (swap.SCRATCH_BYTES, 1):  # 1 byte: one row a chunk
+        monkeypatch.setattr(swap, "SCRATCH_BYTES", scratch)
+        executor = build("cpu", "block_major")
+        rows = executor.layout.num_block_rows
+        before = [executor.read_gpu_block(b) for b in range(rows)]
+        executor.execute(SwapPlan(step=1, pairs=pairs, padded_to=8, mode=mode))
+        after = [executor.read_gpu_block(b) for b in range(rows)]
+        for src, dst in pairs:
+            assert after[dst] == before[src]
+            assert mode == "move" or after[src] == before[dst]
+        ends.append(after)
+    assert ends[0] == ends[1]

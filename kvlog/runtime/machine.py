@@ -125,6 +125,12 @@ class Machine:
                 observer.after(state, event, plans)
         return plans
 
+    def apply_decoded(self, event: Event) -> list[Plan]:
+        """``apply`` for an event the log's typed decoder produced (replay): checked with
+        ``reducers.check_decoded`` (the same verdict: the types the decoder made exact are
+        not checked again), then committed."""
+        return self.commit(reducers.check_decoded(self.state, event))
+
     def apply(
         self,
         event: Event,

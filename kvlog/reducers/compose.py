@@ -86,6 +86,14 @@ _DECODED_STEPS: dict[type, tuple[Callable[[Any], None], _Check, _Apply]] = {
     for event_type, (_, check_event, apply_event) in _STEPS.items()
 }
 """``_STEPS`` with the validation of events the log's typed decoder produced."""
+_COUNTED_STEPS = {**_DECODED_STEPS}
+_COUNTED_STEPS[StepScheduled] = (
+    DECODED_VALIDATORS[StepScheduled],
+    step.check_step,
+    step.apply_step_counted,
+)
+"""``_DECODED_STEPS`` for a machine that counts a step's defrag moves instead of listing
+them (``step.apply_step_counted``)."""
 
 
 class Checked(NamedTuple):
@@ -107,10 +115,13 @@ def check(state: State, event: Event) -> Checked:
     return _check(state, event, _STEPS.get(type(event)))  # exact types: no subclass decodes
 
 
-def check_decoded(state: State, event: Event) -> Checked:
+def check_decoded(state: State, event: Event, counted: bool = False) -> Checked:
     """``check`` for an event the log's typed decoder produced (a replay's): the same
-    verdict, without checking again the types msgspec made exact (``DECODED_VALIDATORS``)."""
-    return _check(state, event, _DECODED_STEPS.get(type(event)))
+    verdict, without checking again the types msgspec made exact (``DECODED_VALIDATORS``).
+    ``counted``: its commit counts a whole step's defrag moves in ``state.counted_pairs``
+    instead of returning their ``SwapPlan`` (``step.apply_step_counted``)."""
+    steps = _COUNTED_STEPS if counted else _DECODED_STEPS
+    return _check(state, event, steps.get(type(event)))
 
 
 def _check(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import typing
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import msgspec
 import numpy as np
@@ -70,30 +70,24 @@ def _int(event: Event, name: str, value: object, lo: int, hi: int = MAX_ID) -> N
         raise InvalidEvent(f"{name}={value} is outside [{lo}, {hi}]", event)
 
 
+def _refuse_id(event: Event, name: str, b: object) -> NoReturn:
+    if type(b) is not int:
+        raise InvalidEvent(f"{name} holds {b!r}, not an int", event)
+    if b < 0:
+        raise BlockOutOfRange(f"{name} holds negative block id {b}", event)
+    raise BlockOutOfRange(f"{name} holds block id {b}, above {MAX_BLOCKS}", event)
+
+
 def validate_block_ids(event: Event, name: str, block_ids: object) -> None:
-    """Block ids must be a list of distinct non-negative ints (upper bound is stateful)."""
+    """Block ids must be a list of distinct non-negative ints (upper bound is stateful).
+    One plain pass: for the few ids of a transfer or an allocation it beats building sets
+    of their types (measured), and it names the first bad id as it meets it."""
     if not isinstance(block_ids, (list, tuple)):
         raise InvalidEvent(f"{name} must be a list of ints", event)
-    if len(block_ids) == 1:  # the decode step's allocation
-        b = block_ids[0]
-        if type(b) is int and 0 <= b <= MAX_BLOCKS:
-            return
-    elif (
-        block_ids
-        and set(map(type, block_ids)) == _INT_ONLY
-        and min(block_ids) >= 0
-        and max(block_ids) <= MAX_BLOCKS
-        and len(set(block_ids)) == len(block_ids)
-    ):  # C-level checks of the whole list; the loop below names the first bad id
-        return
     for b in block_ids:
-        if type(b) is not int:
-            raise InvalidEvent(f"{name} holds {b!r}, not an int", event)
-        if b < 0:
-            raise BlockOutOfRange(f"{name} holds negative block id {b}", event)
-        if b > MAX_BLOCKS:
-            raise BlockOutOfRange(f"{name} holds block id {b}, above {MAX_BLOCKS}", event)
-    if len(set(block_ids)) != len(block_ids):
+        if type(b) is not int or not 0 <= b <= MAX_BLOCKS:
+            _refuse_id(event, name, b)
+    if len(block_ids) > 1 and len(set(block_ids)) != len(block_ids):
         seen: set[int] = set()
         dup = next(b for b in block_ids if b in seen or seen.add(b))  # type: ignore[func-returns-value]
         raise DuplicateBlock(f"{name} holds block id {dup} twice", event)

@@ -132,6 +132,9 @@ def indexed_copy(
     """Rows ``src_rows[src_ids[i]]`` into ``dst_rows[dst_ids[i]]`` (``host_rows`` arrays,
     possibly the same one when the id sets are disjoint): numpy fancy indexing, ``max_rows``
     rows at a time, so a gather's temporary stays bounded."""
+    if len(dst_ids) <= max_rows:  # the usual job: one gather, one scatter, no slices
+        dst_rows[dst_ids] = src_rows[src_ids]
+        return
     for a in range(0, len(dst_ids), max_rows):
         dst_rows[dst_ids[a : a + max_rows]] = src_rows[src_ids[a : a + max_rows]]
 
@@ -139,6 +142,11 @@ def indexed_copy(
 def indexed_exchange(rows: np.ndarray, a_ids: np.ndarray, b_ids: np.ndarray, max_rows: int) -> None:
     """Swap rows ``a_ids[i]`` and ``b_ids[i]`` of a ``host_rows`` array (disjoint id sets),
     ``max_rows`` pairs at a time."""
+    if len(a_ids) <= max_rows:
+        held = rows[a_ids]
+        rows[a_ids] = rows[b_ids]
+        rows[b_ids] = held
+        return
     for a in range(0, len(a_ids), max_rows):
         first, second = a_ids[a : a + max_rows], b_ids[a : a + max_rows]
         held = rows[first]

@@ -32,6 +32,7 @@ a source or a destination (free blocks are searched from 1 upwards).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, TypeAlias
@@ -82,7 +83,7 @@ class CacheLayout:
     block_size: int
     device: torch.device
 
-    @property
+    @functools.cached_property
     def page_size_bytes(self) -> int:
         """Bytes of one GPU block over every canonical view (compare ``page_size_bytes``)."""
         return sum(t.page_bytes for t in self.tensors)

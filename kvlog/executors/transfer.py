@@ -92,8 +92,9 @@ class TransferExecutor:
         self._directions = {"store": _Direction(), "load": _Direction()}
         self._in_flight: dict[int, _Job] = {}
         self._seq = itertools.count()
-        self._host_rows: tuple[list[np.ndarray], list[np.ndarray]] | None = None
-        """GPU and CPU views as numpy (host devices), built on first use."""
+        self._host_rows: dict[bool, list[tuple[np.ndarray, np.ndarray]]] | None = None
+        """Per direction (store: True), the (destination, source) row arrays of each
+        tensor as numpy (host devices), built on first use."""
 
     @property
     def jobs_in_flight(self) -> list[int]:
@@ -104,7 +105,8 @@ class TransferExecutor:
     def submit(self, plan: TransferPlan) -> None:
         """Queue one job; it runs after its dependencies, on a transfer stream."""
         assert plan.job_id not in self._in_flight, f"job {plan.job_id} is already in flight"
-        pairs = np.asarray(plan.pairs, dtype=np.int64).reshape(-1, 2)
+        flat = itertools.chain.from_iterable(plan.pairs)
+        pairs = np.fromiter(flat, np.int64, 2 * len(plan.pairs)).reshape(-1, 2)
         self._check(plan, pairs)
         direction = self._directions[plan.kind]
         device = self._device
@@ -209,13 +211,13 @@ class TransferExecutor:
 
             return host_work
         if self._host_rows is None:
-            self._host_rows = (
-                [host_rows(view) for view in self._gpu_views],
-                [host_rows(view) for view in self._cpu_views],
-            )
-        gpu_rows, cpu_rows = self._host_rows
-        dst_rows, src_rows = (cpu_rows, gpu_rows) if store else (gpu_rows, cpu_rows)
-        pairs = list(zip(dst_rows, src_rows, strict=True))
+            gpu_rows = [host_rows(view) for view in self._gpu_views]
+            cpu_rows = [host_rows(view) for view in self._cpu_views]
+            self._host_rows = {
+                True: list(zip(cpu_rows, gpu_rows, strict=True)),
+                False: list(zip(gpu_rows, cpu_rows, strict=True)),
+            }
+        pairs = self._host_rows[store]
         src, dst = src.copy(), dst.copy()
 
         def indexed_work() -> None:

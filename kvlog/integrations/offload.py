@@ -90,7 +90,7 @@ def block_ids_of(spec: Any, name: str) -> list[int]:
         raise TransferSpecError(f"{name}: block_ids are not ints: {error}") from None
     if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
         raise TransferSpecError(f"{name}: block_ids must be a 1-D array of ints, got {ids!r}")
-    return [int(b) for b in array.tolist()]
+    return array.tolist()  # type: ignore[no-any-return]  # an int array: Python ints
 
 
 def groups_of(spec: Any, name: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -100,7 +100,7 @@ def groups_of(spec: Any, name: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
     if sizes is None and indices is None:
         return (), ()
     try:
-        return tuple(int(n) for n in sizes or ()), tuple(int(i) for i in indices or ())
+        return tuple(map(int, sizes or ())), tuple(map(int, indices or ()))
     except (TypeError, ValueError) as error:
         raise TransferSpecError(f"{name}: group_sizes/block_indices: {error}") from None
 

@@ -485,13 +485,16 @@ class KvCacheSession:
         blocks = self.holds.not_held(gpu_block_ids)
         if req_id is not None and sync is not False:
             blocks = [b for b in blocks if not self.books.holds(req_id, b)]
-        if req_id is not None and not self.prefix_caching and blocks:
-            for step in self.books.evict(view, blocks):
+        used = view.in_use(blocks)  # only a block some table holds can have a stale holder
+        if req_id is not None and not self.prefix_caching and any(used):
+            stale = [b for b, u in zip(blocks, used, strict=True) if u]
+            for step in self.books.evict(view, stale):
                 assert not isinstance(step, Claim), "evict only releases"
                 engine.apply(step)
             self.books.commit()
+            used = view.in_use(blocks)
         if req_id is None or not self.prefix_caching:
-            blocks = [b for b in blocks if not view.is_used(b)]
+            blocks = [b for b, u in zip(blocks, used, strict=True) if not u]
         if blocks:
             self._apply_hold(self.holds.hold(job_id, blocks))
 

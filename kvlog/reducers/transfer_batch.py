@@ -84,14 +84,15 @@ def _independent(state: State, batch: TransferBatch) -> list[Any] | None:
             return None
         last = event.job_id
         try:
-            physical, subs = transfers.check_submit(state, event)
+            checked = transfers.check_submit(state, event)
         except InvalidEvent:
             return None
+        physical, subs, _ = checked
         requested.add(event.job_id)
         if type(event) is LoadRequested:
             loads.append(physical)
         cpu["store" if type(event) is StoreRequested else "load"].append(subs)
-        found.append((physical, subs))
+        found.append(checked)
     if len(requested) > 1 and not _disjoint(loads, cpu):
         return None
     if len(state.store_jobs) + len(state.load_jobs) + len(requested) > MAX_JOBS_IN_FLIGHT:
@@ -101,6 +102,8 @@ def _independent(state: State, batch: TransferBatch) -> list[Any] | None:
 
 def _disjoint(loads: list[np.ndarray], cpu: dict[str, list[np.ndarray]]) -> bool:
     """No GPU block written by two loads, no CPU sub-block used by a store and a load."""
+    if sum(map(len, loads)) + sum(map(len, cpu["store"])) + sum(map(len, cpu["load"])) <= 256:
+        return _disjoint_few(loads, cpu)  # a step's few jobs: sets beat numpy's set-up
     if len(loads) > 1:
         written = np.concatenate(loads)
         if np.unique(written).size != written.size:
@@ -109,6 +112,20 @@ def _disjoint(loads: list[np.ndarray], cpu: dict[str, list[np.ndarray]]) -> bool
         stored, loaded = np.concatenate(cpu["store"]), np.concatenate(cpu["load"])
         if np.isin(stored, loaded).any():
             return False
+    return True
+
+
+def _disjoint_few(loads: list[np.ndarray], cpu: dict[str, list[np.ndarray]]) -> bool:
+    """``_disjoint`` over Python sets."""
+    written: set[int] = set()
+    for ids in loads:  # each load's own ids are distinct (validated)
+        listed = ids.tolist()
+        if not written.isdisjoint(listed):
+            return False
+        written.update(listed)
+    if cpu["store"] and cpu["load"]:
+        stored = {s for ids in cpu["store"] for s in ids.tolist()}
+        return all(stored.isdisjoint(ids.tolist()) for ids in cpu["load"])
     return True
 
 

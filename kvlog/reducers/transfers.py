@@ -143,6 +143,10 @@ def _group_subs(event: Transfer, cpu: IdArray, factor: int) -> IdArray:
 
 def cpu_sub_blocks(event: Transfer, cpu: IdArray, factor: int) -> IdArray:
     """The CPU sub-block of each GPU block of the event, in order (see the module rule)."""
+    if factor == 1:  # a CPU block is a GPU block: every rule pairs the ids as they come
+        needed = sum(event.group_sizes) if event.group_sizes else len(event.gpu_block_ids)
+        if needed == cpu.size:
+            return cpu
     if event.group_sizes:
         return _group_subs(event, cpu, factor)
     return _seed_subs(event, cpu, factor)
@@ -209,8 +213,9 @@ def _first_shared(ids: IdArray, others: IdArray) -> int | None:
     return int(ids[int(np.argmax(clash))]) if clash.any() else None
 
 
-def check_submit(state: State, event: Transfer) -> tuple[IdArray, IdArray]:
-    """Refuse a bad store or load; return (physical GPU ids, their CPU sub-blocks)."""
+def check_submit(state: State, event: Transfer) -> tuple[IdArray, IdArray, IdArray]:
+    """Refuse a bad store or load; return (physical GPU ids, their CPU sub-blocks, the CPU
+    ids)."""
     config = state.config
     assert config is not None, "reduce() dispatches only configured states here"
     _check_job_id(state, event)
@@ -224,7 +229,7 @@ def check_submit(state: State, event: Transfer) -> tuple[IdArray, IdArray]:
         raise TooManyJobs(
             f"{MAX_JOBS_IN_FLIGHT} jobs are already in flight; finish some first", event
         )
-    return physical, subs
+    return physical, subs, cpu
 
 
 def _plan(state: State, job: Job) -> list[Plan]:
@@ -255,14 +260,15 @@ def _transfer_plan(state: State, job: Job) -> TransferPlan:
     return TransferPlan(job.job_id, kind, pairs, num_bytes, after_job_id)
 
 
-def apply_submit(state: State, event: Transfer, checked: tuple[IdArray, IdArray]) -> list[Plan]:
+def apply_submit(
+    state: State, event: Transfer, checked: tuple[IdArray, IdArray, IdArray]
+) -> list[Plan]:
     """Pin a checked store's or load's GPU blocks and return its TransferPlan (none yet for
     a deferred job)."""
-    physical, subs = checked
+    physical, subs, cpu = checked
     store = isinstance(event, StoreRequested)
     kind = "store" if store else "load"
     pairs = (physical, subs) if store else (subs, physical)
-    cpu = np.asarray(event.cpu_block_ids, dtype=np.int64)
     deferred = event.deferred
     job = Job(event.job_id, kind, physical, cpu, pairs, submitted=False)
     state.add_job(job)

@@ -83,6 +83,14 @@ class BooksView:
         state = self._state
         return bool(state.refs[state.resolve(block_id)])
 
+    def in_use(self, block_ids: Sequence[int]) -> list[bool]:
+        """Per logical block, whether its physical block is held by any table (an id
+        outside the pool: False, for the event's own check to refuse): a lookup a block
+        in C (a load's few ids; no numpy set-up)."""
+        state = self._state
+        fwd, refs, size = state.fwd_buffer, state.refs_buffer, len(state.fwd_buffer)
+        return [0 <= b < size and refs[fwd[b]] > 0 for b in block_ids]
+
     def being_loaded(self, block_ids: np.ndarray) -> np.ndarray:
         """Positions in ``block_ids`` (logical, in range) of blocks an unfinished load writes."""
         state = self._state

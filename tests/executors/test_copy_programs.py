@@ -167,3 +167,20 @@ def test_long_runs_take_the_threaded_torch_copy_and_land_exactly(
     build_host_program(src, dst).copy(target, source)
     assert torch.equal(target[4:10], source[0:6]) and torch.equal(target[0], source[9])
     assert not target[1:4].any()
+
+
+@given(pairs=disjoint_pairs(), max_rows=st.integers(1, 24))
+def test_indexed_copy_and_exchange_match_numpy_within_and_beyond_max_rows(
+    pairs: tuple[np.ndarray, np.ndarray], max_rows: int
+) -> None:
+    """The indexed paths (a job's few rows: one gather and scatter when they fit in
+    ``max_rows``, bounded chunks beyond) move exactly what plain numpy moves."""
+    src, dst = pairs
+    source, target, swapped = _rows(2).numpy(), _rows(3).numpy(), _rows(4).numpy()
+    expected_copy, expected_swap = target.copy(), swapped.copy()
+    expected_copy[dst] = source[src]
+    expected_swap[dst], expected_swap[src] = expected_swap[src], expected_swap[dst].copy()
+    copies.indexed_copy(target, source, dst, src, max_rows)
+    copies.indexed_exchange(swapped, src, dst, max_rows)
+    assert np.array_equal(target, expected_copy)
+    assert np.array_equal(swapped, expected_swap)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import os
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -194,6 +195,31 @@ def test_tier_events_validate() -> None:
     ):
         with pytest.raises(InvalidEvent):
             validate_event(bad)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        TierLoadPrepared("r0", 0, [K[0], "k"], [1, 2]),  # type: ignore[list-item]
+        TierLoadPrepared("r0", 0, [K[0], b""], [1, 2]),
+        TierLoadPrepared("r0", 0, [K[0], b"x" * 1025], [1, 2]),
+        TierLoadPrepared("r0", 0, [K[0], K[1]], [1, True]),
+        TierLoadPrepared("r0", 0, [K[0], K[1]], [1, -2]),
+        TierLoadPrepared("r0", 0, [K[0], K[1]], [1, 1 << 31]),
+        TierRequestStarted("r0", 0, [K[0], K[1]], [0, 1.0]),  # type: ignore[list-item]
+        TierRequestStarted("r0", 0, [K[0], K[1]], [0, -1]),
+        TierRequestStarted("r\ud800", 0, [K[0]], [0]),  # not UTF-8
+        TierStoreCompleted("r0", -1, [K[0]]),
+    ],
+    ids=repr,
+)
+def test_each_bad_tier_field_is_refused_where_the_whole_list_checks_pass_first(bad: Any) -> None:
+    """The validators check a list in C first (types, bounds) and fall back to naming the
+    first bad entry: every kind of bad entry must still be refused."""
+    with pytest.raises(InvalidEvent):
+        validate_event(bad)
+    validate_event(TierRequestStarted("ré", 0, [K[0], K[1]], [0, 5]))  # not ASCII, fine
+    validate_event(TierLoadPrepared("r0", 0, [K[0], b"x" * 1024], [0, (1 << 31) - 1]))
 
 
 def test_kvlog_sweep_cpu_bytes_writes_the_csv_and_the_png(

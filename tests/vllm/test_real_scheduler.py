@@ -39,6 +39,8 @@ def test_kvlog_in_real_vllm(cfg: harness.RunConfig, tmp_path: Path) -> None:
         assert res.tier is not None and res.tier.exact, res.tier
         assert res.tier.lookups > 0 and res.tier.stores_prepared > 0
         _tier_whatifs(cfg, tmp_path)
+        # vLLM's plain worker ran beside kvlog's connector to the end (the table's baseline)
+        assert res.plain_s > 0 and "plain shadow" not in res.details, res.details
     if cfg.defrag:
         fired = f"defrag planned swaps on {res.swap_steps}/{res.steps} steps"
         if cfg.name in harness.DEFRAG_MOST_STEPS:

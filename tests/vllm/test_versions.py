@@ -157,6 +157,7 @@ def test_kvlog_in_this_vllm(name: str, tmp_path: Path) -> None:
     assert res.replay_ok is True
     assert res.tier is not None and res.tier.exact, res.tier
     assert res.swap_steps > 0 and res.table_checks > 0
+    assert res.plain_s > 0 and "plain shadow" not in res.details, res.details  # the baseline
 
 
 def test_subset_table(capsys: pytest.CaptureFixture[str]) -> None:

@@ -9,7 +9,8 @@ checked). One file a concern:
 - ``vllm_objects``: vLLM's scheduler and connector config for a run, kvlog's defragmenter
   (the vLLM stubs themselves are ``kvlog.synth.vllm_stubs``, shared with ``--scheduler vllm``);
 - ``results``: :class:`RunResult` and the matrix table;
-- ``checks``: the checks (a)-(d) of a run; ``run``: one configuration end to end.
+- ``checks``: the checks (a)-(d) of a run; ``run``: one configuration end to end;
+- ``shadow``: vLLM's plain connector worker, timed beside kvlog's on the same calls.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from tests.vllm.harness.configs import (
 from tests.vllm.harness.kvcache import CpuReader, KvCache, ReferenceWorker
 from tests.vllm.harness.results import COLUMNS, MAIN_CONFIGS, RunResult, cost_summary, format_table
 from tests.vllm.harness.run import Run, run_config
+from tests.vllm.harness.shadow import PlainShadow
 from tests.vllm.harness.vllm_objects import (
     build_vllm,
     make_defragmenter,
@@ -55,6 +57,7 @@ __all__ = [
     "KVLOG_CONNECTOR",
     "MAIN_CONFIGS",
     "MAX_DETAILS",
+    "PlainShadow",
     "REFERENCE_CLEAN",
     "REFERENCE_UNAWARE",
     "Checks",

@@ -70,7 +70,8 @@ _ids = itertools.count()
 
 class KvlogCalls:
     """The connector with each method called through ``call(name, method, *args)`` (the
-    run's ``_kvlog``: kvlog's time, an exception kvlog's error)."""
+    run's ``_conn``: kvlog's time, an exception kvlog's error; then the same call on the
+    plain worker's shadow)."""
 
     def __init__(self, call: Callable[..., Any], connector: Any) -> None:
         self._call = call

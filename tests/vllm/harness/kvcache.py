@@ -3,6 +3,7 @@ of vLLM's CPU worker that the self-tests run)."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,14 @@ class KvCache:
             self.layers.append((key, value))
         self.tensors = [t for layer in self.layers for t in layer]
         self.arrays = [t.numpy() for t in self.tensors]
+
+    def clone(self) -> KvCache:
+        """The same cache over copies of its tensors (a shadow's own bytes)."""
+        twin = copy.copy(self)
+        twin.layers = [(k.clone(), v.clone()) for k, v in self.layers]
+        twin.tensors = [t for layer in twin.layers for t in layer]
+        twin.arrays = [t.numpy() for t in twin.tensors]
+        return twin
 
     def gaudi_kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor, None, None]]:
         """``self.kv_caches`` as the HPU runner binds it: (key, value, key_scales, value_scales)."""

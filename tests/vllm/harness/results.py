@@ -51,6 +51,7 @@ class RunResult:
     tier_s: float = 0.0  # of it, the scheduler's CPU tier log (inside vLLM's schedule())
     defrag_s: float = 0.0  # the defragmenter's calls: update_state, defragment, resolve_all
     seed_s: float = 0.0  # the same calls on the plugin's algorithm, beside kvlog's (0: none)
+    plain_s: float = 0.0  # the connector's calls on vLLM's plain worker, beside kvlog's (0: none)
     sched_s: float = 0.0
     wall_s: float = 0.0
     replay_ok: bool | None = None
@@ -85,6 +86,23 @@ class RunResult:
             and self.replay_ok is not False
             and (self.tier is None or bool(self.tier.exact))
         )
+
+    @property
+    def baseline_s(self) -> float | None:
+        """What the runner's calls cost without kvlog, in the same loop: the plugin's
+        defragmenter (none with defrag off) plus vLLM's plain connector worker; None where
+        either shadow stopped or the plain worker did not run (no kvlog connector)."""
+        if not self.plain_s or _SEED_NOTE in self.details or _PLAIN_NOTE in self.details:
+            return None
+        if self.cfg.defrag and not self.seed_s:
+            return None
+        return self.seed_s + self.plain_s
+
+    @property
+    def over_baseline(self) -> float | None:
+        """kvlog's calls over :attr:`baseline_s`."""
+        base = self.baseline_s
+        return None if base is None else self.kvlog_s / max(base, 1e-9)
 
     def per_step_us(self, seconds: float) -> float:
         return 1e6 * seconds / max(self.steps, 1)
@@ -129,6 +147,8 @@ COLUMNS = [
     ("kvlog us/step", lambda r: f"{r.per_step_us(r.kvlog_s):.0f}"),
     ("of it defragmenter", lambda r: f"{r.per_step_us(r.defrag_s):.0f}"),
     ("seed's defragmenter", lambda r: f"{r.per_step_us(r.seed_s):.0f}" if r.seed_s else "-"),
+    ("plain worker", lambda r: f"{r.per_step_us(r.plain_s):.0f}" if r.plain_s else "-"),
+    ("kvlog/(seed+plain)", lambda r: _fmt(r.over_baseline)),
     ("of it copies", lambda r: f"{r.per_step_us(r.copy_s):.0f}"),
     ("of it tier log", lambda r: f"{r.per_step_us(r.tier_s):.0f}"),
     ("tier replay", lambda r: "-" if r.tier is None else "exact" if r.tier.exact else "DIFFERS"),
@@ -136,6 +156,14 @@ COLUMNS = [
     ("kvlog/sched", lambda r: f"{_over_scheduler(r):.2f}"),
     ("wall s", lambda r: f"{r.wall_s:.1f}"),
 ]
+
+
+_SEED_NOTE = "seed shadow"  # Run._shadow's note where the plugin's defragmenter stopped
+_PLAIN_NOTE = "plain shadow"  # shadow.NOTE: the plain worker stopped or was not built
+
+
+def _fmt(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}"
 
 
 DEFAULT_LOG_SYNC = FacadeConfig().sync
@@ -159,9 +187,10 @@ def cost_summary(results: Iterable[RunResult]) -> str:
     share of kvlog's time in tensor copies; where the plugin's defragmenter ran beside
     kvlog's, their ratio, and the plugin's alone over the scheduler (what the same job
     costs without kvlog, connector calls not counted)."""
+    results = list(results)
     main = [r for r in results if r.cfg.name in MAIN_CONFIGS and r.steps]
     if not main:
-        return ""
+        return "\n".join(baseline_summary(results))
     at_default = [r for r in main if r.cfg.log_sync == DEFAULT_LOG_SYNC]
     default = at_default or main  # a --log-sync run: every configuration at that mode
     others = [r for r in main if r.cfg.log_sync != DEFAULT_LOG_SYNC] if at_default else []
@@ -186,7 +215,36 @@ def cost_summary(results: Iterable[RunResult]) -> str:
             f"defragmenter alone over the scheduler: median {statistics.median(alone):.2f}, "
             f"max {alone[-1]:.2f}"
         )
-    return line
+    return "\n".join((line, *baseline_summary(results)))
+
+
+def baseline_summary(results: Iterable[RunResult]) -> list[str]:
+    """kvlog's calls over the same calls without kvlog in the same loop (the plugin's
+    defragmenter plus vLLM's plain connector worker): each configuration's ratio, then the
+    median and max over the main configurations at the default durability (those at
+    another given apart, as in :func:`cost_summary`)."""
+    rated = [(r, r.over_baseline) for r in results if r.steps]
+    each = [f"{r.cfg.name} {ratio:.2f}" for r, ratio in rated if ratio is not None]
+    if not each:
+        return []
+    lines = ["kvlog's calls / (seed's defragmenter + plain vLLM worker): " + ", ".join(each)]
+    main = [(r, x) for r, x in rated if r.cfg.name in MAIN_CONFIGS and x is not None]
+    if not main:
+        return lines
+    at_default = [x for r, x in main if r.cfg.log_sync == DEFAULT_LOG_SYNC]
+    default = sorted(at_default or [x for _, x in main])
+    others = [x for r, x in main if r.cfg.log_sync != DEFAULT_LOG_SYNC] if at_default else []
+    where = f"the default {DEFAULT_LOG_SYNC!r}" if at_default else _modes(r for r, _ in main)
+    line = (
+        f"kvlog's calls / (seed + plain worker) over the {len(default)} main configurations "
+        f"with the log at {where}: median {statistics.median(default):.2f}, "
+        f"max {default[-1]:.2f}"
+    )
+    if others:
+        line += f" (at {_modes(r for r, x in main if r.cfg.log_sync != DEFAULT_LOG_SYNC)}, "
+        line += f"{len(others)}: max {max(others):.2f})"
+    lines.append(line)
+    return lines
 
 
 def format_table(results: Iterable[RunResult]) -> str:

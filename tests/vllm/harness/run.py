@@ -22,6 +22,7 @@ from tests.vllm.harness.configs import RunConfig
 from tests.vllm.harness.gaudi_runner import KvlogCalls, runner_module
 from tests.vllm.harness.kvcache import CpuReader, KvCache, ReferenceWorker
 from tests.vllm.harness.results import RunResult
+from tests.vllm.harness.shadow import PlainShadow
 from tests.vllm.harness.vllm_objects import _env, build_vllm, make_defragmenter, make_request
 from tests.vllm.harness.workload import make_workload
 
@@ -51,6 +52,7 @@ class Run(Checks):
         self.defrag: Any = None
         self.gaudi_runner: Any = None  # vllm-gaudi's runner shape (``runner_output``)
         self.seed: Any = None  # the plugin's defragmenter, timed beside kvlog's (_shadow)
+        self.plain: PlainShadow | None = None  # vLLM's plain worker beside kvlog's connector
         self.cpu_reader: CpuReader | None = None
         self.log_path = os.path.join(workdir, f"{cfg.name}.kvlog")
 
@@ -107,6 +109,9 @@ class Run(Checks):
             theirs = self._kvlog("connector.engine", self._conn_engine, timed=False)
             if ours is not theirs:
                 raise AssertionError("the defragmenter and the connector do not share an Engine")
+            self.plain = PlainShadow.build(
+                self.vllm_config, self.kv_cache_config, self.kv, cfg, self.result
+            )
         if cfg.connector == "reference":
             num_chunks = vllm_compat.spec_num_chunks(self.connector.connector_worker.spec)
             resolve = self.defrag.resolve if (cfg.reference_resolve and self.defrag) else None
@@ -114,6 +119,14 @@ class Run(Checks):
             conn_worker = self.connector.connector_worker  # 0.34: behind identity pointers
             vllm_compat.attach_worker(conn_worker, worker, type(conn_worker), self.kv_cache_config)
             self.cpu_reader = worker.reader
+
+    def _conn(self, name: str, method: Any, *args: Any) -> Any:
+        """A runner's connector call: kvlog's (``_kvlog``), then the same call on the plain
+        worker's shadow (``plain_s``, not kvlog's time)."""
+        out = self._kvlog(name, method, *args)
+        if self.plain is not None:
+            self.plain.call(name, *args)
+        return out
 
     def _build_vllm(self) -> tuple[Any, Any, Any]:
         """``build_vllm``; where vLLM refuses the configuration on this machine (0.26's V2
@@ -298,6 +311,8 @@ class Run(Checks):
             sampled = self._forward(so)
             return self._runner_output(so, sampled, None)
         meta = so.kv_connector_metadata
+        if self.plain is not None:  # before kvlog's connector can change it
+            self.plain.begin_step(meta)
         self._record_jobs(meta)
         self.result.flush_steps += bool(meta.jobs_to_flush)
         if cfg.runner_output != "vllm" and so.total_num_scheduled_tokens:
@@ -321,24 +336,21 @@ class Run(Checks):
 
         cfg = self.cfg
         meta = so.kv_connector_metadata
+        conn = KvlogCalls(self._conn, self.connector)
         if cfg.order == "gpu":
-            self._kvlog("handle_preemptions", self.connector.handle_preemptions, meta)
-        self._kvlog("bind_connector_metadata", self.connector.bind_connector_metadata, meta)
+            conn.handle_preemptions(meta)
+        conn.bind_connector_metadata(meta)
         load_first = cfg.order == "gaudi" or getattr(so, "has_sync_kv_loads", False)
         if load_first:
-            self._kvlog("start_load_kv", self.connector.start_load_kv, None)
+            conn.start_load_kv(None)
         self._check_live(so)
         sampled = self._forward(so)
         if not load_first:
-            self._kvlog("start_load_kv", self.connector.start_load_kv, None)
-        self._kvlog("wait_for_save", self.connector.wait_for_save)
-        sending, recving = self._kvlog(
-            "get_finished", self.connector.get_finished, so.finished_req_ids
-        )
-        worker_meta = self._kvlog(
-            "build_connector_worker_meta", self.connector.build_connector_worker_meta
-        )
-        self._kvlog("clear_connector_metadata", self.connector.clear_connector_metadata)
+            conn.start_load_kv(None)
+        conn.wait_for_save()
+        sending, recving = conn.get_finished(so.finished_req_ids)
+        worker_meta = conn.build_connector_worker_meta()
+        conn.clear_connector_metadata()
         output = KVConnectorOutput(
             finished_sending=sending or set(),
             finished_recving=recving or set(),
@@ -351,7 +363,7 @@ class Run(Checks):
         the forward, its ``KVConnectorOutput``; the Gaudi switch applied with
         ``gaudi+switch``), each connector call through ``_kvlog``."""
         if self.gaudi_runner is None:
-            calls = KvlogCalls(self._kvlog, self.connector)
+            calls = KvlogCalls(self._conn, self.connector)
             module = runner_module(lambda: calls, self.cfg.runner_output == "gaudi+switch")
             self.gaudi_runner = module.HPUModelRunner(self._checked_forward)
         return self.gaudi_runner.sample_tokens(so)  # type: ignore[no-any-return]
@@ -470,6 +482,8 @@ class Run(Checks):
             r.note("harness", f"job {job_id} never reported complete")
         if self.connector is not None:
             self._kvlog("connector.shutdown", self.connector.shutdown, timed=False)
+        if self.plain is not None:
+            self.plain.shutdown()
         self._replay_tier()
         engine = self._engine()
         if engine is None:

@@ -1,0 +1,183 @@
+"""A transfer job's own cost in kvlog's offloading worker, against moving its bytes plainly.
+
+    python bench/bench_jobs.py            # 3000 timed steps, best of 3 rounds
+    python bench/bench_jobs.py --quick    # 600 timed steps, one round
+    python bench/bench_jobs.py --jobs 4 --blocks 32   # jobs a step, GPU blocks a job
+
+vLLM's connector worker, as ``KvlogOffloadingConnector`` drives kvlog's
+``OffloadingWorker`` every step: the step's jobs declared together (``batched()``: one
+``TransferBatch``), submitted together (one more), their completions collected by one
+``get_finished`` (one more), with the log at the integration's default (``background``) and
+the runner's ``update_state`` + ``defragment`` between steps (untimed). Stores of
+``--blocks`` GPU blocks from live requests' tables into fresh CPU blocks, on HPU-layout CPU
+tensors (2 layers, key and value, ``--page-bytes`` a block a tensor: small by default, so
+that what is measured is the bookkeeping, not this machine's memory bandwidth).
+
+The baseline, in the same run on the same tensors: the same jobs' bytes moved with no books
+(``plain``: one numpy gather/scatter a tensor a job, the copy any worker must make). Printed:
+microseconds a job for each phase, kvlog's whole job, the plain copy, and kvlog's bookkeeping
+(the whole job less the plain copy), with the ratio kvlog / plain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvlog.integrations import OffloadingWorker, OnlineDefragmenter
+
+BLOCK_SIZE = 16
+PHASES = ("declare", "submit", "get_finished")
+
+
+@dataclass(frozen=True)
+class Shape:
+    num_gpu_blocks: int = 16384
+    jobs: int = 2
+    blocks: int = 16
+    page_bytes: int = 256
+    requests: int = 256
+
+
+def make_caches(shape: Shape) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """HPU layout: per layer ``(key, value)`` of ``((num_blocks + 1) * block_size, 1, d)``."""
+    d = max(1, shape.page_bytes // (4 * BLOCK_SIZE))
+    rows = (shape.num_gpu_blocks + 1) * BLOCK_SIZE
+
+    def tensor() -> torch.Tensor:
+        return torch.zeros((rows, 1, d), dtype=torch.float32)
+
+    return [(tensor(), tensor()) for _ in range(2)]
+
+
+def job_specs(shape: Shape, step: int) -> list[tuple[int, list[int], list[int]]]:
+    """The step's jobs: ``(job_id, gpu ids, cpu ids)``, GPU ids from a live request's table."""
+    per_request = shape.num_gpu_blocks // (2 * shape.requests)
+    out = []
+    for k in range(shape.jobs):
+        job_id = step * shape.jobs + k + 1
+        first = 1 + (job_id * 7 % shape.requests) * per_request
+        gpu = list(range(first, first + min(shape.blocks, per_request)))
+        cpu_first = (job_id * shape.blocks) % (shape.num_gpu_blocks - shape.blocks)
+        out.append((job_id, gpu, list(range(cpu_first, cpu_first + len(gpu)))))
+    return out
+
+
+def kvlog_round(shape: Shape, steps: int, workdir: str) -> dict[str, float]:
+    """Seconds per phase over ``steps`` steps of kvlog's worker."""
+    environ = {
+        "VLLM_DEFRAG_THRESHOLD": "32",
+        "KVLOG_PATH": os.path.join(workdir, f"jobs-{time.monotonic_ns()}.kvlog"),
+        "KVLOG_SYNC": "background",
+    }
+    defrag = OnlineDefragmenter(environ=environ, backend="cpu")
+    defrag.initialize(make_caches(shape), BLOCK_SIZE)
+    worker = OffloadingWorker(defrag, num_cpu_blocks=shape.num_gpu_blocks, quarantine=True)
+    per_request = shape.num_gpu_blocks // (2 * shape.requests)
+    tables = {
+        f"r{i}": list(range(1 + i * per_request, 1 + (i + 1) * per_request))
+        for i in range(shape.requests)
+    }
+    defrag.update_state(tables, [])
+    defrag.defragment()
+    spent = dict.fromkeys(PHASES, 0.0)
+    clock = time.perf_counter
+    for step in range(steps):
+        jobs = job_specs(shape, step)
+        t0 = clock()
+        with worker.batched():
+            for job_id, gpu, cpu in jobs:
+                worker.declare("store", job_id, gpu, cpu, req_id=f"r{job_id % 7}")
+        t1 = clock()
+        with worker.batched():
+            for job_id, gpu, cpu in jobs:
+                worker.submit_store(job_id, gpu, cpu)
+        t2 = clock()
+        worker.get_finished()
+        t3 = clock()
+        spent["declare"] += t1 - t0
+        spent["submit"] += t2 - t1
+        spent["get_finished"] += t3 - t2
+        defrag.update_state({}, [])
+        defrag.defragment()
+    worker.shutdown()
+    defrag.close()
+    return spent
+
+
+def plain_round(shape: Shape, steps: int) -> float:
+    """Seconds to move the same jobs' bytes with numpy alone (a gather/scatter a tensor)."""
+    caches = make_caches(shape)
+    gpu_rows = [t.view(shape.num_gpu_blocks + 1, -1).numpy() for layer in caches for t in layer]
+    cpu_rows = [np.zeros_like(rows[:-1]) for rows in gpu_rows]
+    spent = 0.0
+    for step in range(steps):
+        jobs = job_specs(shape, step)
+        t0 = time.perf_counter()
+        for _, gpu, cpu in jobs:
+            src, dst = np.asarray(gpu, dtype=np.int64), np.asarray(cpu, dtype=np.int64)
+            for g, c in zip(gpu_rows, cpu_rows, strict=True):
+                c[dst] = g[src]
+        spent += time.perf_counter() - t0
+    return spent
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="600 steps, one round")
+    p.add_argument("--steps", type=int, default=3000, help="timed steps a round")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (best kept)")
+    p.add_argument("--jobs", type=int, default=Shape.jobs, help="jobs a step")
+    p.add_argument("--blocks", type=int, default=Shape.blocks, help="GPU blocks a job")
+    p.add_argument(
+        "--page-bytes", type=int, default=Shape.page_bytes, help="bytes a block a tensor"
+    )
+    p.add_argument("--dir", default=None, help="where the logs go (default: a temp dir)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.steps, args.rounds = 600, 1
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    shape = Shape(jobs=args.jobs, blocks=args.blocks, page_bytes=args.page_bytes)
+    steps = args.steps
+    print(
+        f"bench_jobs: {shape.jobs} store jobs a step of {shape.blocks} blocks, "
+        f"{shape.page_bytes} bytes a block a tensor (4 tensors), {steps} steps, "
+        f"best of {args.rounds}; log background",
+        flush=True,
+    )
+    best: dict[str, float] = {}
+    best_plain = float("inf")
+    with tempfile.TemporaryDirectory(dir=args.dir) as workdir:
+        for _ in range(args.rounds):
+            spent = kvlog_round(shape, steps, workdir)
+            if not best or sum(spent.values()) < sum(best.values()):
+                best = spent
+            best_plain = min(best_plain, plain_round(shape, steps))
+    per_job = 1e6 / (steps * shape.jobs)
+    whole, plain = sum(best.values()) * per_job, best_plain * per_job
+    print("  us a job")
+    for phase in PHASES:
+        print(f"    kvlog {phase:<22}{best[phase] * per_job:>8.1f}")
+    print(f"  kvlog, the whole job            {whole:>8.1f}")
+    print(f"  plain copy of its bytes         {plain:>8.1f}")
+    print(f"  kvlog's bookkeeping (less copy) {whole - plain:>8.1f}")
+    print(f"  kvlog / plain {whole / plain:.1f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

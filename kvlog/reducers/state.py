@@ -67,8 +67,9 @@ class State:
         this has not changed."""
         self.counted_pairs = 0
         """The pairs the last ``StepScheduled`` moved without listing them in a plan (a
-        counted machine's, ``step.apply_step_counted``; 0 after any other step's apply);
-        like ``num_moves``, not part of the digest or snapshot."""
+        counted machine's, ``step.apply_step_counted``, which leaves ``last_swap`` None;
+        0 after any other step's apply); like ``num_moves``, not part of the digest or
+        snapshot."""
         self.running = running.RunningDigest()
         """The running digest's sums (``running.py``), told of every change below."""
         self._allocate_arrays(0)

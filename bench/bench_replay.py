@@ -12,8 +12,12 @@ into a temporary directory (or ``--log PATH``, reused when it exists). Every mod
 same file; the baseline, measured in the same run, streams and decodes the records without
 reducing them, so the ratios show what the reducers and the replay bookkeeping cost on top
 of reading the log. "reducers only" feeds the events, decoded before its clock starts, to
-one bare Machine: replay minus it minus the decode is the fold's own share (checkpoint
-verification, the run's tally).
+one bare Machine through ``apply``, as a serving loop would (every event validated in full,
+every plan listed). Replay takes the path of a log's own events instead
+(``Machine.apply_decoded``: the types msgspec made exact are not checked again, and a lane
+that only tallies its plans counts a step's defrag moves rather than listing them), so it
+can beat "reducers only" even with the decode and the fold's own share (checkpoint
+verification, the run's tally) on top.
 """
 
 from __future__ import annotations

@@ -193,6 +193,7 @@ def whatif(
     name = log or _log_name(os.fspath(path))
     summary = RunTally(cost=cost)
     lane = Lane(Machine(observers=[summary]), spec.as_dict())
+    lane.machine.counted_swaps = True  # its plans are only tallied
     fold = Fold(path, [lane], verify=False)
     if fold.reader.first_seq > 0:  # a log directory without its oldest segments: from its
         fold.start_from_snapshot(first=True)  # first snapshot on, under the spec's policy

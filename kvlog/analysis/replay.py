@@ -228,11 +228,18 @@ class _TalliedLane:
     """One policy's :class:`Lane` of the fold with its :class:`RunTally` (and its
     :class:`Series`, if kept); ``finish`` makes its :class:`PolicyResult`."""
 
-    def __init__(self, label: str, series: bool, overrides: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        label: str,
+        series: bool,
+        overrides: dict[str, Any] | None = None,
+        counted: bool = False,
+    ) -> None:
         self.label = label
         self.series = Series(label) if series else None
         self.tally = RunTally(on_step=None if self.series is None else self._add_step)
         self.lane = Lane(Machine(observers=[self.tally]), overrides, label)
+        self.lane.machine.counted_swaps = counted  # nothing executes or compares its plans
 
     def _add_step(self, summary: RunTally, state: reducers.State, step: int) -> None:
         assert self.series is not None, "a step hook only with a series"
@@ -342,7 +349,8 @@ class _Replayer:
         self.execute = execute
         self.backend = backend
         self.series = series
-        self.recorded = _TalliedLane("recorded", series)
+        self.counted = not execute and against is None  # plans only tallied: counted
+        self.recorded = _TalliedLane("recorded", series, counted=self.counted)
         self.fold = Fold(path, [self.recorded.lane], verify=verify)
         self.fold.on_configured = self._start
         self.fold.on_restart = self._restart
@@ -363,7 +371,7 @@ class _Replayer:
         bad override raises) and the canary executor on the run whose plans count."""
         self.recorded_config = config
         if self.overrides:
-            self.whatif = _TalliedLane("what-if", self.series, self.overrides)
+            self.whatif = _TalliedLane("what-if", self.series, self.overrides, self.counted)
             self.whatif.lane.configured(config)
             self.fold.lanes.append(self.whatif.lane)
         if self.execute:
@@ -408,7 +416,7 @@ class _Replayer:
     def _start_whatif_at_snapshot(self, config: CacheConfigured) -> None:
         """The what-if lane of a log that starts at a snapshot: the snapshot's state under
         the what-if's policy (its overrides checked here, so a bad one raises)."""
-        self.whatif = _TalliedLane("what-if", self.series, self.overrides)
+        self.whatif = _TalliedLane("what-if", self.series, self.overrides, self.counted)
         whatif_config = self.whatif.lane.configured(config)
         self.whatif.tally.configured(whatif_config)
         self.fold.add_lane(self.whatif.lane)

@@ -25,6 +25,7 @@ from kvlog.events import (
     swap_mode,
 )
 from kvlog.reducers import State
+from kvlog.reducers.defrag import pad_bucket
 from kvlog.runtime.machine import Observer
 from kvlog.util.units import p99
 
@@ -63,14 +64,7 @@ class PlanTally:
         """Count one event's plans."""
         for plan in plans:
             if type(plan) is SwapPlan:
-                moved = len(plan.pairs)
-                num_bytes = moved * pair_bytes(self.page_size_bytes, plan.mode)
-                self.swap_plans += 1
-                self.blocks_moved += moved
-                self.swap_bytes += num_bytes
-                self.step_blocks_moved += moved
-                self.step_swap_bytes += num_bytes
-                self.step_padded_pairs += plan.padded_to
+                self.add_swap(len(plan.pairs), plan.padded_to, plan.mode)
             elif type(plan) is TransferPlan:
                 if plan.kind == "store":
                     self.stores += 1
@@ -80,6 +74,16 @@ class PlanTally:
                     self.loads += 1
                     self.load_bytes += plan.num_bytes
                     self.step_load_bytes += plan.num_bytes
+
+    def add_swap(self, moved: int, padded_to: int, mode: str) -> None:
+        """Count one ``SwapPlan`` of ``moved`` pairs (or a counted step's moves)."""
+        num_bytes = moved * pair_bytes(self.page_size_bytes, mode)
+        self.swap_plans += 1
+        self.blocks_moved += moved
+        self.swap_bytes += num_bytes
+        self.step_blocks_moved += moved
+        self.step_swap_bytes += num_bytes
+        self.step_padded_pairs += padded_to
 
     @property
     def bytes_moved(self) -> int:
@@ -137,16 +141,31 @@ class RunTally(Observer):
             self.plans.add(plans)
             if self.cost is not None:
                 self._time_defrag(plans)
+        if type(event) is StepScheduled and state.counted_pairs:
+            self._counted_swap(state)
         if isinstance(event, (StepEnded, StepScheduled)):
             self._end_step(state, event.step)
 
+    def _counted_swap(self, state: State) -> None:
+        """A counted machine's step moved ``state.counted_pairs`` pairs without a plan:
+        the ``SwapPlan`` it stands for (as ``defrag.end_step_moved`` makes it: padded to
+        its bucket, in the state's configured mode), counted and timed."""
+        config, moved = state.config, state.counted_pairs
+        assert config is not None, "a configured state moves blocks"
+        padded_to, mode = pad_bucket(moved, config.pad_sizes), swap_mode(config)
+        self.plans.add_swap(moved, padded_to, mode)
+        if self.cost is not None:
+            self._time_swap(padded_to, mode)
+
     def _time_defrag(self, plans: list[Plan]) -> None:
-        assert self.cost is not None and self.config is not None, "a configured, costed run"
-        page = self.config.page_size_bytes
         for plan in plans:
             if type(plan) is SwapPlan:
-                swap = plan.mode == "swap"
-                self._step_defrag_s += self.cost.defrag_s(plan.padded_to, page, swap)
+                self._time_swap(plan.padded_to, plan.mode)
+
+    def _time_swap(self, padded_to: int, mode: str) -> None:
+        assert self.cost is not None and self.config is not None, "a configured, costed run"
+        page = self.config.page_size_bytes
+        self._step_defrag_s += self.cost.defrag_s(padded_to, page, mode == "swap")
 
     def _end_step(self, state: State, step: int) -> None:
         top, tally = int(state.max_used), self.plans

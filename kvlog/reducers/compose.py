@@ -35,11 +35,11 @@ from kvlog.events import (
     TransferSubmitted,
     validate_event,
 )
-from kvlog.events.validate import VALIDATORS
+from kvlog.events.validate import DECODED_VALIDATORS, VALIDATORS
 from kvlog.reducers import defrag, step, transfer_batch, transfers
 from kvlog.reducers.state import State
 
-__all__ = ["Checked", "check", "commit", "reduce"]
+__all__ = ["Checked", "check", "check_decoded", "commit", "reduce"]
 
 _Check = Callable[[State, Any], Any]
 _Apply = Callable[[State, Any, Any], list[Plan]]
@@ -81,6 +81,19 @@ _STEPS: dict[type, tuple[Callable[[Any], None], _Check, _Apply]] = {
     for event_type, (check_event, apply_event) in _PAIRS.items()
 }
 """Per event type: its stateless validation, its check against the state, its apply."""
+_DECODED_STEPS: dict[type, tuple[Callable[[Any], None], _Check, _Apply]] = {
+    event_type: (DECODED_VALIDATORS[event_type], check_event, apply_event)
+    for event_type, (_, check_event, apply_event) in _STEPS.items()
+}
+"""``_STEPS`` with the validation of events the log's typed decoder produced."""
+_COUNTED_STEPS = {**_DECODED_STEPS}
+_COUNTED_STEPS[StepScheduled] = (
+    DECODED_VALIDATORS[StepScheduled],
+    step.check_step,
+    step.apply_step_counted,
+)
+"""``_DECODED_STEPS`` for a machine that counts a step's defrag moves instead of listing
+them (``step.apply_step_counted``)."""
 
 
 class Checked(NamedTuple):
@@ -99,7 +112,21 @@ _checked: Callable[[tuple[Event, _Apply, Any]], Checked] = functools.partial(tup
 def check(state: State, event: Event) -> Checked:
     """Raise what ``reduce`` would raise for this event (an ``InvalidEvent`` subclass or
     ``NotConfigured``), changing nothing; else the event, checked, ready for ``commit``."""
-    steps = _STEPS.get(type(event))  # exact types: a subclass would not decode
+    return _check(state, event, _STEPS.get(type(event)))  # exact types: no subclass decodes
+
+
+def check_decoded(state: State, event: Event, counted: bool = False) -> Checked:
+    """``check`` for an event the log's typed decoder produced (a replay's): the same
+    verdict, without checking again the types msgspec made exact (``DECODED_VALIDATORS``).
+    ``counted``: its commit counts a whole step's defrag moves in ``state.counted_pairs``
+    instead of returning their ``SwapPlan`` (``step.apply_step_counted``)."""
+    steps = _COUNTED_STEPS if counted else _DECODED_STEPS
+    return _check(state, event, steps.get(type(event)))
+
+
+def _check(
+    state: State, event: Event, steps: tuple[Callable[[Any], None], _Check, _Apply] | None
+) -> Checked:
     if steps is None:
         validate_event(event)  # raises: not a kvlog event
         raise AssertionError(f"{type(event).__name__} validates but has no reducer")

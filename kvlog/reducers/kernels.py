@@ -296,25 +296,26 @@ def _step_allocation(
     """A whole step's allocations at once: resolve ``logical`` into ``physical``. Returns 0
     when every block is in range, free, unpinned and given once (then the step takes them
     all as they are), 2 when an id is negative or not below the pool size (nothing
-    resolved), else 1 (the caller checks block by block). A repeat is found by sorting a
-    copy of the ids (the step's few dozen), not by marking the pool: no pool-sized scratch
-    to touch at random."""
+    resolved), else 1 (the caller checks block by block; ``physical`` is then partly
+    written). A repeat is found by marking each free block's ref count as it is taken
+    (the count just read: no other memory touched) and clearing the marks before
+    returning, so ``refs`` is as it was: no sort, no scratch, nothing allocated."""
     n = len(logical)
     size = len(fwd)
     for i in range(n):
         if logical[i] < 0 or logical[i] >= size:
             return 2
-    status = 0
+    status, marked = 0, 0
     for i in range(n):
         p = fwd[logical[i]]
         physical[i] = p
-        if refs[p] or store_pins[p] or load_pins[p]:
+        if refs[p] or store_pins[p] or load_pins[p]:  # busy, or a repeat: marked below
             status = 1
-    if status == 0 and n > 1:
-        ordered = np.sort(physical)
-        for i in range(1, n):
-            if ordered[i] == ordered[i - 1]:
-                return 1
+            break
+        refs[p] = 1
+        marked += 1
+    for i in range(marked):
+        refs[physical[i]] = 0
     return status
 
 
@@ -407,7 +408,7 @@ def _step_commit(
 
 _mix = inline(_mix)
 _fwd_term = inline(_fwd_term)
-table_terms = jit(_table_terms)
+table_terms = jit(_table_terms, allocates=False)
 _table_terms = inline(_table_terms)
 _add_member = inline(_add_member)
 _remove_member = inline(_remove_member)
@@ -417,16 +418,16 @@ _highest_member = inline(_highest_member)
 _prev_word = inline(_prev_word)
 _next_word = inline(_next_word)
 _step_rows = inline(_step_rows)
-seed_walk = jit(_seed_walk)
+seed_walk = jit(_seed_walk, allocates=False)
 _seed_walk_inline = inline(_seed_walk)
-move = jit(_move)
+move = jit(_move, allocates=False)
 _move_inline = inline(_move)
-add_refs = jit(_add_refs)
-drop_refs = jit(_drop_refs)
+add_refs = jit(_add_refs, allocates=False)
+drop_refs = jit(_drop_refs, allocates=False)
 _drop_refs_inline = inline(_drop_refs)
-allocation = jit(_allocation)
-step_allocation = jit(_step_allocation)
-step_commit = jit(_step_commit)
+allocation = jit(_allocation, allocates=False)
+step_allocation = jit(_step_allocation, allocates=False)
+step_commit = jit(_step_commit, allocates=False)
 
 
 _loaded = False

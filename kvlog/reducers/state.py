@@ -65,6 +65,11 @@ class State:
         """Defrag moves applied to this State object (not part of the digest or snapshot):
         a cache of the mapping, such as the Gaudi facade's lookup list, is current while
         this has not changed."""
+        self.counted_pairs = 0
+        """The pairs the last ``StepScheduled`` moved without listing them in a plan (a
+        counted machine's, ``step.apply_step_counted``, which leaves ``last_swap`` None;
+        0 after any other step's apply); like ``num_moves``, not part of the digest or
+        snapshot."""
         self.running = running.RunningDigest()
         """The running digest's sums (``running.py``), told of every change below."""
         self._allocate_arrays(0)

@@ -43,6 +43,7 @@ from kvlog.reducers.state import State
 __all__ = [
     "StepFound",
     "apply_step",
+    "apply_step_counted",
     "check_step",
     "expand",
     "held_by_receiver",
@@ -237,26 +238,58 @@ class _Scan:
 
 def apply_step(state: State, event: StepScheduled, found: StepFound) -> list[Plan]:
     """The step's releases, allocations and defrag decision, in order; their plans."""
-    if found.bulk is not None:  # every block free, unpinned, given once
-        allocated = event.allocated
-        if found.allocations is None:  # nothing resumed: the step's lists as they are
-            releases = found.releases
-            if all(allocated.values()):
-                req_ids, block_lists = list(allocated), list(allocated.values())
-            else:
-                req_ids = [r for r, block_ids in allocated.items() if block_ids]
-                block_lists = [block_ids for block_ids in allocated.values() if block_ids]
+    state.counted_pairs = 0
+    if found.bulk is None:
+        return _apply_scanned(state, event, found)
+    walked, num_pairs = _commit_bulk(state, event, found)
+    if walked:
+        return defrag.end_step_moved(state, event.step, num_pairs)
+    return defrag.end_step_at(state, event.step)
+
+
+def apply_step_counted(state: State, event: StepScheduled, found: StepFound) -> list[Plan]:
+    """``apply_step`` for a machine that executes nothing and only counts its defrag
+    moves (a replay's tallied lanes, ``Machine.counted_swaps``): the same state change and
+    decision, but a step whose one compiled commit walked and moved returns no
+    ``SwapPlan``: its pairs stay in ``state.pair_sources`` / ``pair_destinations`` and
+    their number in ``state.counted_pairs`` (listing and freeing 512 pairs as tuples is
+    a fifth of a heavy step). Any other step returns ``apply_step``'s plans (count 0)."""
+    state.counted_pairs = 0
+    if found.bulk is None:
+        return _apply_scanned(state, event, found)
+    walked, num_pairs = _commit_bulk(state, event, found)
+    if walked:
+        state.step, state.counted_pairs = event.step, num_pairs
+        return []
+    return defrag.end_step_at(state, event.step)
+
+
+def _commit_bulk(state: State, event: StepScheduled, found: StepFound) -> tuple[bool, int]:
+    """A step whose blocks were all free, unpinned and given once, in one compiled commit
+    (``State.commit_step``): whether it also took the defrag decision and moved, and the
+    pairs it moved (possibly none; in the state's pair scratch)."""
+    assert found.bulk is not None, "only a step checked in bulk commits in bulk"
+    allocated = event.allocated
+    if found.allocations is None:  # nothing resumed: the step's lists as they are
+        releases = found.releases
+        if all(allocated.values()):
+            req_ids, block_lists = list(allocated), list(allocated.values())
         else:
-            releases = found.releases + [a[0] for a in found.allocations if a[2]]
-            req_ids = [a[0] for a in found.allocations]
-            block_lists = [a[1] for a in found.allocations]
-        walk = defrag.walks_in_step(state)
-        freed, num_pairs = state.commit_step(releases, req_ids, block_lists, found.bulk, walk)
-        if len(freed):
-            defrag.quarantine_freed(state, freed)
-        if walk:
-            return defrag.end_step_moved(state, event.step, num_pairs)
-        return defrag.end_step_at(state, event.step)
+            req_ids = [r for r, block_ids in allocated.items() if block_ids]
+            block_lists = [block_ids for block_ids in allocated.values() if block_ids]
+    else:
+        releases = found.releases + [a[0] for a in found.allocations if a[2]]
+        req_ids = [a[0] for a in found.allocations]
+        block_lists = [a[1] for a in found.allocations]
+    walk = defrag.walks_in_step(state)
+    freed, num_pairs = state.commit_step(releases, req_ids, block_lists, found.bulk, walk)
+    if len(freed):
+        defrag.quarantine_freed(state, freed)
+    return walk, num_pairs
+
+
+def _apply_scanned(state: State, event: StepScheduled, found: StepFound) -> list[Plan]:
+    """A step ``check_step`` scanned allocation by allocation: its events' reducers."""
     for req_id in found.releases:
         defrag.release_request(state, req_id)
     plans: list[Plan] = []

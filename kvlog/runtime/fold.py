@@ -417,7 +417,7 @@ class Fold:
             return
         first, *others = self.lanes
         try:
-            plans = first.machine.apply(self._lane_event(first, event))
+            plans = first.machine.apply_decoded(self._lane_event(first, event))
         except InvalidEvent as exc:
             message = f"seq {seq}: {exc}"
             self.record_divergence(
@@ -443,7 +443,7 @@ class Fold:
     def _feed(self, lane: Lane, seq: int, event: Event) -> None:
         """A what-if lane takes the event; its refusal stops it alone."""
         try:
-            lane.machine.apply(self._lane_event(lane, event))
+            lane.machine.apply_decoded(self._lane_event(lane, event))
         except InvalidEvent as exc:
             message = f"{lane.label or 'what-if'} refused seq {seq}: {exc}"
             lane.rejected = Divergence(

@@ -57,7 +57,7 @@ class Ticket(NamedTuple):
 class Machine:
     """The state, the executor that carries out its plans (or None) and the observers."""
 
-    __slots__ = ("changes", "commits", "executor", "observers", "state")
+    __slots__ = ("changes", "commits", "counted_swaps", "executor", "observers", "state")
 
     def __init__(
         self,
@@ -72,6 +72,10 @@ class Machine:
         """Events committed so far."""
         self.changes = 0
         """Events committed so far that were more than finished transfers."""
+        self.counted_swaps = False
+        """``apply_decoded`` counts a whole step's defrag moves in the state's
+        ``counted_pairs`` instead of returning their ``SwapPlan`` (for a machine without
+        an executor whose observers only count plans: replay's tallies)."""
 
     def check(self, event: Event) -> Ticket:
         """The event checked against the state (nothing changes), or the refusal: an
@@ -124,6 +128,12 @@ class Machine:
             for observer in observers:
                 observer.after(state, event, plans)
         return plans
+
+    def apply_decoded(self, event: Event) -> list[Plan]:
+        """``apply`` for an event the log's typed decoder produced (replay): checked with
+        ``reducers.check_decoded`` (the same verdict: the types the decoder made exact are
+        not checked again), then committed; see ``counted_swaps``."""
+        return self.commit(reducers.check_decoded(self.state, event, self.counted_swaps))
 
     def apply(
         self,

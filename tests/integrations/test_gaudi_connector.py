@@ -22,31 +22,19 @@ import pytest
 
 from kvlog.integrations import gaudi_connector
 from kvlog.integrations.gaudi_connector import CONNECTOR_EXTRAS, patch_runner_module
-from tests.support.gaudi_source import FILES, extract_methods, source_root
+from tests.support.gaudi_source import (
+    FILES,
+    MIXIN,
+    MIXIN_METHODS,
+    MIXIN_SOURCE,
+    extract_methods,
+    source_root,
+)
 
 MODULE = "kvlog_test_gaudi_runner"
-MIXIN = "HpuKVConnectorModelRunnerMixin"
-MIXIN_METHODS = ("maybe_setup_kv_connector", "maybe_wait_for_kv_save", "get_finished_kv_transfers")
-RUNNER_SOURCE = """
-class HpuKVConnectorModelRunnerMixin:
-    @staticmethod
-    def maybe_setup_kv_connector(scheduler_output):
-        if has_kv_transfer_group():
-            kv_connector = get_kv_transfer_group()
-            kv_connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)
-            kv_connector.start_load_kv(get_forward_context())
-
-    @staticmethod
-    def maybe_wait_for_kv_save():
-        if has_kv_transfer_group():
-            get_kv_transfer_group().wait_for_save()
-
-    @staticmethod
-    def get_finished_kv_transfers(scheduler_output):
-        if has_kv_transfer_group():
-            return get_kv_transfer_group().get_finished(scheduler_output.finished_req_ids)
-        return None, None
-
+RUNNER_SOURCE = (
+    MIXIN_SOURCE
+    + """
 
 class HPUModelRunner(HpuKVConnectorModelRunnerMixin):
     def sample_tokens(self, scheduler_output, warmup_mode=False):
@@ -64,6 +52,7 @@ class HPUModelRunner(HpuKVConnectorModelRunnerMixin):
             get_kv_transfer_group().clear_connector_metadata()
         return output
 """
+)
 
 
 @dataclass

@@ -21,29 +21,13 @@ import types
 from collections.abc import Callable
 from typing import Any
 
+from tests.support.gaudi_source import MIXIN_SOURCE
+
 __all__ = ["GAUDI_STEP_SOURCE", "KvlogCalls", "runner_module"]
 
-GAUDI_STEP_SOURCE = '''
-class HpuKVConnectorModelRunnerMixin:
-    @staticmethod
-    def maybe_setup_kv_connector(scheduler_output):
-        if has_kv_transfer_group():
-            kv_connector = get_kv_transfer_group()
-            assert scheduler_output.kv_connector_metadata is not None
-            kv_connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)
-            kv_connector.start_load_kv(get_forward_context())
-
-    @staticmethod
-    def maybe_wait_for_kv_save():
-        if has_kv_transfer_group():
-            get_kv_transfer_group().wait_for_save()
-
-    @staticmethod
-    def get_finished_kv_transfers(scheduler_output):
-        if has_kv_transfer_group():
-            return get_kv_transfer_group().get_finished(scheduler_output.finished_req_ids)
-        return None, None
-
+GAUDI_STEP_SOURCE = (
+    MIXIN_SOURCE
+    + '''
 
 class HPUModelRunner(HpuKVConnectorModelRunnerMixin):
     """``sample_tokens``'s connector lines around the forward (``forward``)."""
@@ -65,6 +49,7 @@ class HPUModelRunner(HpuKVConnectorModelRunnerMixin):
             get_kv_transfer_group().clear_connector_metadata()
         return sampled, output
 '''
+)
 _ids = itertools.count()
 
 

@@ -55,6 +55,9 @@ class SegmentedReplay:
 
     path: str
     segments: list[SegmentResult] = field(default_factory=list)
+    closed_cleanly: bool = True
+    """Whether the log's writer closed it (False: killed, crashed, never closed, or still
+    writing): what the sequential replay says, read from the log's header."""
 
     @property
     def ok(self) -> bool:
@@ -190,4 +193,4 @@ def replay_segments(
     source: str | bytes = read_bytes(p) if remote else p
     calls = [(source, seg) for seg in segments]
     results = run_all(_replay_segment, calls, use_ray, address, num_cpus, progress)
-    return SegmentedReplay(p, list(results))
+    return SegmentedReplay(p, list(results), LogReader(p).closed_cleanly)

@@ -278,17 +278,17 @@ def unverified_text(result: ReplayResult) -> list[str]:
     return out
 
 
+_NOT_CLOSED = (
+    "not closed: its writer never closed it (killed, crashed, or still writing); "
+    "read to its last durable record"
+)
+
+
 def _directory_rows(result: ReplayResult) -> list[tuple[str, str]]:
     """How the log ended, and the files of a log directory its manifest does not list."""
     rows = []
     if not result.closed_cleanly:
-        rows.append(
-            (
-                "ended",
-                "not closed: its writer never closed it (killed, crashed, or still writing); "
-                "read to its last durable record",
-            )
-        )
+        rows.append(("ended", _NOT_CLOSED))
     unlisted = result.unlisted
     if len(unlisted) > 3:  # no manifest, or one that lost its entries
         count = plural(len(unlisted), "segment")
@@ -479,9 +479,10 @@ def segments_text(result: SegmentedReplay, elapsed_s: float) -> str:
         if result.ok
         else f"DIVERGENCE: {result.divergence}"
     )
+    ended = "" if result.closed_cleanly else f"ended: {_NOT_CLOSED}\n"
     return (
         render_table(rows, header=True)
         + f"\n\n{plural(len(result.segments), 'segment')}, {plural(result.num_events, 'event')}, "
         f"{plural(result.num_verified, 'checkpoint')} verified, final digest "
-        f"{result.final_digest} ({elapsed_s:.2f} s)\n" + verdict
+        f"{result.final_digest} ({elapsed_s:.2f} s)\n" + ended + verdict
     )

@@ -19,7 +19,7 @@ from kvlog.cli import main
 from kvlog.events import Checkpoint, Record
 from kvlog.log import list_segments
 from kvlog.log.segments import SegmentedWriter
-from kvlog.present.text import replay_text
+from kvlog.present.text import replay_text, segments_text
 from tests.support.logdirs import (
     CONFIG,
     copy_dir,
@@ -111,6 +111,17 @@ def test_a_log_never_closed_is_told_as_such(
     assert not replay(file_log).closed_cleanly
     assert main(["replay", str(file_log)]) == 0  # nothing is lost: still verified
     assert "not closed" in capsys.readouterr().out
+
+
+def test_the_parallel_replay_says_a_log_was_never_closed_as_the_sequential_one_does(
+    killed: Path, closed: Path
+) -> None:
+    parallel = replay_segments(killed, use_ray=False)
+    assert parallel.ok and not parallel.closed_cleanly
+    assert "ended: not closed" in segments_text(parallel, 0.1)
+    whole = replay_segments(closed, use_ray=False)
+    assert whole.ok and whole.closed_cleanly
+    assert "not closed" not in segments_text(whole, 0.1)
 
 
 # -- item 18 ---------------------------------------------------------------------------

@@ -141,11 +141,10 @@ def indexed_copy(
 
 def indexed_exchange(rows: np.ndarray, a_ids: np.ndarray, b_ids: np.ndarray, max_rows: int) -> None:
     """Swap rows ``a_ids[i]`` and ``b_ids[i]`` of a ``host_rows`` array (disjoint id sets),
-    ``max_rows`` pairs at a time."""
-    if len(a_ids) <= max_rows:
-        held = rows[a_ids]
-        rows[a_ids] = rows[b_ids]
-        rows[b_ids] = held
+    gathering at most ``max_rows`` rows at a time."""
+    if 2 * len(a_ids) <= max_rows:  # one gather of [b, a], one scatter to [a, b]: numpy
+        # gathers the whole right-hand side before it writes, and the sets are disjoint
+        rows[np.concatenate((a_ids, b_ids))] = rows[np.concatenate((b_ids, a_ids))]
         return
     for a in range(0, len(a_ids), max_rows):
         first, second = a_ids[a : a + max_rows], b_ids[a : a + max_rows]

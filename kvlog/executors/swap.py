@@ -5,8 +5,8 @@ caching: a free block may hold cached data). The sources and destinations of one
 disjoint sets, so the pairs are independent and may run in any order.
 
 - On the host (``cpu`` backend) each canonical tensor gets one numpy gather and scatter
-  per chunk of pairs (``copies.indexed_copy`` / ``indexed_exchange``; a ``"swap"`` that
-  fits one chunk: one gather of ``[dst, src]`` and one scatter to ``[src, dst]``), as the
+  per chunk of pairs (``copies.indexed_copy`` / ``indexed_exchange``: a ``"swap"`` that
+  fits one chunk is one gather of ``[dst, src]`` and one scatter to ``[src, dst]``), as the
   plugin's ``CacheSwapUtils`` does with ``index_select``/``index_copy_``: a defrag plan's pairs are
   scattered (highest used into lowest free), and one gather/scatter call per tensor beats
   a slice copy per run of blocks (bench_facade: 220 pairs of 128-byte pages, 4 tensors:
@@ -88,13 +88,6 @@ class SwapExecutor:
         pairs are independent: sources and destinations are disjoint)."""
         if self._rows is None:
             self._rows = [host_rows(view) for view in self._views]
-        if plan.mode == "swap" and 2 * len(src) <= self._chunk_rows:
-            # One gather of [dst, src] and one scatter to [src, dst] a tensor: numpy
-            # gathers the whole right-hand side before it writes, and the sets are disjoint.
-            read, written = np.concatenate((dst, src)), np.concatenate((src, dst))
-            for rows in self._rows:
-                rows[written] = rows[read]
-            return
         for rows in self._rows:
             if plan.mode == "swap":
                 indexed_exchange(rows, src, dst, self._chunk_rows)

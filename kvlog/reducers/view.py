@@ -78,11 +78,6 @@ class BooksView:
         """Per physical block, how many live tables hold it (0: free), read only."""
         return _read_only(self._state.refs)
 
-    def is_used(self, block_id: int) -> bool:
-        """Whether a logical block's physical block is held by any table."""
-        state = self._state
-        return bool(state.refs[state.resolve(block_id)])
-
     def in_use(self, block_ids: Sequence[int]) -> list[bool]:
         """Per logical block, whether its physical block is held by any table (an id
         outside the pool: False, for the event's own check to refuse): a lookup a block

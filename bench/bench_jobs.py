@@ -48,6 +48,11 @@ class Shape:
     page_bytes: int = 256
     requests: int = 256
 
+    @property
+    def per_request(self) -> int:
+        """Blocks in each live request's table (the tables fill half the pool)."""
+        return self.num_gpu_blocks // (2 * self.requests)
+
 
 def make_caches(shape: Shape) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """HPU layout: per layer ``(key, value)`` of ``((num_blocks + 1) * block_size, 1, d)``."""
@@ -62,7 +67,7 @@ def make_caches(shape: Shape) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def job_specs(shape: Shape, step: int) -> list[tuple[int, list[int], list[int]]]:
     """The step's jobs: ``(job_id, gpu ids, cpu ids)``, GPU ids from a live request's table."""
-    per_request = shape.num_gpu_blocks // (2 * shape.requests)
+    per_request = shape.per_request
     out = []
     for k in range(shape.jobs):
         job_id = step * shape.jobs + k + 1
@@ -83,7 +88,7 @@ def kvlog_round(shape: Shape, steps: int, workdir: str) -> dict[str, float]:
     defrag = OnlineDefragmenter(environ=environ, backend="cpu")
     defrag.initialize(make_caches(shape), BLOCK_SIZE)
     worker = OffloadingWorker(defrag, num_cpu_blocks=shape.num_gpu_blocks, quarantine=True)
-    per_request = shape.num_gpu_blocks // (2 * shape.requests)
+    per_request = shape.per_request
     tables = {
         f"r{i}": list(range(1 + i * per_request, 1 + (i + 1) * per_request))
         for i in range(shape.requests)

@@ -74,5 +74,4 @@ def _config(config: CacheConfigured | None) -> Any:
 def reseat(state: State) -> None:
     """Rebuild ``state.running`` from scratch (after a restore), each job's term kept."""
     fwd, tables, per_request, jobs = recompute(state, keep_terms=True)
-    state.running.reseat(fwd, tables, jobs, {r: (total, state.tables[r]) for r, (_, total)
-                                               in per_request.items()})  # fmt: skip
+    state.running.reseat(fwd, tables, jobs, {r: total for r, (_, total) in per_request.items()})

@@ -222,11 +222,8 @@ def release_request(state: State, req_id: str) -> None:
     """Drop a request's table; its blocks lose one reference each (and, with
     ``quarantine_released``, those it freed are no destination at the next StepEnded).
     A request without a table is a no-op."""
-    table = state.pop_table(req_id)
-    if table is None:
-        return
-    freed = state.drop_logical(table)
-    if len(freed):
+    freed = state.release_table(req_id)
+    if freed is not None and len(freed):
         quarantine_freed(state, freed)
 
 

@@ -272,7 +272,7 @@ def _rebuild(canonical: list[Any]) -> State:
             raise ValueError(f"{name} holds {array.size} blocks, not {state.num_gpu_blocks}")
         getattr(state, name)[:] = array  # into the buffer the State's loops index
     state.step, state.last_job_id = int(step), int(last_job_id)
-    state.tables = {str(req_id): [int(b) for b in table] for req_id, table in tables}
+    state.load_tables({str(req_id): [int(b) for b in table] for req_id, table in tables})
     factor = state.config.block_size_factor if state.config is not None else 1
     for job_id, kind, gpu, cpu, *extra in jobs:
         job = Job(int(job_id), kind, np.asarray(gpu, np.int64), np.asarray(cpu, np.int64))

@@ -42,11 +42,13 @@ __all__ = [
     "GOLDEN",
     "M1",
     "M2",
+    "MIN_CAPACITY",
     "add_refs",
     "allocation",
     "drop_refs",
     "load",
     "move",
+    "pack_rows",
     "seed_walk",
     "step_allocation",
     "step_commit",
@@ -57,6 +59,10 @@ FWD_KEY = 0x243F6A8885A308D3
 """The mapping terms' key; with splitmix64's constants (:mod:`kvlog.util.splitmix`) the running
 digest's arithmetic (``running.py``), which the kernels below compute in wrapping uint64."""
 
+MIN_CAPACITY = 4
+"""The smallest region a table gets in the tables' arena (``arena.py``): a decode step's
+one-block growth then moves its table rarely."""
+_MIN_CAPACITY = MIN_CAPACITY
 _ALL = np.uint64(0xFFFF_FFFF_FFFF_FFFF)
 _ONE = np.uint64(1)
 _ZERO = np.uint64(0)
@@ -319,26 +325,110 @@ def _step_allocation(
     return status
 
 
-def _step_rows(rows: Any, num_released: int, keys: Any, sums: Any, logical: Any) -> Any:
-    """The running digest's rows of a step (``_step_commit``'s ``rows``): the released
-    slots' sums leave the total, each allocation's terms join its slot's sum; returns the
-    change of the tables' sum (wrapping uint64)."""
-    change = _ZERO
-    for i in range(num_released):
-        change -= sums[rows[i]]
-    k = (len(rows) - num_released) // 3
-    offset = 0
+def _arena_need(rows: Any, num_released: int, starts: Any, lengths: Any, capacities: Any) -> int:
+    """Ids of new regions the step's allocations take in the tables' arena (``arena.py``):
+    a table that outgrows its region moves to one of twice its capacity (at least its new
+    length and ``MIN_CAPACITY``)."""
+    k = (len(rows) - num_released) // 2
+    need = 0
     for i in range(k):
-        slot, count = rows[num_released + i], rows[num_released + 2 * k + i]
-        start = rows[num_released + k + i]
+        slot, count = rows[num_released + i], rows[num_released + k + i]
+        if lengths[slot] + count > capacities[slot]:
+            need += max(2 * capacities[slot], lengths[slot] + count, _MIN_CAPACITY)
+    return need
+
+
+def _release_rows(
+    words: Any,
+    nonempty: Any,
+    notfull: Any,
+    refs: Any,
+    fwd: Any,
+    arena: Any,
+    starts: Any,
+    lengths: Any,
+    capacities: Any,
+    rows: Any,
+    num_released: int,
+    sums: Any,
+    freed: Any,
+) -> Any:
+    """The released rows' tables drop one reference per id (the freed blocks go to
+    ``freed``), their sums leave the total and their regions turn to garbage. Returns
+    (blocks freed, ids of garbage, the change of the tables' sum)."""
+    count, garbage, change = 0, 0, _ZERO
+    for i in range(num_released):
+        slot = rows[i]
+        start = starts[slot]
+        for j in range(lengths[slot]):
+            p = fwd[arena[start + j]]
+            refs[p] -= 1
+            if refs[p] == 0:
+                _remove_member(words, nonempty, notfull, p)
+                freed[count] = p
+                count += 1
+        change -= sums[slot]
+        garbage += capacities[slot]
+        lengths[slot] = 0
+        capacities[slot] = 0
+    return count, garbage, change
+
+
+def _append_rows(
+    arena: Any,
+    starts: Any,
+    lengths: Any,
+    capacities: Any,
+    top: int,
+    rows: Any,
+    num_released: int,
+    keys: Any,
+    sums: Any,
+    logical: Any,
+) -> Any:
+    """Each allocation's ids appended to its row's table (a row outgrowing its region
+    moves to the top first: ``_arena_need`` made room), its terms added to ``sums[slot]``.
+    Returns (the new top, ids of garbage, the change of the tables' sum)."""
+    k = (len(rows) - num_released) // 2
+    offset, garbage, change = 0, 0, _ZERO
+    for i in range(k):
+        slot, count = rows[num_released + i], rows[num_released + k + i]
+        length = lengths[slot]
+        if length + count > capacities[slot]:
+            capacity = max(2 * capacities[slot], length + count, _MIN_CAPACITY)
+            old = starts[slot]
+            for j in range(length):
+                arena[top + j] = arena[old + j]
+            garbage += capacities[slot]
+            starts[slot], capacities[slot] = top, capacity
+            top += capacity
+        at = starts[slot] + length
         key, term = keys[slot], _ZERO
         for j in range(count):
-            item = (np.uint64(start + j) << np.uint64(32)) | np.uint64(logical[offset + j])
+            block = logical[offset + j]
+            arena[at + j] = block
+            item = (np.uint64(length + j) << np.uint64(32)) | np.uint64(block)
             term += _mix(key + item * _GOLDEN)
+        lengths[slot] = length + count
         sums[slot] += term
         change += term
         offset += count
-    return change
+    return top, garbage, change
+
+
+def _pack_rows(old: Any, new: Any, starts: Any, lengths: Any, capacities: Any) -> int:
+    """The tables' arena packed (``arena.py``): every live row's region (capacity > 0), in
+    row order, copied from ``old`` to the start of ``new``; its start follows. Returns
+    the new top."""
+    top = 0
+    for row in range(len(capacities)):
+        if capacities[row]:
+            start = starts[row]
+            for j in range(lengths[row]):
+                new[top + j] = old[start + j]
+            starts[row] = top
+            top += capacities[row]
+    return top
 
 
 def _step_commit(
@@ -349,7 +439,11 @@ def _step_commit(
     refs: Any,
     fwd: Any,
     bwd: Any,
-    released: Any,
+    arena: Any,
+    starts: Any,
+    lengths: Any,
+    capacities: Any,
+    top: int,
     physical: Any,
     logical: Any,
     rows: Any,
@@ -366,32 +460,46 @@ def _step_commit(
 ) -> Any:
     """A whole checked step's bookkeeping and, when asked, its seed-rule defrag, in one call.
 
-    Drop one reference per logical id of ``released`` (the freed blocks go to ``freed``),
-    add one to each of ``physical`` (distinct, all free: the step's check found them so);
-    then the running digest's rows: ``rows`` holds the released requests' slots (the first
-    ``num_released``), then per allocation in order its slot, then their table starts, then
-    their counts (``logical``: all the allocations' ids, concatenated); each allocation's
-    terms are added to ``sums[slot]`` (its key ``keys[slot]``), the released slots' sums
-    leave the total. ``max_used`` and ``num_used``: before the step. With ``max_swaps > 0``
-    the step then ends with the seed rule's trigger, walk and move (``pairing.walk`` and
-    ``_move``; the pairs go to ``sources`` / ``destinations``).
-    Returns (blocks freed, highest used block after the step, the change of the tables'
-    sum, pairs moved, the change of the mapping sum), sums as wrapping uint64."""
-    num_freed = _drop_refs_inline(words, nonempty, notfull, refs, fwd, released, freed)
-    top = -1
+    ``rows`` holds the released requests' rows (the first ``num_released``), then per
+    allocation in order its row, then their counts; the tables are the rows of the arena
+    (``arena``, ``starts``, ``lengths``, ``capacities``, the next region at ``top``:
+    ``arena.py``), the running digest's keys and sums the rows of ``keys`` / ``sums``;
+    ``logical`` / ``physical``: all the allocations' ids, concatenated (the physical ones
+    distinct and free: the step's check found them so). First, when the allocations'
+    new regions would pass the arena's end, nothing changes and the ids they need come
+    back (the caller makes room and calls again). Else the released tables drop one
+    reference per id (the freed blocks go to ``freed``) and leave, each allocation's ids
+    join its table and its terms its sum, one reference is added to each of ``physical``;
+    ``max_used`` and ``num_used``: before the step. With ``max_swaps > 0`` the step then
+    ends with the seed rule's trigger, walk and move (``pairing.walk`` and ``_move``; the
+    pairs go to ``sources`` / ``destinations``).
+    Returns (ids needed first or 0, the arena's new top, ids turned garbage, blocks freed,
+    highest used block after the step, the change of the tables' sum, pairs moved, the
+    change of the mapping sum), sums as wrapping uint64."""
+    need = _arena_need(rows, num_released, starts, lengths, capacities)
+    if top + need > len(arena):
+        return need, top, 0, 0, max_used, _ZERO, 0, _ZERO
+    num_freed, garbage, change = _release_rows(
+        words, nonempty, notfull, refs, fwd, arena, starts, lengths, capacities, rows,
+        num_released, sums, freed,
+    )  # fmt: skip
+    top, moved, added = _append_rows(
+        arena, starts, lengths, capacities, top, rows, num_released, keys, sums, logical
+    )
+    change += added
+    peak = -1
     for i in range(len(physical)):
         p = physical[i]
         refs[p] = 1
         _add_member(words, nonempty, notfull, p)
-        top = max(top, p)
-    change = _step_rows(rows, num_released, keys, sums, logical)
+        peak = max(peak, p)
     if (
         num_freed
         and max_used >= 0
         and not (words[max_used >> 6] >> np.uint64(max_used & 63)) & _ONE
     ):
         max_used = _highest_member(words, nonempty, max_used)
-    max_used = max(max_used, top)
+    max_used = max(max_used, peak)
     num_used += len(physical) - num_freed
     num_pairs, delta = 0, _ZERO
     if max_swaps > 0 and max_used >= 0 and max_used - threshold > num_used:
@@ -403,7 +511,7 @@ def _step_commit(
                 words, nonempty, notfull, refs, fwd, bwd, sources[:num_pairs],
                 destinations[:num_pairs], max_used,
             )  # fmt: skip
-    return num_freed, max_used, change, num_pairs, delta
+    return 0, top, garbage + moved, num_freed, max_used, change, num_pairs, delta
 
 
 _mix = inline(_mix)
@@ -417,17 +525,19 @@ _highest_bit = inline(_highest_bit)
 _highest_member = inline(_highest_member)
 _prev_word = inline(_prev_word)
 _next_word = inline(_next_word)
-_step_rows = inline(_step_rows)
+_arena_need = inline(_arena_need)
+_release_rows = inline(_release_rows)
+_append_rows = inline(_append_rows)
 seed_walk = jit(_seed_walk, allocates=False)
 _seed_walk_inline = inline(_seed_walk)
 move = jit(_move, allocates=False)
 _move_inline = inline(_move)
 add_refs = jit(_add_refs, allocates=False)
 drop_refs = jit(_drop_refs, allocates=False)
-_drop_refs_inline = inline(_drop_refs)
 allocation = jit(_allocation, allocates=False)
 step_allocation = jit(_step_allocation, allocates=False)
 step_commit = jit(_step_commit, allocates=False)
+pack_rows = jit(_pack_rows, allocates=False)
 
 
 _loaded = False
@@ -451,8 +561,9 @@ def load() -> None:
     allocation(blocks, blocks, blocks, blocks, none, False, ids)
     step_allocation(blocks, blocks, blocks, blocks, none, ids)
     table_terms(np.uint64(GOLDEN), 0, none)
+    pack_rows(blocks, blocks, ids, ids, ids)
     step_commit(
-        words, words, words, words, blocks, blocks, blocks, none, none, none, none, 0, words,
-        words, ids, ids, ids, -1, 0, 0, 0,
+        words, words, words, words, blocks, blocks, blocks, blocks, ids, ids, ids, 0, none,
+        none, none, 0, words, words, ids, ids, ids, -1, 0, 0, 0,
     )  # fmt: skip
     _loaded = True

@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
 
 from kvlog.reducers import kernels
+from kvlog.reducers.arena import TableArena
 from kvlog.reducers.buffers import uint64_buffer
 from kvlog.reducers.kernels import FWD_KEY, GOLDEN
 from kvlog.util.splitmix import mix64, mix64_array
@@ -42,6 +44,7 @@ __all__ = [
     "DIGEST_V2_PREFIX",
     "MASK",
     "RunningDigest",
+    "Tables",
     "fwd_terms",
     "job_term",
     "mix",
@@ -153,20 +156,21 @@ class RunningDigest:
 
     Per live request it keeps a row: the request's id is interned to a dense slot
     (``slots``), whose key and table sum sit in two uint64 arrays (``keys`` / ``sums``,
-    views of ``array.array`` buffers, grown by doubling) and whose table list (the State's
-    own list object) in ``table_at``. A scheduler step then reaches a request's table and
+    views of ``array.array`` buffers, grown by doubling) and whose table in the row of the
+    same number of ``arena`` (``arena.py``). A scheduler step then reaches a request's table and
     sums with one dict lookup, and the compiled step kernel updates the sums in place."""
 
     __slots__ = (
+        "arena",
         "free_slots",
         "fwd",
         "jobs",
         "keys",
         "keys_buffer",
+        "num_rows",
         "slots",
         "sums",
         "sums_buffer",
-        "table_at",
         "tables",
     )
 
@@ -175,10 +179,12 @@ class RunningDigest:
         self.tables = 0
         self.jobs = 0
         self.slots: dict[str, int] = {}
-        """Live request -> its slot (rows of ``keys``, ``sums`` and ``table_at``)."""
+        """Live request -> its slot (rows of ``keys``, ``sums`` and ``arena``)."""
         self.free_slots: list[int] = []
-        self.table_at: list[list[int] | None] = []
-        """Per slot: the State's table list of its request (None: a free slot)."""
+        self.num_rows = 0
+        """Rows ever used (live or free)."""
+        self.arena = TableArena(_FIRST_ROWS)
+        """Per slot: its request's table (``arena.py``)."""
         self.keys_buffer, self.keys = uint64_buffer(_FIRST_ROWS)
         self.sums_buffer, self.sums = uint64_buffer(_FIRST_ROWS)
 
@@ -189,16 +195,15 @@ class RunningDigest:
         return {req_id: [keys[slot], sums[slot]] for req_id, slot in self.slots.items()}
 
     # -- rows ----------------------------------------------------------------------------
-    def add_request(self, req_id: str, table: list[int]) -> int:
-        """A row for a request without one, holding ``table`` (its State list); its slot."""
+    def add_request(self, req_id: str) -> int:
+        """A row for a request without one, its table empty; its slot."""
         if self.free_slots:
             slot = self.free_slots.pop()
-            self.table_at[slot] = table
         else:
-            slot = len(self.table_at)
+            slot = self.num_rows
             if slot == len(self.keys_buffer):
                 self._grow()
-            self.table_at.append(table)
+            self.num_rows = slot + 1
         self.keys_buffer[slot] = request_key(req_id)
         self.sums_buffer[slot] = 0
         self.slots[req_id] = slot
@@ -212,12 +217,11 @@ class RunningDigest:
             view[: size // 2] = getattr(self, name)
             setattr(self, name + "_buffer", buffer)
             setattr(self, name, view)
+        self.arena.grow_rows(size)
 
     def release_slots(self, slots: list[int]) -> None:
-        """Rows whose requests left ``slots`` (and their sums) already: free to reuse."""
-        table_at = self.table_at
-        for slot in slots:
-            table_at[slot] = None
+        """Rows whose requests left ``slots`` (and their sums and arena regions) already:
+        free to reuse."""
         self.free_slots += slots
 
     # -- changes (called by State's primitives) ------------------------------------------
@@ -236,6 +240,7 @@ class RunningDigest:
         slot = self.slots.pop(req_id, None)
         if slot is not None:
             self.tables = (self.tables - self.sums_buffer[slot]) & MASK
+            self.arena.close(slot)
             self.release_slots([slot])
 
     def mapping_moved(self, delta: int) -> None:
@@ -255,15 +260,42 @@ class RunningDigest:
         self.jobs = (self.jobs - delta) & MASK
 
     # -- from scratch --------------------------------------------------------------------
-    def reseat(
-        self, fwd: int, tables: int, jobs: int, per_request: dict[str, tuple[int, list[int]]]
-    ) -> None:
-        """All sums and rows from sums computed from scratch (``checkpoint.reseat``):
-        ``per_request`` maps a request to its table's sum and the State's table list."""
+    def reseat(self, fwd: int, tables: int, jobs: int, per_request: dict[str, int]) -> None:
+        """All sums from sums computed from scratch (``checkpoint.reseat``): the totals,
+        and per live request its table's sum (its row and table stay)."""
         self.fwd, self.tables, self.jobs = fwd, tables, jobs
-        self.slots, self.free_slots, self.table_at = {}, [], []
-        self.keys_buffer, self.keys = uint64_buffer(_FIRST_ROWS)
-        self.sums_buffer, self.sums = uint64_buffer(_FIRST_ROWS)
-        for req_id, (total, table) in per_request.items():
-            slot = self.add_request(req_id, table)
-            self.sums_buffer[slot] = total
+        slots, sums = self.slots, self.sums_buffer
+        for req_id, total in per_request.items():
+            sums[slots[req_id]] = total
+
+
+class Tables(Mapping[str, list[int]]):
+    """The live requests' tables as a read-only mapping: request -> its logical ids, a new
+    list at each lookup (the ids live in the running digest's arena, ``arena.py``), in the
+    order the requests got their tables."""
+
+    __slots__ = ("_digest",)
+
+    def __init__(self, digest: RunningDigest) -> None:
+        self._digest = digest
+
+    def __getitem__(self, req_id: str) -> list[int]:
+        digest = self._digest
+        return digest.arena.table(digest.slots[req_id])
+
+    def get(self, req_id: str, default: Any = None) -> Any:
+        digest = self._digest
+        slot = digest.slots.get(req_id)
+        return default if slot is None else digest.arena.table(slot)
+
+    def __contains__(self, req_id: object) -> bool:
+        return req_id in self._digest.slots
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._digest.slots)
+
+    def __len__(self) -> int:
+        return len(self._digest.slots)
+
+    def __repr__(self) -> str:
+        return f"Tables({dict(self.items())!r})"

@@ -21,9 +21,8 @@ here, so the bitmaps never disagree with the counts; each costs O(blocks it is g
 
 from __future__ import annotations
 
-import collections
-import itertools
-from typing import Any, cast
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -31,7 +30,7 @@ import numpy.typing as npt
 from kvlog.events import CacheConfigured, SwapPlan
 from kvlog.reducers import kernels, running
 from kvlog.reducers.blockset import SCALAR_LIMIT, BlockSet, IdArray, clear_bits, set_bits
-from kvlog.reducers.buffers import int32_buffer, uint64_buffer
+from kvlog.reducers.buffers import Int32Array, int32_buffer, uint64_buffer
 from kvlog.reducers.jobs import Job
 from kvlog.reducers.ranges import check_id_dtype
 
@@ -52,7 +51,12 @@ class State:
         self.config: CacheConfigured | None = None
         self.step = -1
         self.last_job_id = -1
-        self.tables: dict[str, list[int]] = {}
+        self.running = running.RunningDigest()
+        """The running digest's sums (``running.py``), told of every change below; its
+        rows hold the request tables (``arena.py``)."""
+        self.tables: Mapping[str, list[int]] = running.Tables(self.running)
+        """Per live request, its logical block ids (a read-only view: a new list at each
+        lookup). Changed only through the primitives below."""
         self.store_jobs: dict[int, Job] = {}
         self.load_jobs: dict[int, Job] = {}
         self.quarantined: set[int] = set()
@@ -70,8 +74,6 @@ class State:
         counted machine's, ``step.apply_step_counted``, which leaves ``last_swap`` None;
         0 after any other step's apply); like ``num_moves``, not part of the digest or
         snapshot."""
-        self.running = running.RunningDigest()
-        """The running digest's sums (``running.py``), told of every change below."""
         self._allocate_arrays(0)
         self.pair_sources = self.pair_destinations = np.zeros(0, dtype=np.int64)
 
@@ -178,13 +180,16 @@ class State:
         digest = self.running
         slot = digest.slots.get(req_id)
         if slot is None:
-            table = self.tables[req_id] = list(block_ids)
-            digest.table_extended(digest.add_request(req_id, table), 0, block_ids)
-        else:
-            held = digest.table_at[slot]
-            assert held is not None, "a live request's slot holds its table"
-            digest.table_extended(slot, len(held), block_ids)
-            held.extend(block_ids)
+            slot = digest.add_request(req_id)
+        digest.table_extended(slot, digest.arena.lengths_buffer[slot], block_ids)
+        digest.arena.append(slot, block_ids)
+
+    def load_tables(self, tables: dict[str, list[int]]) -> None:
+        """Tables for a state restored without any (a snapshot's, in its order); the
+        caller reseats the running digest afterwards (``checkpoint.reseat``)."""
+        assert not self.running.slots, "load_tables() on a state without tables only"
+        for req_id, block_ids in tables.items():  # an empty one stays, for the check to refuse
+            self.extend_table(req_id, block_ids)
 
     def commit_step(
         self,
@@ -203,37 +208,39 @@ class State:
         where ``defrag.walks_in_step``); the pairs are the first of ``pair_sources`` /
         ``pair_destinations``. Returns the blocks the releases freed and the number of
         pairs moved. The per-request work is C-level passes (``map``) over the step's
-        lists: one dict lookup a request, its table extended in place."""
-        tables, digest = self.tables, self.running
-        slots = digest.slots
-        dropped = list(map(tables.pop, releases))
+        lists: one dict lookup a request; the ids go into the tables' arena in the kernel."""
+        digest = self.running
+        slots, arena = digest.slots, digest.arena
         rows: list[int] = list(map(slots.pop, releases))
         num_released = len(rows)
+        num_dropped = sum(map(arena.lengths_buffer.__getitem__, rows))
         found: list[Any] = list(map(slots.get, req_ids))
         i = -1
         for _ in range(found.count(None)):  # new tables (new, or released by this step)
             i = found.index(None, i + 1)
-            table: list[int] = []
-            tables[req_ids[i]] = table
-            found[i] = digest.add_request(req_ids[i], table)
-        held = cast("list[list[int]]", list(map(digest.table_at.__getitem__, found)))
+            found[i] = digest.add_request(req_ids[i])
         rows += found
-        rows += map(len, held)  # where each table's new ids start
         rows += map(len, block_lists)
-        collections.deque(map(list.extend, held, block_lists), maxlen=0)
-        released = np.fromiter(
-            itertools.chain.from_iterable(dropped), np.int64, sum(map(len, dropped))
-        )
-        freed = np.empty(released.size, dtype=np.int64)
+        row_array = np.array(rows, dtype=np.int64)
+        freed = np.empty(num_dropped, dtype=np.int64)
         config, used = self.config, self.used
         assert config is not None, "a step commits to a configured state only"
-        num_freed, self._max_used, change, num_pairs, delta = kernels.step_commit(
-            used.words, used.nonempty, used.notfull, self.pinned, self.refs, self.fwd,
-            self.bwd, released, ids[1], ids[0], np.array(rows, dtype=np.int64),
-            num_released, digest.keys, digest.sums, freed, self.pair_sources,
-            self.pair_destinations, self._max_used, used.count, config.threshold,
-            config.max_swaps if walk else 0,
-        )  # fmt: skip
+        while True:
+            need, top, garbage, num_freed, self._max_used, change, num_pairs, delta = (
+                kernels.step_commit(
+                    used.words, used.nonempty, used.notfull, self.pinned, self.refs, self.fwd,
+                    self.bwd, arena.ids, arena.starts, arena.lengths, arena.capacities,
+                    arena.top, ids[1], ids[0], row_array, num_released, digest.keys,
+                    digest.sums, freed, self.pair_sources, self.pair_destinations,
+                    self._max_used, used.count, config.threshold,
+                    config.max_swaps if walk else 0,
+                )
+            )  # fmt: skip
+            if not need:
+                break
+            arena.reserve(need)  # nothing changed yet: again, with room for the step
+        arena.top = top
+        arena.garbage += garbage
         used.count += ids[1].size - num_freed
         digest.tables_changed(int(change))
         if num_released:
@@ -245,10 +252,27 @@ class State:
 
     def pop_table(self, req_id: str) -> list[int] | None:
         """Remove and return a request's table (None if it has none)."""
-        table = self.tables.pop(req_id, None)
-        if table is not None:
-            self.running.table_removed(req_id)
+        slot = self.running.slots.get(req_id)
+        if slot is None:
+            return None
+        table = self.running.arena.table(slot)
+        self.running.table_removed(req_id)
         return table
+
+    def release_table(self, req_id: str) -> IdArray | list[int] | None:
+        """Remove a request's table and drop one reference per id (``drop_logical``); the
+        blocks this freed, or None if it has no table."""
+        digest = self.running
+        slot = digest.slots.get(req_id)
+        if slot is None:
+            return None
+        arena = digest.arena
+        if arena.lengths_buffer[slot] <= SCALAR_LIMIT:
+            freed = self.drop_logical(arena.table(slot))
+        else:
+            freed = self.drop_logical(arena.ids_of(slot))
+        digest.table_removed(req_id)
+        return freed
 
     def replace_table(self, req_id: str, block_ids: list[int]) -> None:
         """A request's table becomes ``block_ids`` (removed when empty)."""
@@ -331,15 +355,19 @@ class State:
             self._refresh_max_used()
         return freed
 
-    def drop_logical(self, block_ids: list[int]) -> IdArray | list[int]:
-        """``drop_refs`` of the physical blocks of logical ``block_ids`` (a table): a
-        Python loop for a few, ``kernels.drop_refs`` for more. The blocks this freed."""
-        if len(block_ids) <= SCALAR_LIMIT:
+    def drop_logical(self, block_ids: list[int] | Int32Array) -> IdArray | list[int]:
+        """``drop_refs`` of the physical blocks of logical ``block_ids`` (a table: a list,
+        or an int32 array): a Python loop over a short list, ``kernels.drop_refs`` for
+        more. The blocks this freed."""
+        if isinstance(block_ids, list) and len(block_ids) <= SCALAR_LIMIT:
             fwd = self.fwd_buffer
             return self.drop_refs([fwd[b] for b in block_ids])
         used, count = self.used, len(block_ids)
         freed = np.empty(count, dtype=np.int64)
-        logical = np.fromiter(block_ids, np.int64, count)
+        if isinstance(block_ids, list):
+            logical = np.fromiter(block_ids, np.int64, count)
+        else:
+            logical = block_ids.astype(np.int64)
         count = kernels.drop_refs(
             used.words, used.nonempty, used.notfull, self.refs, self.fwd, logical, freed
         )

@@ -1,0 +1,126 @@
+"""The live requests' block tables as arrays: one int32 arena, a region per request row.
+
+A request's table is the logical ids ``ids[starts[row] : starts[row] + lengths[row]]`` of
+its row (the running digest's slot, ``running.py``), in a region of ``capacities[row]``
+ids. Appending past the capacity moves the table to a region twice as large at the
+arena's top (amortized O(1) an id); a table that leaves turns its region into garbage,
+and when the top would pass the arena's end the live regions are packed into a fresh
+arena (four times what they need, ``kernels.pack_rows``): O(live ids), compiled,
+amortized over the ids appended since.
+
+So a whole scheduler step's tables change inside its one compiled commit
+(``kernels.step_commit`` appends each allocation's ids and drops the released tables'
+references straight from here), with no Python int per id; the rest of the reducers read
+a table as a list (``table``) and append through ``append``. Each array is a numpy view of
+an ``array.array`` buffer (``buffers.py``): Python loops index the buffer, compiled code the
+view. Pure bookkeeping: no I/O, no clock, no randomness.
+"""
+
+from __future__ import annotations
+
+from array import array
+
+import numpy as np
+
+from kvlog.reducers import kernels
+from kvlog.reducers.buffers import Int32Array, int64_buffer
+from kvlog.reducers.kernels import MIN_CAPACITY
+
+__all__ = ["TableArena"]
+
+_FIRST_IDS = 4096
+"""Ids a fresh arena holds before it first grows."""
+
+
+class TableArena:
+    """The ids of every live table and, per row, where its region starts, how many ids it
+    holds and how many it has room for. Rows are the running digest's slots; a free row
+    has length and capacity 0."""
+
+    __slots__ = (
+        "capacities",
+        "capacities_buffer",
+        "garbage",
+        "ids",
+        "ids_buffer",
+        "lengths",
+        "lengths_buffer",
+        "starts",
+        "starts_buffer",
+        "top",
+    )
+
+    def __init__(self, rows: int) -> None:
+        self.ids_buffer = array("i", bytes(4 * _FIRST_IDS))
+        self.ids: Int32Array = np.frombuffer(self.ids_buffer, dtype=np.int32)
+        self.starts_buffer, self.starts = int64_buffer(rows)
+        self.lengths_buffer, self.lengths = int64_buffer(rows)
+        self.capacities_buffer, self.capacities = int64_buffer(rows)
+        self.top = 0
+        """Where the next region starts (ids past it are unused)."""
+        self.garbage = 0
+        """Ids below ``top`` that no live table's region covers."""
+
+    def grow_rows(self, rows: int) -> None:
+        """Room for ``rows`` rows (the running digest doubled its slots); the new ones free."""
+        for name in ("starts", "lengths", "capacities"):
+            buffer, view = int64_buffer(rows)
+            old = getattr(self, name)
+            view[: old.size] = old
+            setattr(self, name + "_buffer", buffer)
+            setattr(self, name, view)
+
+    def table(self, row: int) -> list[int]:
+        """Row ``row``'s table as a new list."""
+        start = self.starts_buffer[row]
+        return self.ids_buffer[start : start + self.lengths_buffer[row]].tolist()
+
+    def ids_of(self, row: int) -> Int32Array:
+        """Row ``row``'s table as a view of the arena (valid until the arena next changes)."""
+        start = self.starts_buffer[row]
+        return self.ids[start : start + self.lengths_buffer[row]]
+
+    def append(self, row: int, block_ids: list[int]) -> None:
+        """Append ``block_ids`` to row ``row``'s table (a free row: a new table)."""
+        count = len(block_ids)
+        length = self.lengths_buffer[row]
+        if length + count > self.capacities_buffer[row]:
+            self._relocate(row, max(2 * self.capacities_buffer[row], length + count, MIN_CAPACITY))
+        at = self.starts_buffer[row] + length
+        if count == 1:
+            self.ids_buffer[at] = block_ids[0]
+        else:
+            self.ids[at : at + count] = block_ids
+        self.lengths_buffer[row] = length + count
+
+    def close(self, row: int) -> None:
+        """Row ``row``'s table left: its region is garbage, the row free."""
+        self.garbage += self.capacities_buffer[row]
+        self.lengths_buffer[row] = self.capacities_buffer[row] = 0
+
+    def _relocate(self, row: int, capacity: int) -> None:
+        """Move row ``row``'s table to a new region of ``capacity`` ids at the top."""
+        self.reserve(capacity)
+        start, length = self.starts_buffer[row], self.lengths_buffer[row]
+        top = self.top
+        self.ids[top : top + length] = self.ids[start : start + length]
+        self.garbage += self.capacities_buffer[row]
+        self.starts_buffer[row], self.capacities_buffer[row] = top, capacity
+        self.top = top + capacity
+
+    def reserve(self, need: int) -> None:
+        """Room for ``need`` more ids at the top: the live regions packed into a fresh
+        arena when they would not fit (four times what the live regions and ``need`` take,
+        at least the current size: O(live ids), amortized over the appends that made the
+        garbage). The arrays are new objects then: read them again."""
+        if self.top + need <= self.ids.size:
+            return
+        live = self.top - self.garbage
+        size = self.ids.size
+        while size < 4 * (live + need):
+            size *= 2
+        buffer = array("i", bytes(4 * size))
+        view = np.frombuffer(buffer, dtype=np.int32)
+        self.top = kernels.pack_rows(self.ids, view, self.starts, self.lengths, self.capacities)
+        self.garbage = 0
+        self.ids_buffer, self.ids = buffer, view

@@ -34,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kvlog import replay
-from kvlog.events import Checkpoint, Event, StepEnded, StepScheduled
+from kvlog.events import STEP_EVENTS, Checkpoint, Event
 from kvlog.log import read_log
 from kvlog.runtime.machine import Machine
 from kvlog.synth import SynthConfig, run_synth
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
 
     base_s, num_records = best_of(repeat, lambda: decode_only(path))
     events = [r for _, r in read_log(path) if not isinstance(r, Checkpoint)]
-    num_steps = sum(isinstance(r, (StepScheduled, StepEnded)) for r in events)
+    num_steps = sum(type(r) in STEP_EVENTS for r in events)
     gc.collect()
     gc.freeze()  # the decoded events stand for the log file: no garbage to scan, for any mode
     modes: list[tuple[str, Callable[[], int]]] = [

@@ -39,6 +39,7 @@ from kvlog.events import (
     Plan,
     RequestFinished,
     RequestPreempted,
+    StepPacked,
     StepScheduled,
     TransferBatch,
     TransferFinished,
@@ -209,7 +210,7 @@ class CanaryTracker:
         ``StepScheduled``: its fine-grained events and what each of its releases frees)."""
         if isinstance(event, (RequestFinished, RequestPreempted)):
             self._released = list(state.request_blocks(event.req_id))
-        elif isinstance(event, StepScheduled):
+        elif isinstance(event, (StepScheduled, StepPacked)):
             assert isinstance(state, State), "a StepScheduled comes from a machine's state"
             self._step_events = step_reducer.expand(state, event)[:-1]
             self._step_released = [
@@ -225,7 +226,7 @@ class CanaryTracker:
         for plan in plans:
             if type(plan) is TransferPlan:
                 self._planned(state, plan)
-        if isinstance(event, StepScheduled):
+        if isinstance(event, (StepScheduled, StepPacked)):
             released = iter(self._step_released)
             for fine in self._step_events:  # the step's own order; writes land where the
                 if isinstance(fine, BlocksAllocated):  # blocks are after its defrag moves

@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 
 from kvlog.analysis.cost import CostModel
 from kvlog.events import (
+    WHOLE_STEPS,
     CacheConfigured,
     Event,
     Plan,
     StepEnded,
+    StepPacked,
     StepScheduled,
     SwapPlan,
     TransferPlan,
@@ -141,9 +143,9 @@ class RunTally(Observer):
             self.plans.add(plans)
             if self.cost is not None:
                 self._time_defrag(plans)
-        if type(event) is StepScheduled and state.counted_pairs:
+        if type(event) in WHOLE_STEPS and state.counted_pairs:
             self._counted_swap(state)
-        if isinstance(event, (StepEnded, StepScheduled)):
+        if isinstance(event, (StepEnded, StepScheduled, StepPacked)):
             self._end_step(state, event.step)
 
     def _counted_swap(self, state: State) -> None:

@@ -7,12 +7,15 @@ the end with a default; no field is reordered or retyped.
 
 from __future__ import annotations
 
+import itertools
 import typing
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, Literal
 
 import msgspec
+import numpy as np
+import numpy.typing as npt
 
 __all__ = [
     "CONFIG_DEFAULTS",
@@ -31,7 +34,10 @@ __all__ = [
     "RequestFinished",
     "RequestPreempted",
     "StepEnded",
+    "StepPacked",
     "StepScheduled",
+    "WHOLE_STEPS",
+    "packed_step",
     "StoreRequested",
     "SwapPlan",
     "FencePlan",
@@ -215,6 +221,69 @@ class StepScheduled(_Tagged, frozen=True):
     finished: list[str]
     preempted: list[str] = []
     resumed: list[str] = []
+
+
+class StepPacked(_Tagged, frozen=True):
+    """A ``StepScheduled`` whose allocations are packed as arrays: the form the log
+    records a step in (the runner's path, ``Engine``), so that a replay decodes a step's
+    hundreds of block ids straight into one array instead of a Python int each.
+
+    ``req_ids`` are ``allocated``'s requests in order, ``counts`` how many block ids each
+    has and ``block_ids`` all of them concatenated, both little-endian int32
+    (``np.frombuffer(counts, "<i4")``). It is exactly the ``StepScheduled`` with
+    ``allocated = dict(zip(req_ids, the ids split by counts))`` (``allocated``,
+    ``unpacked``): the same checks, refusals (and their messages), state, plans and digest.
+    """
+
+    step: int
+    req_ids: list[str]
+    counts: bytes
+    block_ids: bytes
+    finished: list[str]
+    preempted: list[str] = []
+    resumed: list[str] = []
+
+    @property
+    def allocated(self) -> dict[str, list[int]]:
+        """``StepScheduled.allocated`` of this step (new lists at each call; the step's
+        validation checks first that ``counts`` and ``block_ids`` fit ``req_ids``)."""
+        counts = np.frombuffer(self.counts, dtype="<i4").tolist()
+        ids = np.frombuffer(self.block_ids, dtype="<i4").tolist()
+        ends = list(itertools.accumulate(counts))
+        starts = [0, *ends][: len(ends)]
+        return {r: ids[a:b] for r, a, b in zip(self.req_ids, starts, ends, strict=True)}
+
+    def unpacked(self) -> StepScheduled:
+        """The same step as a ``StepScheduled``."""
+        return StepScheduled(
+            step=self.step,
+            allocated=self.allocated,
+            finished=self.finished,
+            preempted=self.preempted,
+            resumed=self.resumed,
+        )
+
+
+def packed_step(
+    event: StepScheduled, block_ids: npt.NDArray[np.integer] | None = None
+) -> StepPacked:
+    """``event`` as a ``StepPacked`` (its block ids all below 2**31). ``block_ids``: all of
+    ``allocated``'s ids concatenated, when the caller has them as an array already."""
+    allocated = event.allocated
+    counts = np.fromiter(map(len, allocated.values()), np.dtype("<i4"), len(allocated))
+    if block_ids is None:
+        flat = np.fromiter(itertools.chain.from_iterable(allocated.values()), np.dtype("<i4"))
+    else:
+        flat = block_ids.astype("<i4")
+    return StepPacked(
+        step=event.step,
+        req_ids=list(allocated),
+        counts=counts.tobytes(),
+        block_ids=flat.tobytes(),
+        finished=event.finished,
+        preempted=event.preempted,
+        resumed=event.resumed,
+    )
 
 
 class Checkpoint(_Tagged, frozen=True):
@@ -462,6 +531,7 @@ Event = (
     | TransferSubmitted
     | BlocksReleased
     | StepScheduled
+    | StepPacked
     | TierConfigured
     | TierRequestStarted
     | TierLookedUp
@@ -476,7 +546,9 @@ Event = (
     | TransferBatch
 )
 Record = Event | Checkpoint
-STEP_EVENTS: frozenset[type] = frozenset({StepEnded, StepScheduled})
+STEP_EVENTS: frozenset[type] = frozenset({StepEnded, StepScheduled, StepPacked})
 """The events that end a scheduler step (each carries ``step``): checkpoints, group commits
 and per-step statistics count them."""
+WHOLE_STEPS: frozenset[type] = frozenset({StepScheduled, StepPacked})
+"""The events that stand for a whole scheduler step (``StepScheduled`` and its packed form)."""
 Plan = SwapPlan | TransferPlan | FencePlan

@@ -30,6 +30,7 @@ from kvlog.events.types import (
     RequestFinished,
     RequestPreempted,
     StepEnded,
+    StepPacked,
     StepScheduled,
     StoreRequested,
     TransferBatch,
@@ -227,6 +228,50 @@ def _validate_step_scheduled(event: StepScheduled) -> None:
                 _encodable(event, "req_id", req_id)
 
 
+def _validate_request_ids(event: Event, names: tuple[str, ...]) -> None:
+    """Each of the lists ``names`` of ``event`` is a list of valid request ids."""
+    for name in names:
+        req_ids = getattr(event, name)
+        if type(req_ids) is not list:
+            raise InvalidEvent(f"{name} must be a list of request ids", event)
+        for req_id in req_ids:
+            if type(req_id) is not str or not 0 < len(req_id) <= MAX_REQ_ID_LENGTH:
+                _req_id(event, req_id)
+            elif not req_id.isascii():
+                _encodable(event, "req_id", req_id)
+
+
+def _validate_step_packed(event: StepPacked) -> None:
+    """``StepScheduled``'s checks in the packed form: its number and request ids, then
+    the shape of the packing (one int32 count per request, none negative, the ids as
+    many as they add up to, no request twice). What the pool bounds (negative ids, ids
+    out of range, an id given twice) the step's check refuses, as for ``StepScheduled``."""
+    _int(event, "step", event.step, 0)
+    _validate_request_ids(event, ("req_ids", "finished", "preempted", "resumed"))
+    counts, block_ids = event.counts, event.block_ids
+    if type(counts) is not bytes or type(block_ids) is not bytes:
+        raise InvalidEvent("counts and block_ids must be bytes (little-endian int32)", event)
+    if len(counts) != 4 * len(event.req_ids):
+        raise InvalidEvent(
+            f"counts holds {len(counts)} bytes for {len(event.req_ids)} requests: one "
+            "little-endian int32 each",
+            event,
+        )
+    sizes = np.frombuffer(counts, dtype="<i4")
+    if sizes.size and int(sizes.min()) < 0:
+        raise InvalidEvent("counts holds a negative count", event)
+    if len(block_ids) != 4 * int(sizes.sum(dtype=np.int64)):
+        raise InvalidEvent(
+            f"block_ids holds {len(block_ids)} bytes where counts add up to "
+            f"{int(sizes.sum(dtype=np.int64))} little-endian int32 ids",
+            event,
+        )
+    if len(set(event.req_ids)) != len(event.req_ids):
+        seen: set[str] = set()
+        dup = next(r for r in event.req_ids if r in seen or seen.add(r))  # type: ignore[func-returns-value]
+        raise InvalidEvent(f"req_ids holds {dup!r} twice", event)
+
+
 VALIDATORS: dict[type, Callable[[Any], None]] = {  # each event type's stateless checks
     CacheConfigured: _validate_config,
     BlocksAllocated: _validate_blocks_event,
@@ -239,6 +284,7 @@ VALIDATORS: dict[type, Callable[[Any], None]] = {  # each event type's stateless
     TransferSubmitted: _validate_job_id,
     TransferFinished: _validate_finished,
     StepScheduled: _validate_step_scheduled,
+    StepPacked: _validate_step_packed,
 }
 VALIDATORS.update(TIER_VALIDATORS)  # the CPU tier's events (events/tier_checks.py)
 

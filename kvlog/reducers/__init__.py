@@ -6,7 +6,7 @@ place, once, and returns the plans; ``reduce(state, event)`` is both. See
 ``docs/internals.md`` for the contract and ``defrag.py`` / ``transfers.py`` for the rules.
 """
 
-from kvlog.reducers.compose import Checked, check, check_decoded, commit, reduce
+from kvlog.reducers.compose import Checked, check, check_decoded, commit, recorded, reduce
 from kvlog.reducers.digest import digest, restore, snapshot
 from kvlog.reducers.invariants import check_invariants
 from kvlog.reducers.jobs import Job
@@ -23,6 +23,7 @@ __all__ = [
     "commit",
     "digest",
     "initial_state",
+    "recorded",
     "reduce",
     "restore",
     "snapshot",

@@ -26,6 +26,7 @@ from kvlog.events import (
     RequestFinished,
     RequestPreempted,
     StepEnded,
+    StepPacked,
     StepScheduled,
     StoreRequested,
     SwapPlan,
@@ -39,7 +40,7 @@ from kvlog.events.validate import DECODED_VALIDATORS, VALIDATORS
 from kvlog.reducers import defrag, step, transfer_batch, transfers
 from kvlog.reducers.state import State
 
-__all__ = ["Checked", "check", "check_decoded", "commit", "reduce"]
+__all__ = ["Checked", "check", "check_decoded", "commit", "recorded", "reduce"]
 
 _Check = Callable[[State, Any], Any]
 _Apply = Callable[[State, Any, Any], list[Plan]]
@@ -71,6 +72,7 @@ _PAIRS: dict[type, tuple[_Check, _Apply]] = {
     TransferSubmitted: (transfers.check_submitted, transfers.apply_submitted),
     BlocksReleased: (defrag.check_release_blocks, defrag.apply_release_blocks),
     StepScheduled: (step.check_step, step.apply_step),
+    StepPacked: (step.check_step, step.apply_step),
     **{tier_event: (_unchecked, _no_check(_tier_only)) for tier_event in TIER_EVENTS},
     TierBatch: (_unchecked, _no_check(_tier_only)),
     TransferBatch: (transfer_batch.check_batch, transfer_batch.apply_batch),
@@ -87,11 +89,8 @@ _DECODED_STEPS: dict[type, tuple[Callable[[Any], None], _Check, _Apply]] = {
 }
 """``_STEPS`` with the validation of events the log's typed decoder produced."""
 _COUNTED_STEPS = {**_DECODED_STEPS}
-_COUNTED_STEPS[StepScheduled] = (
-    DECODED_VALIDATORS[StepScheduled],
-    step.check_step,
-    step.apply_step_counted,
-)
+for _whole in (StepScheduled, StepPacked):
+    _COUNTED_STEPS[_whole] = (DECODED_VALIDATORS[_whole], step.check_step, step.apply_step_counted)
 """``_DECODED_STEPS`` for a machine that counts a step's defrag moves instead of listing
 them (``step.apply_step_counted``)."""
 
@@ -135,6 +134,12 @@ def _check(
     if state.config is None and type(event) is not CacheConfigured:
         raise NotConfigured("the first event must be CacheConfigured", event)
     return _checked((event, apply_event, check_event(state, event)))
+
+
+def recorded(checked: Checked) -> Event:
+    """The record a log keeps for a checked event (``step.log_form``: a whole step checked
+    in bulk in its packed form, every other event itself)."""
+    return step.log_form(checked.event, checked.found)
 
 
 def commit(state: State, checked: Checked) -> list[Plan]:

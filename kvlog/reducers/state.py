@@ -195,20 +195,20 @@ class State:
         self,
         releases: list[str],
         req_ids: list[str],
-        block_lists: list[list[int]],
+        counts: list[int],
         ids: tuple[IdArray, IdArray],
         walk: bool,
     ) -> tuple[IdArray, int]:
         """A checked step's bookkeeping in one compiled call: ``releases`` (distinct, each
         holding a table) drop their tables, then each of ``req_ids`` (distinct, released
-        ones getting a fresh table) gets its non-empty list of ``block_lists`` appended;
-        ``ids``: all of those ids, concatenated, logical and physical, whose physical
+        ones getting a fresh table) gets its ``counts`` (each at least 1) of ``ids``
+        appended; ``ids``: all of those ids, concatenated, logical and physical, whose physical
         blocks the check found distinct, free and unpinned. The running digest follows.
         ``walk``: the same call then takes the seed rule's defrag decision and moves (only
         where ``defrag.walks_in_step``); the pairs are the first of ``pair_sources`` /
         ``pair_destinations``. Returns the blocks the releases freed and the number of
         pairs moved. The per-request work is C-level passes (``map``) over the step's
-        lists: one dict lookup a request; the ids go into the tables' arena in the kernel."""
+        requests: one dict lookup each; the ids go into the tables' arena in the kernel."""
         digest = self.running
         slots, arena = digest.slots, digest.arena
         rows: list[int] = list(map(slots.pop, releases))
@@ -220,7 +220,7 @@ class State:
             i = found.index(None, i + 1)
             found[i] = digest.add_request(req_ids[i])
         rows += found
-        rows += map(len, block_lists)
+        rows += counts
         row_array = np.array(rows, dtype=np.int64)
         freed = np.empty(num_dropped, dtype=np.int64)
         config, used = self.config, self.used

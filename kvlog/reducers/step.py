@@ -34,20 +34,28 @@ from kvlog.events import (
     RequestFinished,
     RequestPreempted,
     StepEnded,
+    StepPacked,
     StepScheduled,
+    packed_step,
 )
 from kvlog.reducers import defrag, kernels
 from kvlog.reducers.blockset import SCALAR_LIMIT
 from kvlog.reducers.state import State
 
 __all__ = [
+    "Step",
     "StepFound",
     "apply_step",
     "apply_step_counted",
     "check_step",
     "expand",
     "held_by_receiver",
+    "log_form",
 ]
+
+
+Step = StepScheduled | StepPacked
+"""A whole scheduler step, in either of its forms (``StepPacked``: its ids as arrays)."""
 
 
 class StepFound(NamedTuple):
@@ -66,28 +74,30 @@ _found: Callable[[tuple[Any, Any, Any]], StepFound] = functools.partial(tuple.__
 """``StepFound`` from a plain tuple without the NamedTuple constructor's Python frame."""
 
 
-def check_step(state: State, event: StepScheduled) -> StepFound:
+def check_step(state: State, event: Step) -> StepFound:
     """Refuse the step if any of its events would be refused where it stands; else what
     the apply needs. One compiled pass over all of the step's blocks settles the usual
     step (every block free); a step that reuses a block checks block by block."""
     config = state.config
     assert config is not None, "reduce() dispatches only configured states here"
-    tables = state.tables
+    tables = state.running.slots  # the requests holding a table (membership only)
     releases: list[str] = []
     released: set[str] = set()
     for req_id in (*event.finished, *event.preempted) if event.preempted else event.finished:
         if req_id in tables and req_id not in released:
             releases.append(req_id)
             released.add(req_id)
-    allocated = event.allocated
-    count = sum(map(len, allocated.values()))
+    if isinstance(event, StepPacked):  # the ids as one array already
+        logical = np.frombuffer(event.block_ids, dtype="<i4").astype(np.int64)
+        count = logical.size
+    else:
+        allocated = event.allocated
+        count = sum(map(len, allocated.values()))
+        if count:
+            logical = _logical(event, tables, released, count, config.num_gpu_blocks)
     if not count:
         none = np.zeros(0, dtype=np.int64)
         return StepFound(releases, [], (none, none))
-    try:
-        logical = np.fromiter(itertools.chain.from_iterable(allocated.values()), np.int64, count)
-    except OverflowError:  # an int beyond int64
-        _refuse_range(_allocations(event, tables, released), config.num_gpu_blocks)
     physical = np.empty(count, dtype=np.int64)
     status = kernels.step_allocation(
         state.fwd, state.refs, state.store_pins, state.load_pins, logical, physical
@@ -101,8 +111,18 @@ def check_step(state: State, event: StepScheduled) -> StepFound:
     return StepFound(releases, _scan(state, allocations, released), None)
 
 
+def _logical(
+    event: StepScheduled, tables: Any, released: set[str], count: int, size: int
+) -> np.ndarray:
+    """All of the step's ``count`` allocated ids, concatenated, as int64."""
+    try:
+        return np.fromiter(itertools.chain.from_iterable(event.allocated.values()), np.int64, count)
+    except OverflowError:  # an int beyond int64
+        _refuse_range(_allocations(event, tables, released), size)
+
+
 def _allocations(
-    event: StepScheduled, tables: Any, released: set[str]
+    event: Step, tables: Any, released: set[str]
 ) -> list[tuple[str, list[int], bool, list[int] | None, bool]]:
     """Per non-empty allocation in order: its request, ids, and whether the request is
     released just before it (resumed while holding a table)."""
@@ -236,7 +256,7 @@ class _Scan:
                 )
 
 
-def apply_step(state: State, event: StepScheduled, found: StepFound) -> list[Plan]:
+def apply_step(state: State, event: Step, found: StepFound) -> list[Plan]:
     """The step's releases, allocations and defrag decision, in order; their plans."""
     state.counted_pairs = 0
     if found.bulk is None:
@@ -247,7 +267,7 @@ def apply_step(state: State, event: StepScheduled, found: StepFound) -> list[Pla
     return defrag.end_step_at(state, event.step)
 
 
-def apply_step_counted(state: State, event: StepScheduled, found: StepFound) -> list[Plan]:
+def apply_step_counted(state: State, event: Step, found: StepFound) -> list[Plan]:
     """``apply_step`` for a machine that executes nothing and only counts its defrag
     moves (a replay's tallied lanes, ``Machine.counted_swaps``): the same state change and
     decision, but a step whose one compiled commit walked and moved returns no
@@ -264,31 +284,38 @@ def apply_step_counted(state: State, event: StepScheduled, found: StepFound) -> 
     return defrag.end_step_at(state, event.step)
 
 
-def _commit_bulk(state: State, event: StepScheduled, found: StepFound) -> tuple[bool, int]:
+def _commit_bulk(state: State, event: Step, found: StepFound) -> tuple[bool, int]:
     """A step whose blocks were all free, unpinned and given once, in one compiled commit
     (``State.commit_step``): whether it also took the defrag decision and moved, and the
     pairs it moved (possibly none; in the state's pair scratch)."""
     assert found.bulk is not None, "only a step checked in bulk commits in bulk"
-    allocated = event.allocated
     if found.allocations is None:  # nothing resumed: the step's lists as they are
         releases = found.releases
-        if all(allocated.values()):
-            req_ids, block_lists = list(allocated), list(allocated.values())
-        else:
-            req_ids = [r for r, block_ids in allocated.items() if block_ids]
-            block_lists = [block_ids for block_ids in allocated.values() if block_ids]
+        req_ids, counts = _requests_and_counts(event)
     else:
         releases = found.releases + [a[0] for a in found.allocations if a[2]]
         req_ids = [a[0] for a in found.allocations]
-        block_lists = [a[1] for a in found.allocations]
+        counts = [len(a[1]) for a in found.allocations]
     walk = defrag.walks_in_step(state)
-    freed, num_pairs = state.commit_step(releases, req_ids, block_lists, found.bulk, walk)
+    freed, num_pairs = state.commit_step(releases, req_ids, counts, found.bulk, walk)
     if len(freed):
         defrag.quarantine_freed(state, freed)
     return walk, num_pairs
 
 
-def _apply_scanned(state: State, event: StepScheduled, found: StepFound) -> list[Plan]:
+def _requests_and_counts(event: Step) -> tuple[list[str], list[int]]:
+    """The step's requests given blocks, in order, and how many each."""
+    if type(event) is StepPacked:
+        req_ids, counts = event.req_ids, np.frombuffer(event.counts, dtype="<i4").tolist()
+    else:
+        req_ids, counts = list(event.allocated), list(map(len, event.allocated.values()))
+    if 0 in counts:
+        req_ids = [r for r, n in zip(req_ids, counts, strict=True) if n]
+        counts = [n for n in counts if n]
+    return req_ids, counts
+
+
+def _apply_scanned(state: State, event: Step, found: StepFound) -> list[Plan]:
     """A step ``check_step`` scanned allocation by allocation: its events' reducers."""
     for req_id in found.releases:
         defrag.release_request(state, req_id)
@@ -303,6 +330,23 @@ def _apply_scanned(state: State, event: StepScheduled, found: StepFound) -> list
             plans += flushed
     plans += defrag.end_step_at(state, event.step)
     return plans
+
+
+PACKED_LIMIT = 1 << 22
+"""The most block ids a step the log records packed holds (a larger one, far past any
+real step, is recorded as it came: the log's size refusal stays that of the step)."""
+
+
+def log_form(event: Event, found: Any) -> Event:
+    """What the log records for ``event``, checked with ``found``: a ``StepScheduled`` the
+    check took in bulk as its ``StepPacked`` (the ids from the check's array: no second
+    pass over them), anything else as it is. Both replay to the same state, plans and
+    digest."""
+    if type(event) is StepScheduled and found.bulk is not None:
+        logical = found.bulk[0]
+        if logical.size <= PACKED_LIMIT:
+            return packed_step(event, logical)
+    return event
 
 
 def held_by_receiver(state: State, allocated: dict[str, list[int]], released: set[str]) -> bool:
@@ -322,7 +366,7 @@ def held_by_receiver(state: State, allocated: dict[str, list[int]], released: se
     return False
 
 
-def expand(state: State, event: StepScheduled) -> list[Event]:
+def expand(state: State, event: Step) -> list[Event]:
     """The fine-grained events ``event`` stands for when applied to ``state`` (the last is
     its ``StepEnded``): what the differential tests compare it with, and what the facade
     applies when a step it prepared must be split."""

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from kvlog import reducers
-from kvlog.events import Event, Plan, StepScheduled, TransferBatch, TransferFinished
+from kvlog.events import WHOLE_STEPS, Event, Plan, TransferBatch, TransferFinished
 from kvlog.reducers import Checked, State
 
 if TYPE_CHECKING:
@@ -94,7 +94,7 @@ class Machine:
             return checked
         if (
             ticket.changes == self.changes
-            and type(checked.event) is StepScheduled
+            and type(checked.event) in WHOLE_STEPS
             and checked.found.bulk is not None
         ):
             return checked

@@ -61,6 +61,8 @@ def size_bound(event: Event) -> int:
             total += 16 + sum(16 + 4 * len(v) if isinstance(v, str) else 9 for v in value)
         elif isinstance(value, str):
             total += 16 + 4 * len(value)
+        elif isinstance(value, bytes):  # StepPacked's packed ids
+            total += 16 + len(value)
         else:
             total += 16 + 9
     return total

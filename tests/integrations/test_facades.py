@@ -25,6 +25,7 @@ from kvlog.events import (
     RequestFinished,
     RequestPreempted,
     StepEnded,
+    StepPacked,
     StepScheduled,
     unbatched,
 )
@@ -49,9 +50,14 @@ def make(num_blocks: int = 64, **kwargs: object) -> OnlineDefragmenter:
     return defrag
 
 
-def events(path: Path) -> list[object]:
+def events(path: Path, packed: bool = False) -> list[object]:
+    """The log's events, the connector's batches event by event, each step the runner's
+    path recorded packed (``StepPacked``) as the ``StepScheduled`` it stands for unless
+    ``packed``."""
     records = (r for _, r in LogReader(path).records() if type(r).__name__ != "Checkpoint")
-    return list(unbatched(records))  # the connector's batches, event by event
+    return [
+        r.unpacked() if isinstance(r, StepPacked) and not packed else r for r in unbatched(records)
+    ]
 
 
 def test_num_gpu_blocks_comes_from_the_hpu_layout() -> None:
@@ -437,7 +443,7 @@ def test_an_async_load_into_its_requests_stale_blocks_holds_them() -> None:
 def test_a_facade_log_of_whole_steps_replays_with_canaries_and_counts_its_steps(
     tmp_path: Path,
 ) -> None:
-    """The runner's path logs one StepScheduled per step: replay counts every one as a step,
+    """The runner's path logs one step record per step (packed): replay counts every one as a step,
     re-runs its plans on canary-filled tensors (every live block checked), and a what-if
     replays it under another threshold."""
     log = tmp_path / "steps.kvlog"
@@ -461,8 +467,8 @@ def test_a_facade_log_of_whole_steps_replays_with_canaries_and_counts_its_steps(
         defrag.update_state(new, finished)
         defrag.defragment()
     defrag.close()
-    kinds = {type(e).__name__ for e in events(log)}
-    assert kinds == {"CacheConfigured", "StepScheduled"}
+    kinds = {type(e).__name__ for e in events(log, packed=True)}
+    assert kinds == {"CacheConfigured", "StepPacked"}  # every step checked in bulk
     result = replay(str(log), execute=True)
     assert result.ok and result.recorded is not None and result.recorded.num_steps == 40
     assert result.recorded.num_swap_plans > 0

@@ -35,6 +35,7 @@ from kvlog.events import (
     BlocksReleased,
     RequestPreempted,
     StepEnded,
+    StepPacked,
     StepScheduled,
     unbatched,
 )
@@ -57,8 +58,10 @@ def make(log: Path | None = None, prefix_caching: bool = False) -> OnlineDefragm
 
 
 def records(path: Path) -> list[object]:
+    """The log's events; a step recorded packed (``StepPacked``, a step checked in bulk)
+    as the ``StepScheduled`` it stands for."""
     got = (r for _, r in LogReader(path).records() if type(r).__name__ != "Checkpoint")
-    return list(unbatched(got))
+    return [r.unpacked() if isinstance(r, StepPacked) else r for r in unbatched(got)]
 
 
 def steps_of(path: Path) -> list[StepScheduled]:

@@ -43,6 +43,7 @@ from kvlog.events import (
     TransferBatch,
     TransferFinished,
     TransferSubmitted,
+    packed_step,
 )
 from kvlog.log import (
     FORMAT_VERSION,
@@ -302,6 +303,7 @@ def test_every_record_type_round_trips(tmp_path: Path) -> None:
         Checkpoint(seq=7, digest="f" * 64, step=0, snapshot=bytes(range(256))),
         StepEnded(2**63 - 1),
         StepScheduled(3, {"b": [3, 4], "c": []}, ["a"], preempted=["d"], resumed=["b"]),
+        packed_step(StepScheduled(4, {"b": [3, 4], "c": []}, ["a"], resumed=["b"])),
         *TIER_RECORDS,
         TransferBatch([StoreRequested(10, [1], [0], deferred=True), TransferSubmitted(10)]),
     ]

@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from pathlib import Path
 
+import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlog.errors import KvlogError
+from kvlog import Engine, replay
+from kvlog.errors import InvalidEvent, KvlogError
 from kvlog.events import (
     BlocksAllocated,
     CacheConfigured,
@@ -28,9 +32,13 @@ from kvlog.events import (
     RequestFinished,
     RequestPreempted,
     StepEnded,
+    StepPacked,
     StepScheduled,
     StoreRequested,
     TransferFinished,
+    decode,
+    encode,
+    packed_step,
 )
 from kvlog.log import read_log
 from kvlog.reducers import check_invariants, checkpoint, digest, restore, snapshot
@@ -222,3 +230,102 @@ def test_a_resumed_request_is_released_just_before_its_own_blocks() -> None:
     assert _whole(machine, late) == []
     assert machine.state.tables == {"r1": [2], "r2": [1]}
     check_invariants(machine.state)
+
+
+@settings(deadline=None)
+@given(
+    program=steps(),
+    prefix_caching=st.booleans(),
+    quarantine=st.booleans(),
+    threshold=st.sampled_from([0, 2, 32]),
+    decoded=st.booleans(),
+)
+def test_a_packed_step_is_the_step_it_packs(
+    program: list[tuple[StepScheduled | Event, ...]],
+    prefix_caching: bool,
+    quarantine: bool,
+    threshold: int,
+    decoded: bool,
+) -> None:
+    """``StepPacked`` (the form the log records a step in) and the ``StepScheduled`` it
+    packs: the same acceptance, the same refusal (type and message), plans, both digests,
+    after every step; ``decoded``: the packed form goes through the log's codec and the
+    replay's path (``apply_decoded``) first."""
+    config = CacheConfigured(
+        num_gpu_blocks=NUM_BLOCKS, block_size=4, num_cpu_blocks=64, threshold=threshold,
+        pad_sizes=(2, 4, 8), max_swaps=8, prefix_caching=prefix_caching,
+        quarantine_released=quarantine,
+    )  # fmt: skip
+    plain, packed = Machine(), Machine()
+    plain.apply(config)
+    packed.apply(config)
+    for events in program:
+        *extras, event = events
+        for extra in extras:
+            for machine in (plain, packed):
+                with contextlib.suppress(KvlogError):
+                    machine.apply(extra)
+        assert isinstance(event, StepScheduled)
+        twin = packed_step(event)
+        assert twin.unpacked() == event
+        want = _whole(plain, event)
+        try:
+            if decoded:
+                decoded_twin = decode(encode(twin))
+                assert decoded_twin == twin
+                got: list[Plan] | KvlogError = packed.apply_decoded(decoded_twin)
+            else:
+                got = packed.apply(twin)
+        except KvlogError as exc:
+            got = exc
+        if isinstance(want, KvlogError):
+            assert isinstance(got, KvlogError), f"{twin} accepted; {event} refused: {want!r}"
+            assert (type(got), str(got)) == (type(want), str(want))
+        else:
+            assert got == want, event
+        assert checkpoint.checkpoint_digest(packed.state) == checkpoint.checkpoint_digest(
+            plain.state
+        )
+        assert digest(packed.state) == digest(plain.state)
+
+
+def test_the_log_records_a_step_checked_in_bulk_packed(tmp_path: Path) -> None:
+    """The Engine logs a step its check took in bulk as ``StepPacked`` and any other step
+    as it came; the log replays to the Engine's digest."""
+    path = tmp_path / "steps.kvlog"
+    config = CacheConfigured(num_gpu_blocks=16, block_size=4, threshold=0)
+    with Engine(config, log_path=str(path), sync="none") as engine:
+        engine.apply(StepScheduled(0, {"a": [1, 2, 3], "b": [], "c": [7]}, []))
+        engine.apply(StepScheduled(1, {"a": [9], "d": [3]}, [], preempted=["a"]))  # reuses 3
+        final = digest(engine.state)
+    kinds = [type(r).__name__ for _, r in read_log(str(path)) if not isinstance(r, Checkpoint)]
+    assert kinds == ["CacheConfigured", "StepPacked", "StepScheduled"]
+    first = next(r for _, r in read_log(str(path)) if isinstance(r, StepPacked))
+    assert first.unpacked() == StepScheduled(0, {"a": [1, 2, 3], "b": [], "c": [7]}, [])
+    result = replay(str(path))
+    assert result.ok and result.final_digest == final
+
+
+@pytest.mark.parametrize(
+    ("counts", "block_ids", "req_ids", "message"),
+    [
+        ([2], [1], ["a"], "block_ids holds 4 bytes where counts add up to 2"),
+        ([1, 1], [1, 2], ["a"], "counts holds 8 bytes for 1 requests"),
+        ([-1, 2], [1], ["a", "b"], "counts holds a negative count"),
+        ([1, 1], [1, 2], ["a", "a"], "req_ids holds 'a' twice"),
+    ],
+)
+def test_a_packed_step_that_does_not_fit_its_requests_is_refused(
+    counts: list[int], block_ids: list[int], req_ids: list[str], message: str
+) -> None:
+    event = StepPacked(
+        step=0,
+        req_ids=req_ids,
+        counts=np.asarray(counts, dtype="<i4").tobytes(),
+        block_ids=np.asarray(block_ids, dtype="<i4").tobytes(),
+        finished=[],
+    )
+    machine = Machine()
+    machine.apply(CacheConfigured(num_gpu_blocks=16, block_size=4))
+    with pytest.raises(InvalidEvent, match=re.escape(message)):
+        machine.apply(event)

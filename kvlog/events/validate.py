@@ -257,13 +257,13 @@ def _validate_step_packed(event: StepPacked) -> None:
             "little-endian int32 each",
             event,
         )
-    sizes = np.frombuffer(counts, dtype="<i4")
-    if sizes.size and int(sizes.min()) < 0:
+    sizes = np.frombuffer(counts, dtype="<i4").tolist()
+    if sizes and min(sizes) < 0:
         raise InvalidEvent("counts holds a negative count", event)
-    if len(block_ids) != 4 * int(sizes.sum(dtype=np.int64)):
+    if len(block_ids) != 4 * sum(sizes):
         raise InvalidEvent(
-            f"block_ids holds {len(block_ids)} bytes where counts add up to "
-            f"{int(sizes.sum(dtype=np.int64))} little-endian int32 ids",
+            f"block_ids holds {len(block_ids)} bytes where counts add up to {sum(sizes)} "
+            "little-endian int32 ids",
             event,
         )
     if len(set(event.req_ids)) != len(event.req_ids):
@@ -321,9 +321,27 @@ def _validate_decoded_step(event: StepScheduled) -> None:
             _validate_step_scheduled(event)
 
 
+def _validate_decoded_packed(event: StepPacked) -> None:
+    """``_validate_step_packed`` for a step the log's typed decoder produced: the types
+    are exact (lists of str, bytes), so only the values are left; anything off runs the
+    full check, which names it."""
+    req_ids = event.req_ids
+    if not 0 <= event.step <= MAX_ID or len(event.counts) != 4 * len(req_ids):
+        _validate_step_packed(event)
+    for names in (req_ids, event.finished, event.preempted, event.resumed):
+        if names and not 0 < min(map(len, names)) <= max(map(len, names)) <= MAX_REQ_ID_LENGTH:
+            _validate_step_packed(event)
+    sizes = np.frombuffer(event.counts, dtype="<i4").tolist()
+    if (sizes and min(sizes) < 0) or len(event.block_ids) != 4 * sum(sizes):
+        _validate_step_packed(event)
+    if len(set(req_ids)) != len(req_ids):
+        _validate_step_packed(event)
+
+
 DECODED_VALIDATORS: dict[type, Callable[[Any], None]] = {
     **VALIDATORS,
     StepScheduled: _validate_decoded_step,
+    StepPacked: _validate_decoded_packed,
 }
 """``VALIDATORS`` for events that came out of the log's typed decoder (replay): the same
 verdicts and errors on every event the decoder can produce, at a fraction of the cost

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from kvlog.events import Event, StepScheduled, decode, encode
+from kvlog.events import Event, StepPacked, StepScheduled, decode, encode
 from kvlog.events.validate import DECODED_VALIDATORS, MAX_ID, MAX_REQ_ID_LENGTH, VALIDATORS
 from tests.support.strategies import any_record
 
@@ -57,3 +58,28 @@ def test_decoded_steps_get_the_full_validators_verdict(
 def test_every_decoded_record_gets_the_full_validators_verdict(record: Any) -> None:
     if type(record) in VALIDATORS:
         _same_verdicts(record)
+
+
+@given(
+    _STEPS,
+    st.lists(_REQ_IDS, max_size=4),
+    st.lists(st.integers(-3, 4), max_size=5),
+    st.integers(0, 24),
+    *(st.lists(_REQ_IDS, max_size=3) for _ in range(3)),
+)
+@example(0, ["a", "a"], [1, 1], 8, [], [], [])
+@example(0, ["a"], [-1], 0, [], [], [])
+@example(0, ["a", "b"], [1], 4, [], [], [])
+@example(MAX_ID + 1, ["a"], [1], 4, [], [], [])
+def test_decoded_packed_steps_get_the_full_validators_verdict(
+    step: int,
+    req_ids: list[str],
+    counts: list[int],
+    num_bytes: int,
+    finished: list[str],
+    preempted: list[str],
+    resumed: list[str],
+) -> None:
+    packed = np.asarray(counts, dtype="<i4").tobytes()
+    ids = bytes(range(num_bytes))
+    _same_verdicts(StepPacked(step, req_ids, packed, ids, finished, preempted, resumed))

@@ -60,7 +60,6 @@ while it is written; the Engine also refuses a pool this machine cannot hold
 (``StateTooLarge``). Large snapshots are split across log records, so every pool up to
 the bound checkpoints."""
 MAX_REQ_ID_LENGTH = 4096
-_INT_ONLY = {int}
 _EVENT_TYPES = frozenset(typing.get_args(Event))
 
 
@@ -214,7 +213,8 @@ def _validate_step_scheduled(event: StepScheduled) -> None:
             _encodable(event, "req_id", req_id)
         if type(block_ids) is not list:
             raise InvalidEvent(f"allocated[{req_id!r}] must be a list of ints", event)
-    if not set(map(type, itertools.chain.from_iterable(allocated.values()))) <= _INT_ONLY:
+    types = list(map(type, itertools.chain.from_iterable(allocated.values())))
+    if types.count(int) != len(types):  # exact ints only (one C-level pass, no set)
         for req_id, block_ids in allocated.items():
             validate_block_ids(event, f"allocated[{req_id!r}]", block_ids)  # names it
     for name in ("finished", "preempted", "resumed"):

@@ -431,6 +431,47 @@ def _pack_rows(old: Any, new: Any, starts: Any, lengths: Any, capacities: Any) -
     return top
 
 
+def _take_free(words: Any, nonempty: Any, notfull: Any, refs: Any, physical: Any) -> int:
+    """One reference to each of ``physical`` (distinct, all free); the highest, or -1."""
+    peak = -1
+    for i in range(len(physical)):
+        p = physical[i]
+        refs[p] = 1
+        _add_member(words, nonempty, notfull, p)
+        peak = max(peak, p)
+    return peak
+
+
+def _trigger_walk_move(
+    words: Any,
+    nonempty: Any,
+    notfull: Any,
+    pinned: Any,
+    refs: Any,
+    fwd: Any,
+    bwd: Any,
+    sources: Any,
+    destinations: Any,
+    max_used: int,
+    num_used: int,
+    threshold: int,
+    max_swaps: int,
+) -> Any:
+    """The seed rule at a step's end (``max_swaps > 0``): its trigger, walk and move.
+    Returns (pairs moved, the change of the mapping sum, the highest used block)."""
+    num_pairs, delta = 0, _ZERO
+    if max_swaps > 0 and max_used >= 0 and max_used - threshold > num_used:
+        num_pairs = _seed_walk_inline(
+            words, nonempty, notfull, pinned, max_used, max_swaps, sources, destinations
+        )
+        if num_pairs:
+            delta, max_used = _move_inline(
+                words, nonempty, notfull, refs, fwd, bwd, sources[:num_pairs],
+                destinations[:num_pairs], max_used,
+            )  # fmt: skip
+    return num_pairs, delta, max_used
+
+
 def _step_commit(
     words: Any,
     nonempty: Any,
@@ -460,19 +501,17 @@ def _step_commit(
 ) -> Any:
     """A whole checked step's bookkeeping and, when asked, its seed-rule defrag, in one call.
 
-    ``rows`` holds the released requests' rows (the first ``num_released``), then per
-    allocation in order its row, then their counts; the tables are the rows of the arena
-    (``arena``, ``starts``, ``lengths``, ``capacities``, the next region at ``top``:
-    ``arena.py``), the running digest's keys and sums the rows of ``keys`` / ``sums``;
-    ``logical`` / ``physical``: all the allocations' ids, concatenated (the physical ones
-    distinct and free: the step's check found them so). First, when the allocations'
-    new regions would pass the arena's end, nothing changes and the ids they need come
-    back (the caller makes room and calls again). Else the released tables drop one
-    reference per id (the freed blocks go to ``freed``) and leave, each allocation's ids
-    join its table and its terms its sum, one reference is added to each of ``physical``;
-    ``max_used`` and ``num_used``: before the step. With ``max_swaps > 0`` the step then
-    ends with the seed rule's trigger, walk and move (``pairing.walk`` and ``_move``; the
-    pairs go to ``sources`` / ``destinations``).
+    ``rows``: the released requests' rows (the first ``num_released``), then per
+    allocation its row, then their counts; tables are rows of the arena (``arena``,
+    ``starts``, ``lengths``, ``capacities``, next region at ``top``: ``arena.py``), keys
+    and sums rows of ``keys`` / ``sums``; ``logical`` / ``physical``: the allocations' ids
+    concatenated (physical ones distinct and free, as the check found). If the new
+    regions would pass the arena's end nothing changes and the ids needed come back (the
+    caller makes room, calls again). Else the released tables drop a reference per id
+    (freed blocks to ``freed``) and leave, each allocation joins its table and sum, each
+    of ``physical`` gets a reference (``max_used``, ``num_used``: before the step). With
+    ``max_swaps > 0`` the seed rule's trigger, walk and move follow (pairs to ``sources``
+    / ``destinations``).
     Returns (ids needed first or 0, the arena's new top, ids turned garbage, blocks freed,
     highest used block after the step, the change of the tables' sum, pairs moved, the
     change of the mapping sum), sums as wrapping uint64."""
@@ -487,12 +526,7 @@ def _step_commit(
         arena, starts, lengths, capacities, top, rows, num_released, keys, sums, logical
     )
     change += added
-    peak = -1
-    for i in range(len(physical)):
-        p = physical[i]
-        refs[p] = 1
-        _add_member(words, nonempty, notfull, p)
-        peak = max(peak, p)
+    peak = _take_free(words, nonempty, notfull, refs, physical)
     if (
         num_freed
         and max_used >= 0
@@ -501,16 +535,10 @@ def _step_commit(
         max_used = _highest_member(words, nonempty, max_used)
     max_used = max(max_used, peak)
     num_used += len(physical) - num_freed
-    num_pairs, delta = 0, _ZERO
-    if max_swaps > 0 and max_used >= 0 and max_used - threshold > num_used:
-        num_pairs = _seed_walk_inline(
-            words, nonempty, notfull, pinned, max_used, max_swaps, sources, destinations
-        )
-        if num_pairs:
-            delta, max_used = _move_inline(
-                words, nonempty, notfull, refs, fwd, bwd, sources[:num_pairs],
-                destinations[:num_pairs], max_used,
-            )  # fmt: skip
+    num_pairs, delta, max_used = _trigger_walk_move(
+        words, nonempty, notfull, pinned, refs, fwd, bwd, sources, destinations, max_used,
+        num_used, threshold, max_swaps,
+    )  # fmt: skip
     return 0, top, garbage + moved, num_freed, max_used, change, num_pairs, delta
 
 
@@ -528,10 +556,12 @@ _next_word = inline(_next_word)
 _arena_need = inline(_arena_need)
 _release_rows = inline(_release_rows)
 _append_rows = inline(_append_rows)
+_take_free = inline(_take_free)
 seed_walk = jit(_seed_walk, allocates=False)
 _seed_walk_inline = inline(_seed_walk)
 move = jit(_move, allocates=False)
 _move_inline = inline(_move)
+_trigger_walk_move = inline(_trigger_walk_move)
 add_refs = jit(_add_refs, allocates=False)
 drop_refs = jit(_drop_refs, allocates=False)
 allocation = jit(_allocation, allocates=False)

@@ -4,8 +4,8 @@ A request's table is the logical ids ``ids[starts[row] : starts[row] + lengths[r
 its row (the running digest's slot, ``running.py``), in a region of ``capacities[row]``
 ids. Appending past the capacity moves the table to a region twice as large at the
 arena's top (amortized O(1) an id); a table that leaves turns its region into garbage,
-and when the top would pass the arena's end the live regions are packed into a fresh
-arena (four times what they need, ``kernels.pack_rows``): O(live ids), compiled,
+and when the top would pass the arena's end the live regions are packed into the other of
+two arenas (four times what they need, ``kernels.pack_rows``): O(live ids), compiled,
 amortized over the ids appended since.
 
 So a whole scheduler step's tables change inside its one compiled commit
@@ -38,6 +38,8 @@ class TableArena:
     has length and capacity 0."""
 
     __slots__ = (
+        "_spare",
+        "_spare_buffer",
         "capacities",
         "capacities_buffer",
         "garbage",
@@ -56,6 +58,9 @@ class TableArena:
         self.starts_buffer, self.starts = int64_buffer(rows)
         self.lengths_buffer, self.lengths = int64_buffer(rows)
         self.capacities_buffer, self.capacities = int64_buffer(rows)
+        self._spare_buffer, self._spare = self.ids_buffer, self.ids[:0]
+        """The arena the next compaction packs into (the one before the last: its memory
+        is already mapped, so packing costs the copy alone)."""
         self.top = 0
         """Where the next region starts (ids past it are unused)."""
         self.garbage = 0
@@ -119,8 +124,11 @@ class TableArena:
         size = self.ids.size
         while size < 4 * (live + need):
             size *= 2
-        buffer = array("i", bytes(4 * size))
-        view = np.frombuffer(buffer, dtype=np.int32)
+        if self._spare.size != size:  # a first compaction at this size: a fresh arena
+            self._spare_buffer = array("i", bytes(4 * size))
+            self._spare = np.frombuffer(self._spare_buffer, dtype=np.int32)
+        buffer, view = self._spare_buffer, self._spare
         self.top = kernels.pack_rows(self.ids, view, self.starts, self.lengths, self.capacities)
         self.garbage = 0
+        self._spare_buffer, self._spare = self.ids_buffer, self.ids  # the next one's target
         self.ids_buffer, self.ids = buffer, view

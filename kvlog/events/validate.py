@@ -329,7 +329,12 @@ def _validate_decoded_packed(event: StepPacked) -> None:
     if not 0 <= event.step <= MAX_ID or len(event.counts) != 4 * len(req_ids):
         _validate_step_packed(event)
     for names in (req_ids, event.finished, event.preempted, event.resumed):
-        if names and not 0 < min(map(len, names)) <= max(map(len, names)) <= MAX_REQ_ID_LENGTH:
+        if names and (
+            "" in names
+            or (
+                len("".join(names)) > MAX_REQ_ID_LENGTH and max(map(len, names)) > MAX_REQ_ID_LENGTH
+            )
+        ):
             _validate_step_packed(event)
     sizes = np.frombuffer(event.counts, dtype="<i4").tolist()
     if (sizes and min(sizes) < 0) or len(event.block_ids) != 4 * sum(sizes):

@@ -73,10 +73,15 @@ def _sum(terms: np.ndarray) -> int:
     return int(terms.sum(dtype=np.uint64)) if terms.size else 0
 
 
+_KEY_HASH = hashlib.blake2b(digest_size=8)
+"""An empty 8-byte blake2b: each key hashes a copy (a quarter cheaper than a new one)."""
+
+
 def request_key(req_id: str) -> int:
     """A request's 64-bit key (blake2b of its UTF-8 id: the same in every process)."""
-    data = req_id.encode("utf-8", "surrogatepass")
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+    hasher = _KEY_HASH.copy()
+    hasher.update(req_id.encode("utf-8", "surrogatepass"))
+    return int.from_bytes(hasher.digest(), "little")
 
 
 def table_terms(key: int, start: int, block_ids: list[int]) -> int:

@@ -2,8 +2,9 @@
 
 A request's table is the logical ids ``ids[starts[row] : starts[row] + lengths[row]]`` of
 its row (the running digest's slot, ``running.py``), in a region of ``capacities[row]``
-ids. Appending past the capacity moves the table to a region twice as large at the
-arena's top (amortized O(1) an id); a table that leaves turns its region into garbage,
+ids. Appending past the capacity moves the table to a region twice as large (and half as
+large again as it holds, ``kernels.grown_capacity``) at the arena's top (amortized O(1)
+an id); a table that leaves turns its region into garbage,
 and when the top would pass the arena's end the live regions are packed into the other of
 two arenas (four times what they need, ``kernels.pack_rows``): O(live ids), compiled,
 amortized over the ids appended since.
@@ -24,7 +25,7 @@ import numpy as np
 
 from kvlog.reducers import kernels
 from kvlog.reducers.buffers import Int32Array, int64_buffer
-from kvlog.reducers.kernels import MIN_CAPACITY
+from kvlog.reducers.kernels import grown_capacity
 
 __all__ = ["TableArena"]
 
@@ -90,12 +91,12 @@ class TableArena:
         count = len(block_ids)
         length = self.lengths_buffer[row]
         if length + count > self.capacities_buffer[row]:
-            self._relocate(row, max(2 * self.capacities_buffer[row], length + count, MIN_CAPACITY))
+            self._relocate(row, grown_capacity(self.capacities_buffer[row], length + count))
         at = self.starts_buffer[row] + length
         if count == 1:
             self.ids_buffer[at] = block_ids[0]
-        else:
-            self.ids[at : at + count] = block_ids
+        elif count:  # (an empty slice assignment would count as a resize: refused)
+            self.ids_buffer[at : at + count] = array("i", block_ids)
         self.lengths_buffer[row] = length + count
 
     def close(self, row: int) -> None:
@@ -108,7 +109,8 @@ class TableArena:
         self.reserve(capacity)
         start, length = self.starts_buffer[row], self.lengths_buffer[row]
         top = self.top
-        self.ids[top : top + length] = self.ids[start : start + length]
+        if length:
+            self.ids_buffer[top : top + length] = self.ids_buffer[start : start + length]
         self.garbage += self.capacities_buffer[row]
         self.starts_buffer[row], self.capacities_buffer[row] = top, capacity
         self.top = top + capacity

@@ -46,6 +46,7 @@ __all__ = [
     "add_refs",
     "allocation",
     "drop_refs",
+    "grown_capacity",
     "load",
     "move",
     "pack_rows",
@@ -63,6 +64,15 @@ MIN_CAPACITY = 4
 """The smallest region a table gets in the tables' arena (``arena.py``): a decode step's
 one-block growth then moves its table rarely."""
 _MIN_CAPACITY = MIN_CAPACITY
+
+
+def grown_capacity(capacity: int, length: int) -> int:
+    """The region a table of ``length`` ids moves to when its ``capacity`` is too small:
+    twice as large, and half as much again as it holds (a new table's first growth, a
+    decode step's one block, then fits), at least ``MIN_CAPACITY``."""
+    return max(2 * capacity, length + length // 2, _MIN_CAPACITY)
+
+
 _ALL = np.uint64(0xFFFF_FFFF_FFFF_FFFF)
 _ONE = np.uint64(1)
 _ZERO = np.uint64(0)
@@ -334,7 +344,7 @@ def _arena_need(rows: Any, num_released: int, starts: Any, lengths: Any, capacit
     for i in range(k):
         slot, count = rows[num_released + i], rows[num_released + k + i]
         if lengths[slot] + count > capacities[slot]:
-            need += max(2 * capacities[slot], lengths[slot] + count, _MIN_CAPACITY)
+            need += _grown(capacities[slot], lengths[slot] + count)
     return need
 
 
@@ -395,7 +405,7 @@ def _append_rows(
         slot, count = rows[num_released + i], rows[num_released + k + i]
         length = lengths[slot]
         if length + count > capacities[slot]:
-            capacity = max(2 * capacities[slot], length + count, _MIN_CAPACITY)
+            capacity = _grown(capacities[slot], length + count)
             old = starts[slot]
             for j in range(length):
                 arena[top + j] = arena[old + j]
@@ -553,6 +563,7 @@ _highest_bit = inline(_highest_bit)
 _highest_member = inline(_highest_member)
 _prev_word = inline(_prev_word)
 _next_word = inline(_next_word)
+_grown = inline(grown_capacity)
 _arena_need = inline(_arena_need)
 _release_rows = inline(_release_rows)
 _append_rows = inline(_append_rows)
@@ -591,6 +602,8 @@ def load() -> None:
     allocation(blocks, blocks, blocks, blocks, none, False, ids)
     step_allocation(blocks, blocks, blocks, blocks, none, ids)
     table_terms(np.uint64(GOLDEN), 0, none)
+    table_terms(np.uint64(GOLDEN), 0, blocks[:0])  # a table's ids in the arena (int32)
+    drop_refs(words, words, words, blocks, blocks, blocks[:0], ids)
     pack_rows(blocks, blocks, ids, ids, ids)
     step_commit(
         words, words, words, words, blocks, blocks, blocks, blocks, ids, ids, ids, 0, none,

@@ -84,8 +84,11 @@ def request_key(req_id: str) -> int:
     return int.from_bytes(hasher.digest(), "little")
 
 
-def table_terms(key: int, start: int, block_ids: list[int]) -> int:
-    """Sum of the terms of ``block_ids`` at positions ``start, start + 1, ...``."""
+def table_terms(key: int, start: int, block_ids: list[int] | np.ndarray) -> int:
+    """Sum of the terms of ``block_ids`` (a list, or an integer array) at positions
+    ``start, start + 1, ...``."""
+    if not isinstance(block_ids, list):
+        return int(kernels.table_terms(np.uint64(key), start, block_ids))
     if len(block_ids) == 1:  # a decode step's growth
         return mix((key + ((start << 32) | block_ids[0]) * GOLDEN) & MASK)
     if len(block_ids) <= _LOOP_LIMIT:
@@ -230,7 +233,7 @@ class RunningDigest:
         self.free_slots += slots
 
     # -- changes (called by State's primitives) ------------------------------------------
-    def table_extended(self, slot: int, start: int, block_ids: list[int]) -> None:
+    def table_extended(self, slot: int, start: int, block_ids: list[int] | np.ndarray) -> None:
         """``block_ids`` were appended to the table of ``slot`` at position ``start``:
         hashed now, O(len)."""
         delta = table_terms(self.keys_buffer[slot], start, block_ids)

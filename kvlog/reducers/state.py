@@ -181,8 +181,18 @@ class State:
         slot = digest.slots.get(req_id)
         if slot is None:
             slot = digest.add_request(req_id)
-        digest.table_extended(slot, digest.arena.lengths_buffer[slot], block_ids)
-        digest.arena.append(slot, block_ids)
+        arena = digest.arena
+        length = arena.lengths_buffer[slot]
+        if len(block_ids) == 1 and length < arena.capacities_buffer[slot]:  # a decode step's
+            arena.ids_buffer[arena.starts_buffer[slot] + length] = block_ids[0]  # growth
+            arena.lengths_buffer[slot] = length + 1
+            digest.table_extended(slot, length, block_ids)
+            return
+        arena.append(slot, block_ids)
+        if len(block_ids) > SCALAR_LIMIT:  # hashed from the arena: no list conversion
+            digest.table_extended(slot, length, arena.ids_of(slot)[length:])
+        else:
+            digest.table_extended(slot, length, block_ids)
 
     def load_tables(self, tables: dict[str, list[int]]) -> None:
         """Tables for a state restored without any (a snapshot's, in its order); the
@@ -364,10 +374,9 @@ class State:
             return self.drop_refs([fwd[b] for b in block_ids])
         used, count = self.used, len(block_ids)
         freed = np.empty(count, dtype=np.int64)
-        if isinstance(block_ids, list):
-            logical = np.fromiter(block_ids, np.int64, count)
-        else:
-            logical = block_ids.astype(np.int64)
+        logical = (
+            np.fromiter(block_ids, np.int64, count) if isinstance(block_ids, list) else block_ids
+        )
         count = kernels.drop_refs(
             used.words, used.nonempty, used.notfull, self.refs, self.fwd, logical, freed
         )

@@ -12,8 +12,9 @@ from __future__ import annotations
 from typing import Any, TypeVar
 
 import msgspec
+import numpy as np
 
-from kvlog.events.types import Event, Plan, Record
+from kvlog.events.types import Event, Plan, Record, StepPacked
 
 __all__ = ["DECODE_ERRORS", "decode", "decode_plan", "encode", "to_dict", "to_json"]
 
@@ -52,9 +53,15 @@ def _decoded(decoder: msgspec.msgpack.Decoder[_T], data: bytes | memoryview) -> 
 
 
 def to_dict(record: Event | Record | Plan) -> dict[str, Any]:
-    """A JSON-ready dict of a record, with its ``type`` tag first."""
+    """A JSON-ready dict of a record, with its ``type`` tag first (a ``StepPacked``'s
+    ``counts`` and ``block_ids`` as lists of ints)."""
     out: dict[str, Any] = {"type": type(record).__name__}
     out.update(msgspec.to_builtins(record))
+    if type(record) is StepPacked:  # its packed ids as numbers, not base64
+        for name in ("counts", "block_ids"):
+            packed = getattr(record, name)
+            if len(packed) % 4 == 0:
+                out[name] = np.frombuffer(packed, dtype="<i4").tolist()
     return out
 
 

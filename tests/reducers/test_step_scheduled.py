@@ -39,6 +39,7 @@ from kvlog.events import (
     decode,
     encode,
     packed_step,
+    to_dict,
 )
 from kvlog.log import read_log
 from kvlog.reducers import check_invariants, checkpoint, digest, restore, snapshot
@@ -329,3 +330,12 @@ def test_a_packed_step_that_does_not_fit_its_requests_is_refused(
     machine.apply(CacheConfigured(num_gpu_blocks=16, block_size=4))
     with pytest.raises(InvalidEvent, match=re.escape(message)):
         machine.apply(event)
+
+
+def test_a_packed_step_reads_as_numbers_in_json() -> None:
+    """``kvlog inspect`` and divergence reports show a ``StepPacked``'s ids, not base64."""
+    packed = packed_step(StepScheduled(3, {"a": [1, 2], "b": [5]}, ["x"]))
+    assert to_dict(packed) == {
+        "type": "StepPacked", "step": 3, "req_ids": ["a", "b"], "counts": [2, 1],
+        "block_ids": [1, 2, 5], "finished": ["x"], "preempted": [], "resumed": [],
+    }  # fmt: skip

@@ -292,7 +292,7 @@ class Engine:
             checked = machine.check(plain).checked
         self._busy = "apply"  # from here a raise leaves the engine broken
         try:
-            self._record(reducers.recorded(checked))
+            self._record(checked.event if self._log is None else reducers.recorded(checked))
         except RecordRejected:  # nothing logged
             self._busy = outer
             raise

@@ -21,6 +21,7 @@ here, so the bitmaps never disagree with the counts; each costs O(blocks it is g
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Mapping
 from typing import Any
 
@@ -231,7 +232,7 @@ class State:
             found[i] = digest.add_request(req_ids[i])
         rows += found
         rows += counts
-        row_array = np.array(rows, dtype=np.int64)
+        row_array = np.frombuffer(array("q", rows), dtype=np.int64)  # (cheaper than np.array)
         freed = np.empty(num_dropped, dtype=np.int64)
         config, used = self.config, self.used
         assert config is not None, "a step commits to a configured state only"

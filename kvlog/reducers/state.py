@@ -198,9 +198,10 @@ class State:
     def load_tables(self, tables: dict[str, list[int]]) -> None:
         """Tables for a state restored without any (a snapshot's, in its order); the
         caller reseats the running digest afterwards (``checkpoint.reseat``)."""
-        assert not self.running.slots, "load_tables() on a state without tables only"
+        digest = self.running
+        assert not digest.slots, "load_tables() on a state without tables only"
         for req_id, block_ids in tables.items():  # an empty one stays, for the check to refuse
-            self.extend_table(req_id, block_ids)
+            digest.arena.append(digest.add_request(req_id), block_ids)  # sums: reseat's
 
     def commit_step(
         self,

@@ -19,6 +19,7 @@ direction, merged in submit order, as :class:`TransferCompletion`. A copy that f
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -36,7 +37,7 @@ from kvlog.executors.copies import (
     host_rows,
     indexed_copy,
 )
-from kvlog.executors.devices import Device
+from kvlog.executors.devices import Device, InjectedFailure
 from kvlog.executors.layouts import CacheLayout
 
 __all__ = ["TransferCompletion", "TransferExecutor"]
@@ -108,6 +109,9 @@ class TransferExecutor:
         flat = itertools.chain.from_iterable(plan.pairs)
         pairs = np.fromiter(flat, np.int64, 2 * len(plan.pairs)).reshape(-1, 2)
         self._check(plan, pairs)
+        if self._device.synchronous:
+            self._run_now(plan, pairs)
+            return
         direction = self._directions[plan.kind]
         device = self._device
         stream = direction.streams.pop() if direction.streams else device.new_stream()
@@ -122,6 +126,26 @@ class TransferExecutor:
         device.enqueue(stream, self._work(job, pairs), lambda error: _fail(job, error))
         device.record(end, stream)
         direction.jobs.append(job)
+        self._in_flight[plan.job_id] = job
+
+    def _run_now(self, plan: TransferPlan, pairs: np.ndarray) -> None:
+        """A synchronous device's job: its copies run here, before ``submit`` returns (every
+        job before it already has), timed by the host clock; it waits in its direction's
+        queue, done, for ``poll``. No stream or event: nothing could wait on one."""
+        store = plan.kind == "store"
+        gpu_ids, cpu_ids = (pairs[:, 0], pairs[:, 1]) if store else (pairs[:, 1], pairs[:, 0])
+        num_bytes = len(pairs) * self._layout.page_size_bytes
+        job = _Job(plan.job_id, plan.kind, next(self._seq), num_bytes, None, None, None)
+        work = self._host_work(store, gpu_ids, cpu_ids)
+        start = time.perf_counter()
+        try:
+            if self._device.should_fail():
+                raise InjectedFailure("injected copy failure")
+            work()
+        except Exception as error:  # a failed copy is reported, never raised
+            _fail(job, error)
+        job.start, job.end = start, time.perf_counter()
+        self._directions[plan.kind].jobs.append(job)
         self._in_flight[plan.job_id] = job
 
     def _event(self, direction: _Direction) -> Any:
@@ -227,6 +251,8 @@ class TransferExecutor:
         return indexed_work
 
     def _is_done(self, job: _Job) -> bool:
+        if job.stream is None:  # ran at submit (``_run_now``)
+            return True
         try:
             return self._device.query(job.end)
         except Exception as error:  # a device error ends the job as failed
@@ -234,6 +260,8 @@ class TransferExecutor:
             return True
 
     def _synchronize(self, job: _Job) -> None:
+        if job.stream is None:  # ran at submit (``_run_now``)
+            return
         try:
             self._device.synchronize(job.end)
         except Exception as error:
@@ -245,6 +273,9 @@ class TransferExecutor:
         return job
 
     def _result(self, job: _Job) -> TransferCompletion:
+        if job.stream is None:  # ran at submit (``_run_now``): host clock times
+            elapsed_s = max(0.0, job.end - job.start)
+            return TransferCompletion(job.job_id, not job.error, job.num_bytes, elapsed_s, job.error)
         direction = self._directions[job.kind]
         try:
             elapsed_s = self._device.elapsed_s(job.start, job.end)

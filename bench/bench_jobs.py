@@ -9,7 +9,8 @@ vLLM's connector worker, as ``KvlogOffloadingConnector`` drives kvlog's
 ``TransferBatch``), submitted together (one more), their completions collected by one
 ``get_finished`` (one more), with the log at the integration's default (``background``) and
 the runner's ``update_state`` + ``defragment`` between steps (untimed). Stores of
-``--blocks`` GPU blocks from live requests' tables into fresh CPU blocks, on HPU-layout CPU
+``--blocks`` GPU blocks from live requests' tables into fresh CPU blocks (specs shaped as
+vLLM 0.33's: int32 block ids, one KV-cache group, ``Spec``), on HPU-layout CPU
 tensors (2 layers, key and value, ``--page-bytes`` a block a tensor: small by default, so
 that what is measured is the bookkeeping, not this machine's memory bandwidth).
 
@@ -87,6 +88,22 @@ def job_specs(shape: Shape, step: int) -> list[tuple[int, list[int], list[int]]]
     return out
 
 
+class Spec:
+    """vLLM 0.33's ``GPULoadStoreSpec`` / ``CPULoadStoreSpec`` as the connector hands them
+    over: int32 block ids; a GPU spec's one KV-cache group starts at its request's first
+    block (``block_indices``), a CPU spec has no groups."""
+
+    def __init__(self, block_ids: list[int], gpu: bool) -> None:
+        self.block_ids = np.array(block_ids, dtype=np.int32)
+        self.group_sizes = (len(block_ids),) if gpu else None
+        self.block_indices = (0,) if gpu else None
+
+
+def specs_of(jobs: list[tuple[int, list[int], list[int]]]) -> list[tuple[int, Spec, Spec]]:
+    """The jobs as the connector's ``(job_id, src_spec, dst_spec)`` of stores."""
+    return [(job_id, Spec(gpu, True), Spec(cpu, False)) for job_id, gpu, cpu in jobs]
+
+
 def kvlog_round(shape: Shape, steps: int, workdir: str) -> dict[str, float]:
     """Seconds per phase over ``steps`` steps of kvlog's worker."""
     environ = {
@@ -107,15 +124,15 @@ def kvlog_round(shape: Shape, steps: int, workdir: str) -> dict[str, float]:
     spent = dict.fromkeys(PHASES, 0.0)
     clock = time.perf_counter
     for step in range(steps):
-        jobs = job_specs(shape, step)
+        jobs = specs_of(job_specs(shape, step))
         t0 = clock()
         with worker.batched():
-            for job_id, gpu, cpu in jobs:
-                worker.declare("store", job_id, gpu, cpu, req_id=f"r{job_id % 7}")
+            for job_id, src, dst in jobs:
+                worker.declare("store", job_id, src, dst, req_id=f"r{job_id % 7}")
         t1 = clock()
         with worker.batched():
-            for job_id, gpu, cpu in jobs:
-                worker.submit_store(job_id, gpu, cpu)
+            for job_id, src, dst in jobs:
+                worker.submit_store(job_id, src, dst)
         t2 = clock()
         worker.get_finished()
         t3 = clock()
@@ -150,7 +167,12 @@ def step_records(jobs: list[tuple[int, list[int], list[int]]]) -> list[TransferB
     """The three records kvlog's log holds for a step of ``jobs`` stored: the declarations,
     the submissions, the finishes (each a ``TransferBatch``)."""
     return [
-        TransferBatch(events=[StoreRequested(j, gpu, cpu, deferred=True) for j, gpu, cpu in jobs]),
+        TransferBatch(
+            events=[
+                StoreRequested(j, gpu, cpu, (len(gpu),), (0,), deferred=True)
+                for j, gpu, cpu in jobs
+            ]
+        ),
         TransferBatch(events=[TransferSubmitted(j) for j, _, _ in jobs]),
         TransferBatch(events=[TransferFinished(j, True) for j, _, _ in jobs]),
     ]
@@ -176,8 +198,9 @@ def floor_round(shape: Shape, steps: int) -> float:
     kept: dict[int, tuple[np.ndarray, list[int], int]] = {}
     spent = 0.0
     for step in range(steps):
-        jobs = job_specs(shape, step)
+        specs = specs_of(job_specs(shape, step))
         t0 = time.perf_counter()
+        jobs = [(j, src.block_ids.tolist(), dst.block_ids.tolist()) for j, src, dst in specs]
         declared, submitted, finished = step_records(jobs)
         for job_id, gpu, cpu in jobs:
             for i in gpu + cpu:

@@ -26,17 +26,21 @@ vllm-gaudi's HPU runner's calls on kvlog every step, the log at the integration'
 
 and, on the same calls in the same loop, the plugin's defragmenter
 (``tests/support/seed_reference.py``: its sorts, its per-id resolve, ``index_select`` /
-``index_copy_`` on its own copy of the KV tensors). The KV tensors are small (2 layers,
+``index_copy_`` on its own copy of the KV tensors), and the connector's calls on vLLM's own
+``OffloadingConnector`` with the harness's plain worker (``tests/vllm/harness/shadow.py``:
+copies at submit, no books, its own copy of the tensors and of each step's metadata): the
+plugin's whole cost, defragmenter and offloading worker. The KV tensors are small (2 layers,
 one head of 4 int16 per slot): the copies cost little on both sides, the bookkeeping is
 what is compared. Each step's time is taken per call; the first ``--warmup`` steps (the
 pool filling) are not counted.
 
 Printed per prefix-caching mode: microseconds per step (mean; median in brackets) of vLLM's
 ``schedule()`` + ``update_from_output()`` (the CPU tier log's appends inside them moved to
-kvlog), the seed's defragmenter calls, kvlog's calls split by call, kvlog's copies, its
-log appends (the share of its time spent handing records to the log writer), and the
-ratios kvlog / seed and kvlog / scheduler; then what the workload did in the timed steps (requests
-scheduled and ids resolved a step, preemptions, stores, loads, steps with swaps). The log replays
+kvlog), the seed's defragmenter calls, the plain worker's calls, kvlog's calls split by
+call, kvlog's copies, its log appends (the share of its time spent handing records to the
+log writer), and the ratios kvlog / seed, kvlog / scheduler and kvlog / (seed + plain
+worker); then what the workload did in the timed steps (requests scheduled and ids resolved
+a step, preemptions, stores, loads, steps with swaps). The log replays
 with verification at the end (``--no-replay`` skips it).
 """
 
@@ -75,6 +79,7 @@ try:
         make_request,
     )
     from tests.vllm.harness.configs import KVLOG_CONNECTOR
+    from tests.vllm.harness.shadow import PlainShadow
 except ImportError as exc:  # pragma: no cover - run from a checkout
     raise SystemExit(f"bench_runner needs the repository's tests/vllm/harness: {exc}") from exc
 
@@ -267,6 +272,9 @@ class ScaleRun(Run):
             "OnlineDefragmenter()", make_defragmenter, self.kv, cfg, self.log_path
         )
         self.seed = _seed(self.kv, cfg)
+        self.plain = PlainShadow.build(
+            self.vllm_config, self.kv_cache_config, self.kv, cfg, self.result
+        )
         if self.defrag.engine is not self.connector.engine:
             raise AssertionError("the defragmenter and the connector do not share an Engine")
         self._time_log()
@@ -304,6 +312,13 @@ class ScaleRun(Run):
         before = self.result.seed_s
         super()._shadow(call)
         self.clock.add("seed", self.result.seed_s - before)
+
+    def _conn(self, name: str, method: Any, *args: Any) -> Any:
+        before = self.result.plain_s
+        try:
+            return super()._conn(name, method, *args)
+        finally:
+            self.clock.add("plain", self.result.plain_s - before)
 
     # -- the loop: a steady queue, warmup + steps steps --------------------------------------
     def _loop(self) -> None:
@@ -436,7 +451,7 @@ def measure(
 def _figures(run: ScaleRun, prefix_caching: bool, warmup: int, replayed: str) -> Figures:
     clock = run.clock
     timed = len(clock.steps) - warmup
-    names = (*CALLS, "log", "tier log", "copies", "scheduler", "seed")
+    names = (*CALLS, "log", "tier log", "copies", "scheduler", "seed", "plain")
     series = {n: clock.per_step(n, warmup) for n in names}
     series["kvlog"] = [
         sum(parts) for parts in zip(*(series[n] for n in (*CALLS, "tier log")), strict=True)
@@ -465,6 +480,7 @@ def report(figs: Figures) -> str:
 
     lines.append(row("vLLM schedule()+update_from_output()", "scheduler"))
     lines.append(row("seed defragmenter (same calls)", "seed"))
+    lines.append(row("plain vLLM worker (same calls)", "plain"))
     lines.append(row("kvlog, all calls", "kvlog"))
     for name in (*CALLS, "tier log"):
         lines.append(row(f"  {name}", name))
@@ -479,6 +495,12 @@ def report(figs: Figures) -> str:
         f"medians: {d['kvlog'] / max(d['seed'], 1e-9):.2f} and "
         f"{d['kvlog'] / max(d['scheduler'], 1e-9):.2f}"
     )
+    if m["plain"]:
+        lines.append(
+            f"  kvlog / (seed + plain worker) {m['kvlog'] / max(m['seed'] + m['plain'], 1e-9):.2f}"
+            f" (the plugin's whole cost in the same loop; median "
+            f"{d['kvlog'] / max(d['seed'] + d['plain'], 1e-9):.2f})"
+        )
     for e in figs.errors:
         lines.append(f"  ERROR {e}")
     return "\n".join(lines)

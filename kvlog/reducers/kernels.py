@@ -47,10 +47,12 @@ __all__ = [
     "drop_refs",
     "load",
     "move",
+    "pin",
     "seed_walk",
     "step_allocation",
     "step_commit",
     "table_terms",
+    "unpin",
 ]
 
 FWD_KEY = 0x243F6A8885A308D3
@@ -272,6 +274,26 @@ def _drop_refs(
     return count
 
 
+def _pin(pins: Any, pinned: Any, physical: Any) -> None:
+    """One more pin on each of ``physical`` (distinct ids) in ``pins`` (one direction's
+    counts); each joins the ``pinned`` bitmap."""
+    for i in range(len(physical)):
+        p = physical[i]
+        pins[p] += 1
+        pinned[p >> 6] |= np.uint64(1) << np.uint64(p & 63)
+
+
+def _unpin(pins: Any, others: Any, pinned: Any, physical: Any) -> None:
+    """One pin fewer on each of ``physical`` (distinct ids) in ``pins``; a block neither
+    direction pins any more leaves the ``pinned`` bitmap (the caller sets the bits of
+    quarantined blocks again)."""
+    for i in range(len(physical)):
+        p = physical[i]
+        pins[p] -= 1
+        if pins[p] == 0 and others[p] == 0:
+            pinned[p >> 6] &= ~(np.uint64(1) << np.uint64(p & 63))
+
+
 def _allocation(
     fwd: Any, refs: Any, store_pins: Any, load_pins: Any, logical: Any, shared: bool, physical: Any
 ) -> int:
@@ -424,6 +446,8 @@ move = jit(_move, allocates=False)
 _move_inline = inline(_move)
 add_refs = jit(_add_refs, allocates=False)
 drop_refs = jit(_drop_refs, allocates=False)
+pin = jit(_pin, allocates=False)
+unpin = jit(_unpin, allocates=False)
 _drop_refs_inline = inline(_drop_refs)
 allocation = jit(_allocation, allocates=False)
 step_allocation = jit(_step_allocation, allocates=False)
@@ -448,6 +472,8 @@ def load() -> None:
     move(words, words, words, blocks, blocks, blocks, none, none, 0)
     add_refs(words, words, words, blocks, none)
     drop_refs(words, words, words, blocks, blocks, none, ids)
+    pin(blocks, words, none)
+    unpin(blocks, blocks, words, none)
     allocation(blocks, blocks, blocks, blocks, none, False, ids)
     step_allocation(blocks, blocks, blocks, blocks, none, ids)
     table_terms(np.uint64(GOLDEN), 0, none)

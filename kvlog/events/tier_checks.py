@@ -43,9 +43,29 @@ def _int(event: Any, name: str, value: object, lo: int, hi: int = _MAX_INT) -> N
         raise InvalidEvent(f"{name} must be an int in [{lo}, {hi}], got {value!r}", event)
 
 
+def _ints(event: Any, name: str, values: list[Any], lo: int, hi: int) -> None:
+    """``_int`` of each of ``values`` (a list): their types counted and their extremes taken
+    in C-level passes; the first bad one named."""
+    if not values:
+        return
+    exact = list(map(type, values)).count(int) == len(values)
+    if exact and lo <= min(values) and max(values) <= hi:
+        return
+    for value in values:
+        _int(event, name, value, lo, hi)
+
+
 def _keys(event: Any, name: str, keys: object) -> None:
+    """A list of 1 to ``MAX_KEY_BYTES`` bytes each: C-level passes over a step's tens of
+    keys (their types counted, then their lengths' extremes); the first bad one named."""
     if type(keys) is not list:
         raise InvalidEvent(f"{name} must be a list of key bytes", event)
+    if not keys:
+        return
+    if list(map(type, keys)).count(bytes) == len(keys):
+        lengths = list(map(len, keys))
+        if min(lengths) > 0 and max(lengths) <= MAX_KEY_BYTES:
+            return
     for key in keys:
         if type(key) is not bytes or not 0 < len(key) <= MAX_KEY_BYTES:
             raise InvalidEvent(f"{name} holds {key!r}, not 1-{MAX_KEY_BYTES} key bytes", event)
@@ -55,10 +75,11 @@ def _context(event: Any) -> None:
     req_id = event.req_id
     if type(req_id) is not str or not 0 < len(req_id) <= 4096:
         raise InvalidEvent("req_id must be a non-empty str of at most 4096", event)
-    try:
-        req_id.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise InvalidEvent(f"req_id is not valid UTF-8 text: {exc.reason}", event) from exc
+    if not req_id.isascii():  # ASCII always encodes
+        try:
+            req_id.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidEvent(f"req_id is not valid UTF-8 text: {exc.reason}", event) from exc
     _int(event, "context", event.context, 0)
 
 
@@ -68,15 +89,13 @@ def _positioned(event: Any) -> None:
     positions = event.positions
     if type(positions) is not list or len(positions) != len(event.position_keys):
         raise InvalidEvent("positions must be a list of ints, one per position key", event)
-    for position in positions:
-        _int(event, "position", position, 0)
+    _ints(event, "position", positions, 0, _MAX_INT)
 
 
 def _chunk_ids(event: Any, chunk_ids: object, count: int) -> None:
     if type(chunk_ids) is not list or len(chunk_ids) != count:
         raise InvalidEvent(f"chunk_ids must be a list of {count} chunk ids", event)
-    for chunk_id in chunk_ids:
-        _int(event, "chunk id", chunk_id, 0, MAX_TIER_CHUNKS - 1)
+    _ints(event, "chunk id", chunk_ids, 0, MAX_TIER_CHUNKS - 1)
 
 
 def _configured(e: TierConfigured) -> None:

@@ -1,5 +1,5 @@
 """The CPU tier events' stateless checks: what they accept, and the first bad value each
-refusal names (the checks take C-level passes over a step's keys and ints first)."""
+refusal names."""
 
 from __future__ import annotations
 
@@ -58,6 +58,8 @@ def test_good_events_and_a_batch_of_them_pass() -> None:
         (prepared(chunk_ids=[MAX_TIER_CHUNKS, -1]), f"chunk id must be .* got {MAX_TIER_CHUNKS}"),
         (prepared(chunk_ids=[3, -1]), "chunk id must be an int in .* got -1"),
         (started(req_id="bad\ud800"), "req_id is not valid UTF-8 text"),
+        (TierLookedUp(req_id="r", context=0, key=b"", result="hit"), "key holds b'', not 1-1024"),
+        (TierLookedUp(req_id="r", context=0, key="k", result="hit"), "key holds 'k', not 1-1024"),
     ],
 )
 def test_the_first_bad_value_is_named(event: Any, message: str) -> None:

@@ -676,3 +676,22 @@ def test_an_exception_inside_a_batch_applies_what_was_kept_before_it(tmp_path: P
     assert worker.submit_store(0, [1, 2], [0, 1])
     worker.wait(None)
     assert [r.job_id for r in worker.get_finished()] == [0]
+
+
+def test_resolve_follows_every_move_and_refuses_bad_ids_once_fast() -> None:
+    """The runner resolves one id at a time, hundreds a step (vllm-gaudi's decode slots and
+    prefill blocks): after the first call that takes the books' resolver directly, and it
+    still follows defrag's moves, passes pads through and refuses what is not an int."""
+    defrag = make(num_blocks=64, backend="cpu")
+    defrag.update_state({"a": list(range(1, 9)), "b": [9, 10]}, [])
+    defrag.defragment()  # compact: nothing moves
+    assert defrag.resolve(9) == 9  # the first call after the start: the fast path now
+    defrag.update_state({}, ["a"])
+    defrag.defragment()  # b's blocks move down into a's
+    moved = defrag.session.engine.view.resolve(9)
+    assert moved != 9 and defrag.resolve(9) == moved and defrag.resolve(10) != 10
+    assert defrag.resolve(np.int64(9)) == moved  # numpy ints: the checked path, same answer
+    assert defrag.resolve(-1) == -1 and defrag.resolve(64 + 5) == 64 + 5  # pads pass
+    for bad in (1.9, True, "1"):
+        with pytest.raises(BlockOutOfRange):
+            defrag.resolve(bad)  # type: ignore[arg-type]

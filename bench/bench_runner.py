@@ -20,7 +20,9 @@ vllm-gaudi's HPU runner's calls on kvlog every step, the log at the integration'
 
     defragmenter.update_state(new | cached, finished_req_ids); defragmenter.defragment()
     connector.bind_connector_metadata(meta); connector.start_load_kv(None)
-    defragmenter.resolve_all(<the scheduled requests' block tables>)      # the forward's
+    defragmenter.resolve_all(<the decodes' block tables>)                # the forward's,
+    block_number.apply_(defragmenter.resolve)   # the decodes' slots    # as vllm-gaudi's
+    [defragmenter.resolve(b) for b in blocks]   # each prefill's blocks # runner resolves
     connector.wait_for_save(); connector.get_finished(finished)
     connector.build_connector_worker_meta(); connector.clear_connector_metadata()
 
@@ -88,6 +90,7 @@ CALLS = (
     "defragment",
     "run_defragmenter",
     "resolve_all",
+    "resolve",
     "bind_connector_metadata",
     "start_load_kv",
     "wait_for_save",
@@ -376,10 +379,10 @@ class ScaleRun(Run):
         del completed
 
     def _forward(self, so: Any) -> dict[str, list[int]]:
-        reqs = list(so.num_scheduled_tokens)
-        tables = [self.tables[r] for r in reqs]
-        self.counts["resolved"] += sum(map(len, tables))
-        self._resolve_tables(tables, timed=True)
+        reqs, positions, _ = self._write_set(so)  # not timed: the runner's own work
+        if reqs:  # resolved as vllm-gaudi's runner does (``Run._runner_slots``), no writes
+            self.counts["resolved"] += sum(-(-int(p[-1] + 1) // self.bs) for p in positions)
+            self._runner_slots(reqs, positions)
         sampled: dict[str, list[int]] = {}
         for r in reqs:
             if not self.scheduler.requests[r].is_prefill_chunk:

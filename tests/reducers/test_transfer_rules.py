@@ -493,7 +493,6 @@ def test_a_store_pinned_block_released_and_quarantined_stays_pinned_after_the_st
     check_invariants(state)
 
 
-
 def test_a_store_finished_while_its_block_is_quarantined_leaves_it_pinned_until_the_step() -> None:
     state = make(quarantine_released=True)
     run(state, alloc("A", 1, 2, 3), alloc("B", 12), store(0, [2, 3], [0, 1]))
@@ -510,6 +509,7 @@ def test_a_store_finished_while_its_block_is_quarantined_leaves_it_pinned_until_
 def frozen(state: Any, physical: int) -> bool:
     """Whether the ``pinned`` bitmap (pins and quarantine: what defrag skips) holds a block."""
     return bool(int(state.pinned[physical >> 6]) >> (physical & 63) & 1)
+
 
 # -- 6. BlocksReleased (where the schema has it) ---------------------------------------------
 @pytest.mark.skipif(BlocksReleased is None, reason="this schema has no BlocksReleased")

@@ -20,23 +20,29 @@ vllm-gaudi's HPU runner's calls on kvlog every step, the log at the integration'
 
     defragmenter.update_state(new | cached, finished_req_ids); defragmenter.defragment()
     connector.bind_connector_metadata(meta); connector.start_load_kv(None)
-    defragmenter.resolve_all(<the scheduled requests' block tables>)      # the forward's
+    defragmenter.resolve_all(<the decodes' block tables>)                # the forward's,
+    block_number.apply_(defragmenter.resolve)   # the decodes' slots    # as vllm-gaudi's
+    [defragmenter.resolve(b) for b in blocks]   # each prefill's blocks # runner resolves
     connector.wait_for_save(); connector.get_finished(finished)
     connector.build_connector_worker_meta(); connector.clear_connector_metadata()
 
 and, on the same calls in the same loop, the plugin's defragmenter
 (``tests/support/seed_reference.py``: its sorts, its per-id resolve, ``index_select`` /
-``index_copy_`` on its own copy of the KV tensors). The KV tensors are small (2 layers,
+``index_copy_`` on its own copy of the KV tensors), and the connector's calls on vLLM's own
+``OffloadingConnector`` with the harness's plain worker (``tests/vllm/harness/shadow.py``:
+copies at submit, no books, its own copy of the tensors and of each step's metadata): the
+plugin's whole cost, defragmenter and offloading worker. The KV tensors are small (2 layers,
 one head of 4 int16 per slot): the copies cost little on both sides, the bookkeeping is
 what is compared. Each step's time is taken per call; the first ``--warmup`` steps (the
 pool filling) are not counted.
 
 Printed per prefix-caching mode: microseconds per step (mean; median in brackets) of vLLM's
 ``schedule()`` + ``update_from_output()`` (the CPU tier log's appends inside them moved to
-kvlog), the seed's defragmenter calls, kvlog's calls split by call, kvlog's copies, its
-log appends (the share of its time spent handing records to the log writer), and the
-ratios kvlog / seed and kvlog / scheduler; then what the workload did in the timed steps (requests
-scheduled and ids resolved a step, preemptions, stores, loads, steps with swaps). The log replays
+kvlog), the seed's defragmenter calls, the plain worker's calls, kvlog's calls split by
+call, kvlog's copies, its log appends (the share of its time spent handing records to the
+log writer), and the ratios kvlog / seed, kvlog / scheduler and kvlog / (seed + plain
+worker); then what the workload did in the timed steps (requests scheduled and ids resolved
+a step, preemptions, stores, loads, steps with swaps). The log replays
 with verification at the end (``--no-replay`` skips it).
 """
 
@@ -75,6 +81,7 @@ try:
         make_request,
     )
     from tests.vllm.harness.configs import KVLOG_CONNECTOR
+    from tests.vllm.harness.shadow import PlainShadow
 except ImportError as exc:  # pragma: no cover - run from a checkout
     raise SystemExit(f"bench_runner needs the repository's tests/vllm/harness: {exc}") from exc
 
@@ -83,6 +90,7 @@ CALLS = (
     "defragment",
     "run_defragmenter",
     "resolve_all",
+    "resolve",
     "bind_connector_metadata",
     "start_load_kv",
     "wait_for_save",
@@ -267,6 +275,9 @@ class ScaleRun(Run):
             "OnlineDefragmenter()", make_defragmenter, self.kv, cfg, self.log_path
         )
         self.seed = _seed(self.kv, cfg)
+        self.plain = PlainShadow.build(
+            self.vllm_config, self.kv_cache_config, self.kv, cfg, self.result
+        )
         if self.defrag.engine is not self.connector.engine:
             raise AssertionError("the defragmenter and the connector do not share an Engine")
         self._time_log()
@@ -304,6 +315,13 @@ class ScaleRun(Run):
         before = self.result.seed_s
         super()._shadow(call)
         self.clock.add("seed", self.result.seed_s - before)
+
+    def _conn(self, name: str, method: Any, *args: Any) -> Any:
+        before = self.result.plain_s
+        try:
+            return super()._conn(name, method, *args)
+        finally:
+            self.clock.add("plain", self.result.plain_s - before)
 
     # -- the loop: a steady queue, warmup + steps steps --------------------------------------
     def _loop(self) -> None:
@@ -361,10 +379,10 @@ class ScaleRun(Run):
         del completed
 
     def _forward(self, so: Any) -> dict[str, list[int]]:
-        reqs = list(so.num_scheduled_tokens)
-        tables = [self.tables[r] for r in reqs]
-        self.counts["resolved"] += sum(map(len, tables))
-        self._resolve_tables(tables, timed=True)
+        reqs, positions, _ = self._write_set(so)  # not timed: the runner's own work
+        if reqs:  # resolved as vllm-gaudi's runner does (``Run._runner_slots``), no writes
+            self.counts["resolved"] += sum(-(-int(p[-1] + 1) // self.bs) for p in positions)
+            self._runner_slots(reqs, positions)
         sampled: dict[str, list[int]] = {}
         for r in reqs:
             if not self.scheduler.requests[r].is_prefill_chunk:
@@ -436,7 +454,7 @@ def measure(
 def _figures(run: ScaleRun, prefix_caching: bool, warmup: int, replayed: str) -> Figures:
     clock = run.clock
     timed = len(clock.steps) - warmup
-    names = (*CALLS, "log", "tier log", "copies", "scheduler", "seed")
+    names = (*CALLS, "log", "tier log", "copies", "scheduler", "seed", "plain")
     series = {n: clock.per_step(n, warmup) for n in names}
     series["kvlog"] = [
         sum(parts) for parts in zip(*(series[n] for n in (*CALLS, "tier log")), strict=True)
@@ -465,6 +483,7 @@ def report(figs: Figures) -> str:
 
     lines.append(row("vLLM schedule()+update_from_output()", "scheduler"))
     lines.append(row("seed defragmenter (same calls)", "seed"))
+    lines.append(row("plain vLLM worker (same calls)", "plain"))
     lines.append(row("kvlog, all calls", "kvlog"))
     for name in (*CALLS, "tier log"):
         lines.append(row(f"  {name}", name))
@@ -479,6 +498,12 @@ def report(figs: Figures) -> str:
         f"medians: {d['kvlog'] / max(d['seed'], 1e-9):.2f} and "
         f"{d['kvlog'] / max(d['scheduler'], 1e-9):.2f}"
     )
+    if m["plain"]:
+        lines.append(
+            f"  kvlog / (seed + plain worker) {m['kvlog'] / max(m['seed'] + m['plain'], 1e-9):.2f}"
+            f" (the plugin's whole cost in the same loop; median "
+            f"{d['kvlog'] / max(d['seed'] + d['plain'], 1e-9):.2f})"
+        )
     for e in figs.errors:
         lines.append(f"  ERROR {e}")
     return "\n".join(lines)

@@ -43,6 +43,13 @@ def _int(event: Any, name: str, value: object, lo: int, hi: int = _MAX_INT) -> N
         raise InvalidEvent(f"{name} must be an int in [{lo}, {hi}], got {value!r}", event)
 
 
+def _ints(event: Any, name: str, values: list[Any], lo: int, hi: int) -> None:
+    """``_int`` of each of ``values``, inline (a call per value costs as much as its check)."""
+    for value in values:
+        if type(value) is not int or not lo <= value <= hi:
+            _int(event, name, value, lo, hi)
+
+
 def _keys(event: Any, name: str, keys: object) -> None:
     if type(keys) is not list:
         raise InvalidEvent(f"{name} must be a list of key bytes", event)
@@ -55,10 +62,11 @@ def _context(event: Any) -> None:
     req_id = event.req_id
     if type(req_id) is not str or not 0 < len(req_id) <= 4096:
         raise InvalidEvent("req_id must be a non-empty str of at most 4096", event)
-    try:
-        req_id.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise InvalidEvent(f"req_id is not valid UTF-8 text: {exc.reason}", event) from exc
+    if not req_id.isascii():  # ASCII always encodes
+        try:
+            req_id.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidEvent(f"req_id is not valid UTF-8 text: {exc.reason}", event) from exc
     _int(event, "context", event.context, 0)
 
 
@@ -68,15 +76,13 @@ def _positioned(event: Any) -> None:
     positions = event.positions
     if type(positions) is not list or len(positions) != len(event.position_keys):
         raise InvalidEvent("positions must be a list of ints, one per position key", event)
-    for position in positions:
-        _int(event, "position", position, 0)
+    _ints(event, "position", positions, 0, _MAX_INT)
 
 
 def _chunk_ids(event: Any, chunk_ids: object, count: int) -> None:
     if type(chunk_ids) is not list or len(chunk_ids) != count:
         raise InvalidEvent(f"chunk_ids must be a list of {count} chunk ids", event)
-    for chunk_id in chunk_ids:
-        _int(event, "chunk id", chunk_id, 0, MAX_TIER_CHUNKS - 1)
+    _ints(event, "chunk id", chunk_ids, 0, MAX_TIER_CHUNKS - 1)
 
 
 def _configured(e: TierConfigured) -> None:
@@ -94,7 +100,9 @@ def _configured(e: TierConfigured) -> None:
 
 def _looked_up(e: TierLookedUp) -> None:
     _positioned(e)
-    _keys(e, "key", [e.key])
+    key = e.key
+    if type(key) is not bytes or not 0 < len(key) <= MAX_KEY_BYTES:  # most of a step's calls
+        _keys(e, "key", [key])  # names it
     if e.result not in TIER_LOOKUP_RESULTS:
         raise InvalidEvent(f"result must be one of {list(TIER_LOOKUP_RESULTS)}", e)
 

@@ -55,6 +55,10 @@ class Device(ABC):
     name: str = "device"
     host_like: bool = False
     """True where copies run on the host right away: use run-coalesced slice copies."""
+    synchronous: bool = False
+    """True where ``enqueue`` runs the work before it returns and events complete when
+    recorded (no stream ever waits): the executors may run a job's copies at once, with no
+    streams or events."""
     pin_memory: bool = False
     device_type: str = "cpu"
     """The ``torch.device.type`` the KV-cache tensors must live on."""
@@ -134,6 +138,7 @@ class CpuDevice(Device):
 
     name = "cpu"
     host_like = True
+    synchronous = True
 
     def __init__(self, seed: int = 0, failure_rate: float = 0.0) -> None:
         super().__init__(seed, failure_rate)

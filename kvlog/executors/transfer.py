@@ -19,8 +19,9 @@ direction, merged in submit order, as :class:`TransferCompletion`. A copy that f
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +37,7 @@ from kvlog.executors.copies import (
     host_rows,
     indexed_copy,
 )
-from kvlog.executors.devices import Device
+from kvlog.executors.devices import Device, InjectedFailure
 from kvlog.executors.layouts import CacheLayout
 
 __all__ = ["TransferCompletion", "TransferExecutor"]
@@ -65,9 +66,11 @@ class _Job:
     kind: str
     seq: int
     num_bytes: int
-    stream: Any
-    start: Any
-    end: Any
+    stream: Any = None
+    """None for a job that ran at submit (``_run_now``): ``start`` and ``end`` are then
+    host-clock times, else the device's events."""
+    start: Any = None
+    end: Any = None
     error: str = ""
     keepalive: object = None
 
@@ -105,9 +108,12 @@ class TransferExecutor:
     def submit(self, plan: TransferPlan) -> None:
         """Queue one job; it runs after its dependencies, on a transfer stream."""
         assert plan.job_id not in self._in_flight, f"job {plan.job_id} is already in flight"
+        src, dst = self._check(plan)
+        if self._device.synchronous:
+            self._run_now(plan, src, dst)
+            return
         flat = itertools.chain.from_iterable(plan.pairs)
         pairs = np.fromiter(flat, np.int64, 2 * len(plan.pairs)).reshape(-1, 2)
-        self._check(plan, pairs)
         direction = self._directions[plan.kind]
         device = self._device
         stream = direction.streams.pop() if direction.streams else device.new_stream()
@@ -122,6 +128,27 @@ class TransferExecutor:
         device.enqueue(stream, self._work(job, pairs), lambda error: _fail(job, error))
         device.record(end, stream)
         direction.jobs.append(job)
+        self._in_flight[plan.job_id] = job
+
+    def _run_now(self, plan: TransferPlan, src: Sequence[int], dst: Sequence[int]) -> None:
+        """A synchronous device's job: its copies run here, before ``submit`` returns (every
+        job before it already has), timed by the host clock; it waits in its direction's
+        queue, done, for ``poll``. No stream or event: nothing could wait on one."""
+        n = len(src)
+        src_ids, dst_ids = np.fromiter(src, np.int64, n), np.fromiter(dst, np.int64, n)
+        store = plan.kind == "store"
+        gpu_ids, cpu_ids = (src_ids, dst_ids) if store else (dst_ids, src_ids)
+        job = _Job(plan.job_id, plan.kind, next(self._seq), n * self._layout.page_size_bytes)
+        work = self._host_work(store, gpu_ids, cpu_ids, owned=True)
+        start = time.perf_counter()
+        try:
+            if self._device.should_fail():
+                raise InjectedFailure("injected copy failure")
+            work()
+        except Exception as error:  # a failed copy is reported, never raised
+            _fail(job, error)
+        job.start, job.end = start, time.perf_counter()
+        self._directions[plan.kind].jobs.append(job)
         self._in_flight[plan.job_id] = job
 
     def _event(self, direction: _Direction) -> Any:
@@ -150,10 +177,12 @@ class TransferExecutor:
                 self._synchronize(job)
         return self.poll()
 
-    def _check(self, plan: TransferPlan, pairs: np.ndarray) -> None:
+    def _check(self, plan: TransferPlan) -> tuple[Sequence[int], Sequence[int]]:
+        """The plan's sources and destinations, once its ids are seen to lie in the caches
+        and its destinations to be distinct (the reducer's promises: a miss is a bug)."""
         assert plan.kind in self._directions, f"TransferPlan kind {plan.kind!r}"
-        if len(pairs) == 0:
-            return
+        if not plan.pairs:
+            return (), ()
         store = plan.kind == "store"
         src, dst = zip(*plan.pairs, strict=True)  # a job's few pairs: Python beats numpy
         gpu, cpu = (src, dst) if store else (dst, src)
@@ -165,6 +194,7 @@ class TransferExecutor:
             f"job {plan.job_id}: CPU sub-block id outside [0, {num_cpu})"
         )
         assert len(set(dst)) == len(dst), f"job {plan.job_id}: a destination block appears twice"
+        return src, dst
 
     def _dependencies(self, plan: TransferPlan, direction: _Direction) -> list[_Job]:
         jobs = [direction.jobs[-1]] if direction.jobs else []
@@ -194,7 +224,7 @@ class TransferExecutor:
         return device_work
 
     def _host_work(
-        self, store: bool, gpu_ids: np.ndarray, cpu_ids: np.ndarray
+        self, store: bool, gpu_ids: np.ndarray, cpu_ids: np.ndarray, owned: bool = False
     ) -> Callable[[], None]:
         """Host memory on both sides: a small job gathers and scatters per tensor, a large
         one runs a run-coalesced program (``copies.INDEXED_MAX_PAIRS``)."""
@@ -218,7 +248,8 @@ class TransferExecutor:
                 False: list(zip(gpu_rows, cpu_rows, strict=True)),
             }
         pairs = self._host_rows[store]
-        src, dst = src.copy(), dst.copy()
+        if not owned:  # strided views of a pairs array: index with contiguous copies
+            src, dst = src.copy(), dst.copy()
 
         def indexed_work() -> None:
             for to_rows, from_rows in pairs:
@@ -227,6 +258,8 @@ class TransferExecutor:
         return indexed_work
 
     def _is_done(self, job: _Job) -> bool:
+        if job.stream is None:  # ran at submit (``_run_now``)
+            return True
         try:
             return self._device.query(job.end)
         except Exception as error:  # a device error ends the job as failed
@@ -234,6 +267,8 @@ class TransferExecutor:
             return True
 
     def _synchronize(self, job: _Job) -> None:
+        if job.stream is None:  # ran at submit (``_run_now``)
+            return
         try:
             self._device.synchronize(job.end)
         except Exception as error:
@@ -245,14 +280,17 @@ class TransferExecutor:
         return job
 
     def _result(self, job: _Job) -> TransferCompletion:
-        direction = self._directions[job.kind]
-        try:
-            elapsed_s = self._device.elapsed_s(job.start, job.end)
-        except Exception:  # timing is best effort; the outcome is what matters
-            elapsed_s = 0.0
-        direction.streams.append(job.stream)
-        direction.events.extend((job.start, job.end))
-        job.keepalive = None
+        if job.stream is None:  # ran at submit (``_run_now``): host clock times
+            elapsed_s = max(0.0, job.end - job.start)
+        else:
+            direction = self._directions[job.kind]
+            try:
+                elapsed_s = self._device.elapsed_s(job.start, job.end)
+            except Exception:  # timing is best effort; the outcome is what matters
+                elapsed_s = 0.0
+            direction.streams.append(job.stream)
+            direction.events.extend((job.start, job.end))
+            job.keepalive = None
         return TransferCompletion(job.job_id, not job.error, job.num_bytes, elapsed_s, job.error)
 
 

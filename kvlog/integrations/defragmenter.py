@@ -16,7 +16,7 @@ plans that the executor applies to the runner's ``kv_caches``. The offloading fa
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from operator import itemgetter
 from typing import Any, Literal
 
@@ -225,6 +225,8 @@ class OnlineDefragmenter:
         )
         self.cache_utils: CacheSwapHandle | None = None
         self.last_swap: SwapPlan | None = None
+        self._resolve_id: Callable[[int], int] | None = None
+        """The books' resolve of one int id, once the Engine started (``resolve``)."""
         self.lines = DefragLines(environ if environ is not None else None)
         self.debug = self.lines.say if self.lines.debug else None
         """The plugin's debug logger (``VLLM_DEBUG=defrag``), else None."""
@@ -376,11 +378,15 @@ class OnlineDefragmenter:
     def resolve(self, block_id: int) -> int:
         """Logical -> physical; ids the Engine does not know (pads, -1) pass unchanged; a
         non-integer id (a float, a bool) is refused (``BlockOutOfRange``)."""
+        resolve_id = self._resolve_id
+        if resolve_id is not None and type(block_id) is int:  # the runner's per-id calls
+            return resolve_id(block_id)
         if isinstance(block_id, bool) or not isinstance(block_id, (int, np.integer)):
             raise BlockOutOfRange(f"a block id must be an int, not {type(block_id).__name__}")
         if not self.session.started:
             return block_id
-        return int(self.session.engine.view.resolve(int(block_id)))
+        self._resolve_id = self.session.engine.view.resolver()  # the session's one Engine
+        return int(self._resolve_id(int(block_id)))
 
     def resolve_all(self, block_table_list: Sequence[Sequence[int]]) -> list[list[int]]:
         """:meth:`resolve` over every table (new lists). The runner's usual tables (lists

@@ -50,10 +50,12 @@ __all__ = [
     "load",
     "move",
     "pack_rows",
+    "pin",
     "seed_walk",
     "step_allocation",
     "step_commit",
     "table_terms",
+    "unpin",
 ]
 
 FWD_KEY = 0x243F6A8885A308D3
@@ -286,6 +288,26 @@ def _drop_refs(
             freed[count] = p
             count += 1
     return count
+
+
+def _pin(pins: Any, pinned: Any, physical: Any) -> None:
+    """One more pin on each of ``physical`` (distinct ids) in ``pins`` (one direction's
+    counts); each joins the ``pinned`` bitmap."""
+    for i in range(len(physical)):
+        p = physical[i]
+        pins[p] += 1
+        pinned[p >> 6] |= np.uint64(1) << np.uint64(p & 63)
+
+
+def _unpin(pins: Any, others: Any, pinned: Any, physical: Any) -> None:
+    """One pin fewer on each of ``physical`` (distinct ids) in ``pins``; a block neither
+    direction pins any more leaves the ``pinned`` bitmap (the caller sets the bits of
+    quarantined blocks again)."""
+    for i in range(len(physical)):
+        p = physical[i]
+        pins[p] -= 1
+        if pins[p] == 0 and others[p] == 0:
+            pinned[p >> 6] &= ~(np.uint64(1) << np.uint64(p & 63))
 
 
 def _allocation(
@@ -575,6 +597,8 @@ _move_inline = inline(_move)
 _trigger_walk_move = inline(_trigger_walk_move)
 add_refs = jit(_add_refs, allocates=False)
 drop_refs = jit(_drop_refs, allocates=False)
+pin = jit(_pin, allocates=False)
+unpin = jit(_unpin, allocates=False)
 allocation = jit(_allocation, allocates=False)
 step_allocation = jit(_step_allocation, allocates=False)
 step_commit = jit(_step_commit, allocates=False)
@@ -599,6 +623,8 @@ def load() -> None:
     move(words, words, words, blocks, blocks, blocks, none, none, 0)
     add_refs(words, words, words, blocks, none)
     drop_refs(words, words, words, blocks, blocks, none, ids)
+    pin(blocks, words, none)
+    unpin(blocks, blocks, words, none)
     allocation(blocks, blocks, blocks, blocks, none, False, ids)
     step_allocation(blocks, blocks, blocks, blocks, none, ids)
     table_terms(np.uint64(GOLDEN), 0, none)

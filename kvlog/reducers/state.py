@@ -403,43 +403,24 @@ class State:
             self._max_used = self.used.highest_at_most(self._max_used)
 
     def pin(self, kind: str, physical: IdArray) -> None:
-        """Pin distinct ``physical`` blocks for one more unfinished job of ``kind`` (a job
-        of a few blocks one by one on the buffers: numpy's per-call cost is most of it)."""
-        if len(physical) <= SCALAR_LIMIT:
-            counts = self.store_pins_buffer if kind == "store" else self.load_pins_buffer
-            words = self.pinned_buffer
-            for p in physical.tolist():
-                counts[p] += 1
-                words[p >> 6] |= 1 << (p & 63)
-            return
-        pins = self.store_pins if kind == "store" else self.load_pins
-        pins[physical] += 1
-        set_bits(self.pinned, physical)
+        """Pin distinct ``physical`` blocks (int64) for one more unfinished job of ``kind``
+        (one compiled loop: numpy's per-call cost would be most of a job's few blocks)."""
+        kernels.pin(self.store_pins if kind == "store" else self.load_pins, self.pinned, physical)
 
     def unpin(self, kind: str, physical: IdArray) -> None:
-        """Release one job's pins on distinct ``physical`` blocks; a block no job pins any
-        more is unpinned unless quarantined."""
-        if len(physical) <= SCALAR_LIMIT:
-            self._unpin_few(kind, physical.tolist())
-            return
-        pins = self.store_pins if kind == "store" else self.load_pins
-        pins[physical] -= 1
-        released = physical[(self.store_pins[physical] | self.load_pins[physical]) == 0]
-        if released.size and self.quarantined:
-            keep = np.fromiter(self.quarantined, np.int64, len(self.quarantined))
-            released = released[~np.isin(released, keep)]
-        if released.size:
-            clear_bits(self.pinned, released)
-
-    def _unpin_few(self, kind: str, physical: list[int]) -> None:
-        """``unpin`` of a few blocks, one by one on the buffers."""
-        stores, loads = self.store_pins_buffer, self.load_pins_buffer
-        counts = stores if kind == "store" else loads
-        words, quarantined = self.pinned_buffer, self.quarantined
-        for p in physical:
-            counts[p] -= 1
-            if not (stores[p] or loads[p] or p in quarantined):
-                words[p >> 6] &= ~(1 << (p & 63))
+        """Release one job's pins on distinct ``physical`` blocks (int64); a block no job
+        pins any more is unpinned unless quarantined."""
+        pins, others = (
+            (self.store_pins, self.load_pins)
+            if kind == "store"
+            else (self.load_pins, self.store_pins)
+        )
+        kernels.unpin(pins, others, self.pinned, physical)
+        quarantined = self.quarantined
+        if quarantined:  # pinned until the step ends, whatever the jobs: set again
+            kept = [p for p in physical.tolist() if p in quarantined]
+            if kept:
+                set_bits(self.pinned, np.asarray(kept, dtype=np.int64))
 
     def quarantine(self, physical: list[int]) -> None:
         """Pin freshly released blocks until the next StepEnded (``lift_quarantine``)."""

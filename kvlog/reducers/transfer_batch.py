@@ -54,13 +54,14 @@ def _independent(state: State, batch: TransferBatch) -> list[Any] | None:
     """Each event's finding against the state as it is, or None if the batch's events may
     interact (or one is refused): then only the exact path decides."""
     events = batch.events
+    kinds = [type(event) for event in events]
     try:
-        for event in events:
-            VALIDATORS[type(event)](event)
+        for kind, event in zip(kinds, events, strict=True):
+            VALIDATORS[kind](event)
     except InvalidEvent:
         return None
-    if any(type(e) is TransferFinished for e in events):
-        if not all(type(e) is TransferFinished for e in events):
+    if TransferFinished in kinds:
+        if kinds.count(TransferFinished) != len(kinds):
             return None
         if len({e.job_id for e in events}) != len(events):
             return None
@@ -93,7 +94,7 @@ def _independent(state: State, batch: TransferBatch) -> list[Any] | None:
             loads.append(physical)
         cpu["store" if type(event) is StoreRequested else "load"].append(subs)
         found.append(checked)
-    if len(requested) > 1 and not _disjoint(loads, cpu):
+    if loads and len(requested) > 1 and not _disjoint(loads, cpu):  # stores alone: no clash
         return None
     if len(state.store_jobs) + len(state.load_jobs) + len(requested) > MAX_JOBS_IN_FLIGHT:
         return None

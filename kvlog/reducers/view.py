@@ -6,7 +6,7 @@ read-only numpy views."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -60,6 +60,11 @@ class BooksView:
     def resolve(self, block_id: int) -> int:
         """A logical block's physical block."""
         return self._state.resolve(block_id)
+
+    def resolver(self) -> Callable[[int], int]:
+        """``resolve`` with no view in between (one call per id: a runner resolves a block
+        id at a time, hundreds a step); it follows the state as ``resolve`` does."""
+        return self._state.resolve
 
     def unresolve(self, physical: int) -> int:
         """The logical block now at a physical block."""

@@ -402,7 +402,7 @@ class Engine:
         """Finished transfers from the executor, each logged and reduced as TransferFinished."""
         with self._lock:
             self._check_open()
-            if self.executor is None:
+            if self.executor is None or not self._view.has_transfers():  # nothing to report
                 return []
             return self._drain("poll", None)
 

@@ -625,3 +625,79 @@ def test_a_declared_job_is_submitted_once() -> None:
         worker.submit_store(3, [1, 2], [0, 1])
     worker.wait(None)
     assert [r.job_id for r in worker.get_finished()] == [3]
+
+
+def _logged_worker(tmp_path: Path) -> tuple[OnlineDefragmenter, OffloadingWorker, Path]:
+    path = tmp_path / "batch.kvlog"
+    env = {"VLLM_DEFRAG_THRESHOLD": "4", "KVLOG_PATH": str(path), "KVLOG_SYNC": "none"}
+    defrag = OnlineDefragmenter(environ=env, backend="cpu")
+    defrag.initialize(make_hpu_caches(64, 4), 4)
+    worker = OffloadingWorker(defrag, num_cpu_blocks=8)
+    defrag.update_state({"a": [1, 2, 3], "b": [4, 5]}, [])
+    defrag.defragment()
+    return defrag, worker, path
+
+
+def _records(path: Path) -> list[object]:
+    return [r for _, r in LogReader(path).records() if type(r).__name__ != "Checkpoint"]
+
+
+def test_a_batched_block_applies_its_calls_as_one_record_at_its_end(tmp_path: Path) -> None:
+    defrag, worker, path = _logged_worker(tmp_path)
+    with worker.batched():
+        worker.declare("store", 0, [1, 2], [0, 1], req_id="a")
+        with worker.batched():  # nested: the outer block applies
+            worker.declare("store", 1, [4], [2], req_id="b")
+        assert defrag.session.engine.view.job(1) is None  # kept, not applied yet
+    assert defrag.session.engine.view.job(0) is not None
+    assert defrag.session.engine.view.job(1) is not None
+    defrag.close()
+    (batch,) = [r for r in _records(path) if type(r).__name__ == "TransferBatch"]
+    assert [(type(e).__name__, e.job_id) for e in batch.events] == [  # type: ignore[attr-defined]
+        ("StoreRequested", 0),
+        ("StoreRequested", 1),
+    ]
+
+
+def test_a_refused_batch_applies_nothing_and_forgets_its_declarations(tmp_path: Path) -> None:
+    defrag, worker, _ = _logged_worker(tmp_path)
+    with pytest.raises(BlockOutOfRange), worker.batched():
+        worker.declare("store", 0, [1, 2], [0, 1], req_id="a")
+        worker.declare("store", 1, [4], [99], req_id="b")  # CPU block 99 of 8
+    view = defrag.session.engine.view
+    assert view.job(0) is None and view.job(1) is None and view.last_job_id == -1
+    with pytest.raises(DuplicateJob):  # 0 was never declared: a plain submit of a new id
+        worker.submit_store(-1, [1], [0])
+    assert worker.submit_store(0, [1, 2], [0, 1])  # a fresh job now, not a declared one
+    worker.wait(None)
+    assert [r.job_id for r in worker.get_finished()] == [0]
+
+
+def test_an_exception_inside_a_batch_applies_what_was_kept_before_it(tmp_path: Path) -> None:
+    defrag, worker, _ = _logged_worker(tmp_path)
+    with pytest.raises(KeyError), worker.batched():
+        worker.declare("store", 0, [1, 2], [0, 1], req_id="a")
+        raise KeyError("the runner failed")
+    assert defrag.session.engine.view.job(0) is not None  # as the call alone would have
+    assert worker.submit_store(0, [1, 2], [0, 1])
+    worker.wait(None)
+    assert [r.job_id for r in worker.get_finished()] == [0]
+
+
+def test_resolve_follows_every_move_and_refuses_bad_ids_once_fast() -> None:
+    """The runner resolves one id at a time, hundreds a step (vllm-gaudi's decode slots and
+    prefill blocks): after the first call that takes the books' resolver directly, and it
+    still follows defrag's moves, passes pads through and refuses what is not an int."""
+    defrag = make(num_blocks=64, backend="cpu")
+    defrag.update_state({"a": list(range(1, 9)), "b": [9, 10]}, [])
+    defrag.defragment()  # compact: nothing moves
+    assert defrag.resolve(9) == 9  # the first call after the start: the fast path now
+    defrag.update_state({}, ["a"])
+    defrag.defragment()  # b's blocks move down into a's
+    moved = defrag.session.engine.view.resolve(9)
+    assert moved != 9 and defrag.resolve(9) == moved and defrag.resolve(10) != 10
+    assert defrag.resolve(np.int64(9)) == moved  # numpy ints: the checked path, same answer
+    assert defrag.resolve(-1) == -1 and defrag.resolve(64 + 5) == 64 + 5  # pads pass
+    for bad in (1.9, True, "1"):
+        with pytest.raises(BlockOutOfRange):
+            defrag.resolve(bad)  # type: ignore[arg-type]

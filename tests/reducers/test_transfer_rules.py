@@ -493,6 +493,24 @@ def test_a_store_pinned_block_released_and_quarantined_stays_pinned_after_the_st
     check_invariants(state)
 
 
+def test_a_store_finished_while_its_block_is_quarantined_leaves_it_pinned_until_the_step() -> None:
+    state = make(quarantine_released=True)
+    run(state, alloc("A", 1, 2, 3), alloc("B", 12), store(0, [2, 3], [0, 1]))
+    run(state, RequestFinished("A"))  # 1, 2, 3 quarantined; 2 and 3 also store-pinned
+    run(state, TransferFinished(job_id=0, success=True))  # no pin left: quarantine holds them
+    assert not any(state.is_pinned(p) for p in (1, 2, 3)) and state.quarantined == {1, 2, 3}
+    assert all(frozen(state, p) for p in (1, 2, 3))  # defrag may not touch them yet
+    check_invariants(state)  # the bitmap is the pins and the quarantine
+    run(state, StepEnded(step=0))
+    assert not any(frozen(state, p) for p in (1, 2, 3))
+    check_invariants(state)
+
+
+def frozen(state: Any, physical: int) -> bool:
+    """Whether the ``pinned`` bitmap (pins and quarantine: what defrag skips) holds a block."""
+    return bool(int(state.pinned[physical >> 6]) >> (physical & 63) & 1)
+
+
 # -- 6. BlocksReleased (where the schema has it) ---------------------------------------------
 @pytest.mark.skipif(BlocksReleased is None, reason="this schema has no BlocksReleased")
 def test_released_blocks_leave_the_table_and_wait_in_quarantine() -> None:

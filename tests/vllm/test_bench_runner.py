@@ -23,8 +23,10 @@ def test_the_serving_scale_bench_runs_at_a_toy_scale(prefix_caching: bool) -> No
     figs, _ = bench_runner.measure(scale, prefix_caching, steps=60, warmup=20, replay=True)
     assert figs.errors == [] and figs.replay == "ok"
     assert figs.steps == 60
-    for call in ("update_state", "defragment", "resolve_all", "bind_connector_metadata"):
+    for call in ("update_state", "defragment", "resolve_all", "resolve", "bind_connector_metadata"):
         assert figs.mean[call] > 0, call
     assert figs.mean["seed"] > 0 and figs.mean["scheduler"] > 0
+    assert figs.mean["plain"] > 0  # vLLM's plain worker got the connector's calls too
+    assert "plain" not in bench_runner.CALLS  # and its time is not kvlog's
     assert figs.mean["kvlog"] >= figs.mean["update_state"] + figs.mean["resolve_all"]
     assert figs.counts["stores"] > 0

@@ -49,7 +49,7 @@ class RunResult:
     kvlog_s: float = 0.0  # every kvlog call: the defragmenter's and the connector's
     copy_s: float = 0.0  # of it, the executor carrying out plans (tensor copies)
     tier_s: float = 0.0  # of it, the scheduler's CPU tier log (inside vLLM's schedule())
-    defrag_s: float = 0.0  # the defragmenter's calls: update_state, defragment, resolve_all
+    defrag_s: float = 0.0  # the defragmenter's calls: update_state, defragment, the resolves
     seed_s: float = 0.0  # the same calls on the plugin's algorithm, beside kvlog's (0: none)
     plain_s: float = 0.0  # the connector's calls on vLLM's plain worker, beside kvlog's (0: none)
     sched_s: float = 0.0

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
+import torch
 
 from kvlog.util import vllm_compat
 from tests.vllm.harness.checks import Checks, _Abort, _LoadJob, _StoreJob
@@ -188,6 +189,47 @@ class Run(Checks):
             self.result.defrag_s += time.perf_counter() - t0
             self._shadow(lambda seed: seed.resolve_all(tables))
         return out  # type: ignore[no-any-return]
+
+    def _runner_slots(self, reqs: list[str], positions: list[np.ndarray]) -> list[np.ndarray]:
+        """The forward's write slots, resolved as vllm-gaudi's HPU runner resolves them
+        (timed, and the same calls on the seed's shadow): a decode's block table (up to its
+        current token) with one ``resolve_all``, its tokens' blocks one id at a time
+        (``block_number.apply_(self._resolve_block)``); a prefill's blocks one id at a time
+        (``[self._resolve_block(b) for b in blocks]``)."""
+        bs, defrag = self.bs, self.defrag
+        decodes = [i for i, r in enumerate(reqs) if positions[i][0] >= len(self.seqs[r].prompt)]
+        prefills = sorted(set(range(len(reqs))) - set(decodes))
+        ends = [-(-int(pos[-1] + 1) // bs) for pos in positions]  # blocks up to the last token
+        blocks = [self.tables[r][:end] for r, end in zip(reqs, ends, strict=True)]
+        slots: list[np.ndarray] = [np.empty(0, np.int64)] * len(reqs)
+        if decodes:
+            self._resolve_tables([blocks[i] for i in decodes], timed=True)  # attention's tables
+            logical = [np.asarray(blocks[i], np.int32)[positions[i] // bs] for i in decodes]
+            ours = torch.from_numpy(np.concatenate(logical)).reshape(-1, 1)
+            theirs = ours.clone()
+            physical = self._defrag_call("resolve", lambda: ours.apply_(defrag.resolve))
+            self._shadow(lambda seed: theirs.apply_(seed.resolve))
+            split = np.split(physical.numpy().ravel().astype(np.int64), np.cumsum(
+                [len(x) for x in logical])[:-1])  # fmt: skip
+            for i, phys in zip(decodes, split, strict=True):
+                slots[i] = phys * bs + positions[i] % bs
+        if prefills:
+            mine = [blocks[i] for i in prefills]
+            resolved = self._defrag_call(
+                "resolve", lambda: [[defrag.resolve(b) for b in ids] for ids in mine]
+            )
+            self._shadow(lambda seed: [[seed.resolve(b) for b in ids] for ids in mine])
+            for i, phys in zip(prefills, resolved, strict=True):
+                pos = positions[i]
+                slots[i] = np.asarray(phys, np.int64)[pos // bs] * bs + pos % bs
+        return slots
+
+    def _defrag_call(self, name: str, call: Callable[[], Any]) -> Any:
+        """A timed call on kvlog's defragmenter, counted in ``defrag_s`` too."""
+        t0 = time.perf_counter()
+        out = self._kvlog(name, call)
+        self.result.defrag_s += time.perf_counter() - t0
+        return out
 
     def _shadow(self, call: Any) -> None:
         """The same defragmenter call on the plugin's algorithm (``seed_s``), in the same
@@ -443,7 +485,10 @@ class Run(Checks):
     def _forward(self, so: Any) -> dict[str, list[int]]:
         reqs, positions, _ = self._write_set(so)
         if reqs:
-            slots = self._physical_slots(reqs, positions, timed=True)
+            if self.defrag is None:
+                slots = self._physical_slots(reqs, positions, timed=True)
+            else:
+                slots = self._runner_slots(reqs, positions)
             for r, pos, phys in zip(reqs, positions, slots, strict=True):
                 self.kv.write(phys, self.seqs[r].hashes[pos])
         sampled: dict[str, list[int]] = {}

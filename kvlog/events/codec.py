@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import msgspec
 import numpy as np
 
-from kvlog.events.types import Event, Plan, Record, StepPacked
+from kvlog.events.types import Event, Plan, Record, StepPacked, packed_ids
 
 __all__ = ["DECODE_ERRORS", "decode", "decode_plan", "encode", "to_dict", "to_json"]
 
@@ -58,10 +58,10 @@ def to_dict(record: Event | Record | Plan) -> dict[str, Any]:
     out: dict[str, Any] = {"type": type(record).__name__}
     out.update(msgspec.to_builtins(record))
     if type(record) is StepPacked:  # its packed ids as numbers, not base64
-        for name in ("counts", "block_ids"):
-            packed = getattr(record, name)
-            if len(packed) % 4 == 0:
-                out[name] = np.frombuffer(packed, dtype="<i4").tolist()
+        if len(record.counts) % 4 == 0:
+            out["counts"] = np.frombuffer(record.counts, dtype="<i4").tolist()
+        if record.id_bytes in (2, 4) and len(record.block_ids) % record.id_bytes == 0:
+            out["block_ids"] = packed_ids(record).tolist()
     return out
 
 

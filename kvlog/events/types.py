@@ -37,6 +37,7 @@ __all__ = [
     "StepPacked",
     "StepScheduled",
     "WHOLE_STEPS",
+    "packed_ids",
     "packed_step",
     "StoreRequested",
     "SwapPlan",
@@ -229,10 +230,13 @@ class StepPacked(_Tagged, frozen=True):
     hundreds of block ids straight into one array instead of a Python int each.
 
     ``req_ids`` are ``allocated``'s requests in order, ``counts`` how many block ids each
-    has and ``block_ids`` all of them concatenated, both little-endian int32
-    (``np.frombuffer(counts, "<i4")``). It is exactly the ``StepScheduled`` with
-    ``allocated = dict(zip(req_ids, the ids split by counts))`` (``allocated``,
-    ``unpacked``): the same checks, refusals (and their messages), state, plans and digest.
+    has (little-endian int32, ``np.frombuffer(counts, "<i4")``) and ``block_ids`` all of them
+    concatenated, ``id_bytes`` bytes each: 2 (little-endian uint16) where every id of the
+    step is below 65,536, the pools most servers run, so that the log spends 2 bytes an id
+    where msgpack spends 3; else 4 (little-endian int32); ``packed_ids`` reads them. It is
+    exactly the ``StepScheduled`` with ``allocated = dict(zip(req_ids, the ids split by
+    counts))`` (``allocated``, ``unpacked``): the same checks, refusals (and their
+    messages), state, plans and digest.
     """
 
     step: int
@@ -242,13 +246,14 @@ class StepPacked(_Tagged, frozen=True):
     finished: list[str]
     preempted: list[str] = []
     resumed: list[str] = []
+    id_bytes: int = 4
 
     @property
     def allocated(self) -> dict[str, list[int]]:
         """``StepScheduled.allocated`` of this step (new lists at each call; the step's
         validation checks first that ``counts`` and ``block_ids`` fit ``req_ids``)."""
         counts = np.frombuffer(self.counts, dtype="<i4").tolist()
-        ids = np.frombuffer(self.block_ids, dtype="<i4").tolist()
+        ids = packed_ids(self).tolist()
         ends = list(itertools.accumulate(counts))
         starts = [0, *ends][: len(ends)]
         return {r: ids[a:b] for r, a, b in zip(self.req_ids, starts, ends, strict=True)}
@@ -264,25 +269,41 @@ class StepPacked(_Tagged, frozen=True):
         )
 
 
+_ID_DTYPES: dict[int, np.dtype[Any]] = {2: np.dtype("<u2"), 4: np.dtype("<i4")}
+"""``StepPacked.id_bytes`` -> how its block ids are stored."""
+
+
+def packed_ids(event: StepPacked) -> npt.NDArray[np.integer]:
+    """A ``StepPacked``'s block ids, read in place (``id_bytes`` 2 or 4; its validation
+    refuses any other)."""
+    ids: npt.NDArray[np.integer] = np.frombuffer(event.block_ids, dtype=_ID_DTYPES[event.id_bytes])
+    return ids
+
+
 def packed_step(
     event: StepScheduled, block_ids: npt.NDArray[np.integer] | None = None
 ) -> StepPacked:
-    """``event`` as a ``StepPacked`` (its block ids all below 2**31). ``block_ids``: all of
-    ``allocated``'s ids concatenated, when the caller has them as an array already."""
+    """``event`` as a ``StepPacked`` (its block ids all below 2**31; 2 bytes an id where all
+    are below 65,536, else 4). ``block_ids``: all of ``allocated``'s ids concatenated, when
+    the caller has them as an array already."""
     allocated = event.allocated
     counts = np.fromiter(map(len, allocated.values()), np.dtype("<i4"), len(allocated))
+    flat: npt.NDArray[np.integer]
     if block_ids is None:
-        flat = np.fromiter(itertools.chain.from_iterable(allocated.values()), np.dtype("<i4"))
+        flat = np.fromiter(itertools.chain.from_iterable(allocated.values()), np.int64)
     else:
-        flat = block_ids.astype("<i4")
+        flat = block_ids
+    narrow = not flat.size or (int(flat.min()) >= 0 and int(flat.max()) < 1 << 16)
+    id_bytes = 2 if narrow else 4
     return StepPacked(
         step=event.step,
         req_ids=list(allocated),
         counts=counts.tobytes(),
-        block_ids=flat.tobytes(),
+        block_ids=flat.astype(_ID_DTYPES[id_bytes]).tobytes(),
         finished=event.finished,
         preempted=event.preempted,
         resumed=event.resumed,
+        id_bytes=id_bytes,
     )
 
 

@@ -248,9 +248,11 @@ def _validate_step_packed(event: StepPacked) -> None:
     out of range, an id given twice) the step's check refuses, as for ``StepScheduled``."""
     _int(event, "step", event.step, 0)
     _validate_request_ids(event, ("req_ids", "finished", "preempted", "resumed"))
-    counts, block_ids = event.counts, event.block_ids
+    counts, block_ids, width = event.counts, event.block_ids, event.id_bytes
     if type(counts) is not bytes or type(block_ids) is not bytes:
         raise InvalidEvent("counts and block_ids must be bytes (little-endian int32)", event)
+    if type(width) is not int or width not in (2, 4):
+        raise InvalidEvent(f"id_bytes must be 2 or 4, got {width!r}", event)
     if len(counts) != 4 * len(event.req_ids):
         raise InvalidEvent(
             f"counts holds {len(counts)} bytes for {len(event.req_ids)} requests: one "
@@ -260,10 +262,10 @@ def _validate_step_packed(event: StepPacked) -> None:
     sizes = np.frombuffer(counts, dtype="<i4").tolist()
     if sizes and min(sizes) < 0:
         raise InvalidEvent("counts holds a negative count", event)
-    if len(block_ids) != 4 * sum(sizes):
+    if len(block_ids) != width * sum(sizes):
         raise InvalidEvent(
             f"block_ids holds {len(block_ids)} bytes where counts add up to {sum(sizes)} "
-            "little-endian int32 ids",
+            f"ids of {width} bytes",
             event,
         )
     if len(set(event.req_ids)) != len(event.req_ids):
@@ -337,7 +339,12 @@ def _validate_decoded_packed(event: StepPacked) -> None:
         ):
             _validate_step_packed(event)
     sizes = np.frombuffer(event.counts, dtype="<i4").tolist()
-    if (sizes and min(sizes) < 0) or len(event.block_ids) != 4 * sum(sizes):
+    width = event.id_bytes
+    if (
+        (sizes and min(sizes) < 0)
+        or width not in (2, 4)
+        or len(event.block_ids) != width * sum(sizes)
+    ):
         _validate_step_packed(event)
     if len(set(req_ids)) != len(req_ids):
         _validate_step_packed(event)

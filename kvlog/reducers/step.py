@@ -36,6 +36,7 @@ from kvlog.events import (
     StepEnded,
     StepPacked,
     StepScheduled,
+    packed_ids,
     packed_step,
 )
 from kvlog.reducers import defrag, kernels
@@ -88,7 +89,7 @@ def check_step(state: State, event: Step) -> StepFound:
             releases.append(req_id)
             released.add(req_id)
     if isinstance(event, StepPacked):  # the ids as one array already
-        logical = np.frombuffer(event.block_ids, dtype="<i4").astype(np.int64)
+        logical = packed_ids(event).astype(np.int64)
         count = logical.size
     else:
         allocated = event.allocated

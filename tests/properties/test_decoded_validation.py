@@ -66,11 +66,14 @@ def test_every_decoded_record_gets_the_full_validators_verdict(record: Any) -> N
     st.lists(st.integers(-3, 4), max_size=5),
     st.integers(0, 24),
     *(st.lists(_REQ_IDS, max_size=3) for _ in range(3)),
+    st.sampled_from([2, 4, 3, 0]),
 )
-@example(0, ["a", "a"], [1, 1], 8, [], [], [])
-@example(0, ["a"], [-1], 0, [], [], [])
-@example(0, ["a", "b"], [1], 4, [], [], [])
-@example(MAX_ID + 1, ["a"], [1], 4, [], [], [])
+@example(0, ["a", "a"], [1, 1], 8, [], [], [], 4)
+@example(0, ["a"], [-1], 0, [], [], [], 4)
+@example(0, ["a", "b"], [1], 4, [], [], [], 4)
+@example(MAX_ID + 1, ["a"], [1], 4, [], [], [], 4)
+@example(0, ["a"], [2], 4, [], [], [], 2)
+@example(0, ["a"], [1], 3, [], [], [], 3)
 def test_decoded_packed_steps_get_the_full_validators_verdict(
     step: int,
     req_ids: list[str],
@@ -79,7 +82,9 @@ def test_decoded_packed_steps_get_the_full_validators_verdict(
     finished: list[str],
     preempted: list[str],
     resumed: list[str],
+    id_bytes: int,
 ) -> None:
     packed = np.asarray(counts, dtype="<i4").tobytes()
     ids = bytes(range(num_bytes))
-    _same_verdicts(StepPacked(step, req_ids, packed, ids, finished, preempted, resumed))
+    record = StepPacked(step, req_ids, packed, ids, finished, preempted, resumed, id_bytes)
+    _same_verdicts(record)

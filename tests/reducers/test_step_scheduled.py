@@ -314,17 +314,22 @@ def test_the_log_records_a_step_checked_in_bulk_packed(tmp_path: Path) -> None:
         ([1, 1], [1, 2], ["a"], "counts holds 8 bytes for 1 requests"),
         ([-1, 2], [1], ["a", "b"], "counts holds a negative count"),
         ([1, 1], [1, 2], ["a", "a"], "req_ids holds 'a' twice"),
+        ([2], [1, 2], ["a"], "id_bytes must be 2 or 4, got 3"),
+        ([3], [1, 2], ["a"], "block_ids holds 4 bytes where counts add up to 3 ids of 2 bytes"),
     ],
 )
 def test_a_packed_step_that_does_not_fit_its_requests_is_refused(
     counts: list[int], block_ids: list[int], req_ids: list[str], message: str
 ) -> None:
+    id_bytes = 3 if "got 3" in message else 2 if "of 2 bytes" in message else 4
+    dtype = "<u2" if id_bytes == 2 else "<i4"
     event = StepPacked(
         step=0,
         req_ids=req_ids,
         counts=np.asarray(counts, dtype="<i4").tobytes(),
-        block_ids=np.asarray(block_ids, dtype="<i4").tobytes(),
+        block_ids=np.asarray(block_ids, dtype=dtype).tobytes(),
         finished=[],
+        id_bytes=id_bytes,
     )
     machine = Machine()
     machine.apply(CacheConfigured(num_gpu_blocks=16, block_size=4))
@@ -337,5 +342,25 @@ def test_a_packed_step_reads_as_numbers_in_json() -> None:
     packed = packed_step(StepScheduled(3, {"a": [1, 2], "b": [5]}, ["x"]))
     assert to_dict(packed) == {
         "type": "StepPacked", "step": 3, "req_ids": ["a", "b"], "counts": [2, 1],
-        "block_ids": [1, 2, 5], "finished": ["x"], "preempted": [], "resumed": [],
+        "block_ids": [1, 2, 5], "finished": ["x"], "preempted": [], "resumed": [], "id_bytes": 2,
     }  # fmt: skip
+
+
+def test_a_step_packs_its_ids_in_2_bytes_where_they_fit_else_in_4(tmp_path: Path) -> None:
+    """A pool of more than 65,536 blocks: a step whose ids all fit in 16 bits is logged 2
+    bytes an id, one with a larger id 4; both replay to the live digest."""
+    small = packed_step(StepScheduled(0, {"a": [5, 65535]}, []))
+    large = packed_step(StepScheduled(1, {"b": [6, 65536]}, []))
+    assert (small.id_bytes, len(small.block_ids)) == (2, 4)
+    assert (large.id_bytes, len(large.block_ids)) == (4, 8)
+    assert small.allocated == {"a": [5, 65535]} and large.allocated == {"b": [6, 65536]}
+    assert packed_step(StepScheduled(2, {"c": [-1]}, [])).id_bytes == 4  # refused later, kept
+    path = tmp_path / "wide.kvlog"
+    with Engine(CacheConfigured(num_gpu_blocks=70_000, block_size=4), log_path=path) as engine:
+        engine.apply(StepScheduled(0, {"a": [5, 65535]}, []))
+        engine.apply(StepScheduled(1, {"b": [6, 69_999]}, []))
+        final = digest(engine.state)
+    logged = [r for _, r in read_log(str(path)) if isinstance(r, StepPacked)]
+    assert [r.id_bytes for r in logged] == [2, 4]
+    assert [r.unpacked().allocated for r in logged] == [{"a": [5, 65535]}, {"b": [6, 69_999]}]
+    assert replay(str(path)).final_digest == final

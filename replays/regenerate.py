@@ -21,7 +21,13 @@ from kvlog.events import Checkpoint, encode
 from kvlog.log import read_log
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-LOGS = ("plain.kvlog", "prefix_caching.kvlog", "offload.kvlog", "runner_steps.kvlog")
+LOGS = (
+    "plain.kvlog",
+    "prefix_caching.kvlog",
+    "offload.kvlog",
+    "runner_steps.kvlog",
+    "runner_packed.kvlog",
+)
 
 
 def plans_sha256(path: str) -> str:

@@ -217,15 +217,7 @@ def _validate_step_scheduled(event: StepScheduled) -> None:
     if types.count(int) != len(types):  # exact ints only (one C-level pass, no set)
         for req_id, block_ids in allocated.items():
             validate_block_ids(event, f"allocated[{req_id!r}]", block_ids)  # names it
-    for name in ("finished", "preempted", "resumed"):
-        req_ids = getattr(event, name)
-        if type(req_ids) is not list:
-            raise InvalidEvent(f"{name} must be a list of request ids", event)
-        for req_id in req_ids:
-            if type(req_id) is not str or not 0 < len(req_id) <= MAX_REQ_ID_LENGTH:
-                _req_id(event, req_id)
-            elif not req_id.isascii():
-                _encodable(event, "req_id", req_id)
+    _validate_request_ids(event, ("finished", "preempted", "resumed"))
 
 
 def _validate_request_ids(event: Event, names: tuple[str, ...]) -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import random
 import sys
-from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # the repository root: tests.support helpers
@@ -123,7 +122,7 @@ class Loop:
         for result in worker.get_finished():
             self.busy_cpu.pop(result.job_id, None)
 
-    def close(self) -> Any:
+    def close(self) -> None:
         self.worker.shutdown()
         for result in self.worker.get_finished():
             self.busy_cpu.pop(result.job_id, None)

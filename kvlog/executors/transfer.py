@@ -37,7 +37,7 @@ from kvlog.executors.copies import (
     host_rows,
     indexed_copy,
 )
-from kvlog.executors.devices import Device, InjectedFailure
+from kvlog.executors.devices import Device
 from kvlog.executors.layouts import CacheLayout
 
 __all__ = ["TransferCompletion", "TransferExecutor"]
@@ -141,12 +141,7 @@ class TransferExecutor:
         job = _Job(plan.job_id, plan.kind, next(self._seq), n * self._layout.page_size_bytes)
         work = self._host_work(store, gpu_ids, cpu_ids, owned=True)
         start = time.perf_counter()
-        try:
-            if self._device.should_fail():
-                raise InjectedFailure("injected copy failure")
-            work()
-        except Exception as error:  # a failed copy is reported, never raised
-            _fail(job, error)
+        self._device.enqueue(None, work, lambda error: _fail(job, error))  # runs it now
         job.start, job.end = start, time.perf_counter()
         self._directions[plan.kind].jobs.append(job)
         self._in_flight[plan.job_id] = job

@@ -16,7 +16,9 @@ the environment it swaps, in the plugin's own monkeypatching style:
   ``KVConnectorOutput``, :mod:`kvlog.integrations.gaudi_connector`), so that, when a connector
   is configured, its worker metadata (every store and load completion of vLLM's offloading
   connector) and stats reach the scheduler on every step, as vLLM's own runner hands them,
-  not only on steps with nothing scheduled.
+  not only on steps with nothing scheduled;
+- the runner's ``_create_decode_input_data``, so that the decodes' block tables are resolved
+  in one compiled pass a step instead of id by id (:mod:`kvlog.integrations.gaudi_decode`).
 
 Without ``KVLOG_GAUDI`` the plugin does nothing. ``install()`` applies the same patches
 by hand (tests call it on stand-in modules); it returns the patched module names.
@@ -34,6 +36,7 @@ from typing import Any
 from kvlog.integrations.config import parse_bool
 from kvlog.integrations.defragmenter import OnlineDefragmenter
 from kvlog.integrations.gaudi_connector import patch_runner_module
+from kvlog.integrations.gaudi_decode import patch_decode_inputs
 
 __all__ = ["ENV_ENABLE", "GaudiDefragmenter", "install", "register", "run_defragmenter"]
 
@@ -117,6 +120,7 @@ def install(module_names: Iterable[str] | None = None) -> list[str]:
                 setattr(value, "run_defragmenter", run_defragmenter)  # noqa: B010
                 patched.append(f"{name}.{value.__name__}.run_defragmenter")
         patched += patch_runner_module(module)
+        patched += patch_decode_inputs(module)
     return patched
 
 

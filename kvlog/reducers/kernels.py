@@ -51,6 +51,7 @@ __all__ = [
     "move",
     "pack_rows",
     "pin",
+    "resolve_into",
     "seed_walk",
     "step_allocation",
     "step_commit",
@@ -308,6 +309,16 @@ def _unpin(pins: Any, others: Any, pinned: Any, physical: Any) -> None:
         pins[p] -= 1
         if pins[p] == 0 and others[p] == 0:
             pinned[p >> 6] &= ~(np.uint64(1) << np.uint64(p & 63))
+
+
+def _resolve_into(fwd: Any, block_ids: Any, out: Any) -> None:
+    """A 2-D table of logical ids resolved into ``out`` (same shape): ``fwd[b]`` for an id
+    in the pool, the id itself for any other (a pad, -1), as ``State.resolve`` does."""
+    size = len(fwd)
+    for i in range(block_ids.shape[0]):
+        for j in range(block_ids.shape[1]):
+            b = block_ids[i, j]
+            out[i, j] = fwd[b] if 0 <= b < size else b
 
 
 def _allocation(
@@ -603,6 +614,7 @@ allocation = jit(_allocation, allocates=False)
 step_allocation = jit(_step_allocation, allocates=False)
 step_commit = jit(_step_commit, allocates=False)
 pack_rows = jit(_pack_rows, allocates=False)
+resolve_into = jit(_resolve_into, allocates=False)
 
 
 _loaded = False
@@ -631,6 +643,9 @@ def load() -> None:
     table_terms(np.uint64(GOLDEN), 0, blocks[:0])  # a table's ids in the arena (int32)
     drop_refs(words, words, words, blocks, blocks, blocks[:0], ids)
     pack_rows(blocks, blocks, ids, ids, ids)
+    table = np.zeros((1, 2), dtype=np.int32)
+    resolve_into(blocks, table, table)  # a whole table (C order) and a runner's slice of one
+    resolve_into(blocks, table[:, :1], table)
     step_commit(
         words, words, words, words, blocks, blocks, blocks, blocks, ids, ids, ids, 0, none,
         none, none, 0, words, words, ids, ids, ids, -1, 0, 0, 0,

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from kvlog.events import CacheConfigured, Event, StepScheduled
-from kvlog.reducers import step
+from kvlog.reducers import kernels, step
 from kvlog.reducers.state import State
 
 __all__ = ["BooksView", "JobView"]
@@ -69,6 +69,13 @@ class BooksView:
     def unresolve(self, physical: int) -> int:
         """The logical block now at a physical block."""
         return self._state.unresolve(physical)
+
+    def resolve_into(self, block_ids: np.ndarray, out: np.ndarray) -> None:
+        """``resolve`` over a 2-D table of ids (any integer dtype and strides), written to
+        ``out`` (the same shape): one compiled pass, no temporaries (a runner's decode
+        table, thousands of ids a step). Ids outside the pool pass unchanged."""
+        assert block_ids.shape == out.shape and block_ids.ndim == 2, "resolve_into's shapes"
+        kernels.resolve_into(self._state.fwd, block_ids, out)
 
     def forward(self) -> np.ndarray:
         """The forward table (logical -> physical), read only."""

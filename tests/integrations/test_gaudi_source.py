@@ -36,6 +36,7 @@ def test_the_plugin_source_fits_every_patch_point() -> None:
     assert check_source(ROOT) == []
 
 
+PAD = " " * 34  # the indent of _create_decode_input_data's parameters
 # (file, text in it, its replacement, what the check must then say)
 RENAMES = [
     (FILES[1], "def run_defragmenter(", "def run_defrag(", "defines run_defragmenter"),
@@ -105,6 +106,24 @@ RENAMES = [
         "def worker_wait(self, job_ids: set[int])",
         "def worker_wait(self, a, b, c)",
         "CPUOffloadingWorker.wait: 3 arguments",
+    ),
+    (
+        FILES[1],
+        "block_number.apply_(self._resolve_block)",
+        "block_number.apply_(self.defragmenter.resolve)",
+        "calls self.defragmenter itself",
+    ),
+    (
+        FILES[1],
+        f"{PAD}num_scheduled_tokens,\n{PAD}context_lens,\n",
+        f"{PAD}context_lens,\n{PAD}num_scheduled_tokens,\n",
+        "does not start",
+    ),
+    (
+        FILES[1],
+        "context_lens,\n                                              block_table_cpu_tensor)",
+        "context_lens,\n                block_table_cpu_tensor=block_table_cpu_tensor)",
+        "with 3 positional arguments",
     ),
 ]
 

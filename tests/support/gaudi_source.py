@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from kvlog.integrations import gaudi
+from kvlog.integrations import gaudi, gaudi_decode
 from kvlog.integrations.gaudi_connector import FINISHED_HOOK, OUTPUT_NAME, RUNNER_GLOBALS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -360,6 +360,52 @@ def check_offload_patches(root: Path) -> list[str]:
     return problems
 
 
+def _self_attrs(fn: ast.FunctionDef) -> set[str]:
+    """The ``self.<name>`` attributes a method reads or calls."""
+    return {
+        n.attr
+        for n in ast.walk(fn)
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self"
+    }
+
+
+def check_decode_inputs(root: Path) -> list[str]:
+    """Where ``gaudi_decode`` resolves the decodes' table: each runner class's
+    ``_create_decode_input_data`` takes ``gaudi_decode.PARAMETERS`` first; it reads the
+    decode block size from ``self.attn_block_size``; it resolves through
+    ``self._resolve_block`` / ``self._resolve_all_blocks`` only (never the defragmenter
+    itself) and reads no block table but its parameter; every call of it passes the table
+    positionally (the wrapper reads its first four arguments)."""
+    hook, problems, found = gaudi_decode.DECODE_HOOK, [], False
+    for name in gaudi.RUNNER_MODULES:
+        tree = parse(root, module_file(name))
+        for cls in classes(tree).values():
+            fn = methods(cls).get(hook)
+            if fn is None:
+                continue
+            found, where = True, f"{name}.{cls.name}.{hook}"
+            names = tuple(n for n, _ in _params(fn))
+            if ("self", *names)[: len(gaudi_decode.PARAMETERS)] != gaudi_decode.PARAMETERS:
+                problems.append(f"{where}{names} does not start {gaudi_decode.PARAMETERS[1:]}")
+            attrs = _self_attrs(fn)
+            for need in ("attn_block_size", *gaudi_decode.RESOLVERS):
+                if need not in attrs:
+                    problems.append(f"{where} does not use self.{need}")
+            if "defragmenter" in attrs:
+                problems.append(f"{where} calls self.defragmenter itself")
+            if any(isinstance(n, ast.Attribute) and n.attr == "block_table" for n in ast.walk(fn)):
+                problems.append(f"{where} reads a block_table besides its parameter")
+        for call in (c for c in _calls(tree) if isinstance(c.func, ast.Attribute)):
+            if call.func.attr != hook:  # type: ignore[attr-defined]
+                continue
+            n, _ = _call_shape(call)
+            if n < 4:
+                problems.append(f"{name}:{call.lineno}: {hook} with {n} positional arguments")
+    if not found:
+        problems.append(f"no runner class defines {hook}")
+    return problems
+
+
 def check_source(root: Path) -> list[str]:
     """Every way the plugin's source no longer fits kvlog's patches (empty: it fits)."""
     problems = check_modules(root)
@@ -371,6 +417,7 @@ def check_source(root: Path) -> list[str]:
         check_run_defragmenter,
         check_connector_output,
         check_offload_patches,
+        check_decode_inputs,
     ):
         problems += check(root)
     return problems
@@ -440,6 +487,7 @@ __all__ = [
     "ENV_SOURCE",
     "FILES",
     "check_connector_output",
+    "check_decode_inputs",
     "check_defragmenter_class",
     "check_defragmenter_uses",
     "check_modules",

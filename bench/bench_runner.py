@@ -26,6 +26,12 @@ vllm-gaudi's HPU runner's calls on kvlog every step, the log at the integration'
     connector.wait_for_save(); connector.get_finished(finished)
     connector.build_connector_worker_meta(); connector.clear_connector_metadata()
 
+With ``--switch`` the runner runs under kvlog's Gaudi switch, as a deployment does
+(``KVLOG_GAUDI=1``, ``kvlog.integrations.gaudi``): its ``run_defragmenter`` passes the
+scheduler output's preemptions and whole tables, and its decode hook replaces the decodes'
+``resolve_all`` and per-slot ``resolve`` with one
+``defragmenter.resolve_table(<the decodes' rows of the block-table tensor>)``;
+
 and, on the same calls in the same loop, the plugin's defragmenter
 (``tests/support/seed_reference.py``: its sorts, its per-id resolve, ``index_select`` /
 ``index_copy_`` on its own copy of the KV tensors), and the connector's calls on vLLM's own
@@ -91,6 +97,7 @@ CALLS = (
     "run_defragmenter",
     "resolve_all",
     "resolve",
+    "resolve_table",
     "bind_connector_metadata",
     "start_load_kv",
     "wait_for_save",
@@ -120,7 +127,9 @@ class Scale:
     cpu_blocks: int = 16384  # CPU tier capacity, GPU blocks' worth
     threshold: int = 32  # the plugin's VLLM_DEFRAG_THRESHOLD default
     max_waiting: int = 64
-    switch: bool = False  # the Gaudi switch's call site (preemptions passed) instead
+    # the Gaudi switch: its call site (preemptions passed) and its decode hook (the decodes'
+    # tables resolved in one resolve_table) instead of the runner's own calls
+    switch: bool = False
     log_sync: str = "background"
     seed: int = 0
 

@@ -417,13 +417,14 @@ class OnlineDefragmenter:
             append(resolved)
         return out
 
-    def resolve_table(self, table: Any) -> Any:
+    def resolve_table(self, table: Any, rows: int | None = None, columns: int | None = None) -> Any:
         """:meth:`resolve` over a whole block-table array: a CPU ``torch.Tensor`` or numpy
-        array of integers, 1-D or 2-D (a slice of the runner's block-table tensor, any
-        strides), resolved in one compiled pass into a new one of the same kind, dtype and
-        shape. Ids outside the pool (pads, -1) pass unchanged, as in :meth:`resolve`; a
-        non-integer dtype is refused (``BlockOutOfRange``). The Gaudi switch resolves the
-        runner's decode table with it (``kvlog.integrations.gaudi_decode``)."""
+        array of integers, 1-D or 2-D (any strides), resolved in one compiled pass into a
+        new one of the same kind and dtype. ``rows`` / ``columns``: only the leading ones
+        (a 2-D table; sliced as numpy views, cheaper than a tensor's indexing), the shape
+        of the result. Ids outside the pool (pads, -1) pass unchanged, as in
+        :meth:`resolve`; a non-integer dtype is refused (``BlockOutOfRange``). The Gaudi
+        switch resolves the runner's decode table with it (``gaudi_decode``)."""
         as_tensor = isinstance(table, torch.Tensor)
         ids = table.numpy() if as_tensor else np.asarray(table)
         if ids.dtype.kind not in "iu" or ids.ndim not in (1, 2):
@@ -431,12 +432,16 @@ class OnlineDefragmenter:
                 f"a block table must be a 1-D or 2-D integer array, not {ids.dtype} of "
                 f"shape {ids.shape}"
             )
+        if rows is not None or columns is not None:
+            if ids.ndim != 2:
+                raise BlockOutOfRange(f"rows and columns bound a 2-D table, not {ids.shape}")
+            ids = ids[:rows, :columns]
         out = np.empty(ids.shape, dtype=ids.dtype)
         if not self.session.started or ids.size == 0:
             out[...] = ids
         else:
-            rows = ids.reshape(1, -1) if ids.ndim == 1 else ids
-            self.session.engine.view.resolve_into(rows, out.reshape(rows.shape))
+            flat = ids.reshape(1, -1) if ids.ndim == 1 else ids
+            self.session.engine.view.resolve_into(flat, out.reshape(flat.shape))
         return torch.from_numpy(out) if as_tensor else out
 
     def _resolve_checked(self, table: Sequence[int]) -> list[int]:

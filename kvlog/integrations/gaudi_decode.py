@@ -26,8 +26,7 @@ method, taken out of vllm-gaudi's source, both ways and compares every buffer.
 
 Anything unexpected leaves the runner's own path in charge: another defragmenter than
 kvlog's, a method with another signature (checked when patching), no ``attn_block_size``, an
-instance that overrides ``_resolve_block`` itself, or a table narrower than the columns
-needed.
+instance that overrides ``_resolve_block`` itself.
 """
 
 from __future__ import annotations
@@ -43,7 +42,14 @@ import numpy as np
 
 from kvlog.integrations.defragmenter import OnlineDefragmenter
 
-__all__ = ["DECODE_HOOK", "PARAMETERS", "RESOLVERS", "decode_columns", "patch_decode_inputs"]
+__all__ = [
+    "DECODE_HOOK",
+    "PARAMETERS",
+    "RESOLVERS",
+    "decode_columns",
+    "patch_decode_inputs",
+    "resolve_decode_rows",
+]
 
 DECODE_HOOK = "_create_decode_input_data"
 PARAMETERS = (
@@ -57,12 +63,33 @@ _log = logging.getLogger(__name__)
 
 
 def decode_columns(context_lens: Any, num_scheduled_tokens: Sequence[int], block_size: int) -> int:
-    """How many leading columns of the decodes' rows the hook reads: each decode's blocks up
-    to its last scheduled token (its table, ``ceil((context_len + 1) / block_size)``
-    blocks, and its tokens' slot blocks, ``(context_len + j) // block_size`` for ``j`` below
-    its token count)."""
-    ends = np.asarray(context_lens, dtype=np.int64) + np.asarray(num_scheduled_tokens, np.int64)
-    return int(-(-int(ends.max()) // block_size)) if ends.size else 0
+    """How many leading columns of the decodes' rows the hook resolves: enough for every
+    decode's blocks up to its last scheduled token (its table, ``ceil((context_len + 1) /
+    block_size)`` blocks, and its tokens' slot blocks, ``(context_len + j) // block_size``
+    for ``j`` below its token count), from the longest context and the most tokens: two
+    reductions, no per-decode arithmetic (more than the exact need only where those are
+    two decodes' and their sum crosses a block)."""
+    if not len(num_scheduled_tokens):
+        return 0
+    longest = int(np.maximum.reduce(context_lens)) + max(num_scheduled_tokens)
+    return -(-longest // block_size)
+
+
+def resolve_decode_rows(
+    defragmenter: OnlineDefragmenter,
+    num_decodes: int,
+    num_scheduled_tokens: Sequence[int],
+    context_lens: Any,
+    block_table_cpu_tensor: Any,
+    block_size: int,
+) -> Any:
+    """What the hook hands the method for its table: the decodes' rows of the runner's
+    block-table tensor, over the columns it reads (:func:`decode_columns`, at most the
+    tensor's width: a table narrower than a decode needs fails in the method either way),
+    resolved into a new tensor in one ``resolve_table``."""
+    tokens = num_scheduled_tokens[:num_decodes]
+    columns = decode_columns(context_lens[:num_decodes], tokens, block_size)
+    return defragmenter.resolve_table(block_table_cpu_tensor, num_decodes, columns)
 
 
 def _as_is(block_tables: Any) -> Any:
@@ -84,13 +111,12 @@ def _resolved_table(runner: Any, args: tuple[Any, ...]) -> Any | None:
         or num_decodes <= 0
         or getattr(table, "ndim", 0) != 2
         or table.shape[0] < num_decodes
+        or len(num_scheduled_tokens) < num_decodes
     ):
         return None
-    tokens = list(num_scheduled_tokens[:num_decodes])
-    columns = decode_columns(context_lens[:num_decodes], tokens, block_size)
-    if columns > table.shape[1] or len(tokens) != num_decodes:
-        return None
-    return defragmenter.resolve_table(table[:num_decodes, :columns])
+    return resolve_decode_rows(
+        defragmenter, num_decodes, num_scheduled_tokens, context_lens, table, block_size
+    )
 
 
 def _decode_hook(raw: Callable[..., Any]) -> Callable[..., Any]:

@@ -82,6 +82,17 @@ def test_resolve_table_refuses_what_is_not_an_id_table(bad: Any) -> None:
         _moved().resolve_table(bad)
 
 
+@pytest.mark.parametrize(("rows", "columns"), [(2, 3), (None, 4), (5, None), (9, 99), (0, 2)])
+def test_resolve_table_bounds_are_the_leading_rows_and_columns(rows: Any, columns: Any) -> None:
+    defrag = _moved()
+    whole = torch.from_numpy(np.arange(5 * 8, dtype=np.int32).reshape(5, 8) % NUM_BLOCKS)
+    out = defrag.resolve_table(whole, rows, columns)
+    assert torch.equal(out, defrag.resolve_table(whole[:rows, :columns]))
+    assert out.shape == whole[:rows, :columns].shape
+    with pytest.raises(BlockOutOfRange, match="bound a 2-D table"):
+        defrag.resolve_table(whole[0], 1, 1)
+
+
 def test_resolve_table_before_the_books_start_copies() -> None:
     defrag = gaudi.GaudiDefragmenter(None, BS, environ={}, backend="cpu")
     table = torch.tensor([[3, 4], [5, -1]], dtype=torch.int32)
@@ -95,6 +106,7 @@ def test_decode_columns_cover_each_decodes_last_token() -> None:
     assert decode_columns(np.array([3]), [1], 4) == 1
     assert decode_columns(np.array([4]), [1], 4) == 2
     assert decode_columns(np.array([], np.int64), [], 4) == 0
+    assert decode_columns([8, 1], [1, 3], 4) == 3  # 8 + 3 tokens: one column past the need
 
 
 # -- the hook on a stand-in runner ---------------------------------------------------------
@@ -167,7 +179,7 @@ def test_the_hook_resolves_the_decode_rows_once_and_restores_the_runner() -> Non
 
 
 @pytest.mark.parametrize(
-    "case", ["no defragmenter", "another defragmenter", "no decodes", "narrow table", "overridden"]
+    "case", ["no defragmenter", "another defragmenter", "no decodes", "overridden"]
 )
 def test_the_hook_steps_aside_where_it_cannot_know(case: str) -> None:
     defrag: Any = _moved()
@@ -179,20 +191,22 @@ def test_the_hook_steps_aside_where_it_cannot_know(case: str) -> None:
         defrag = SimpleNamespace(resolve=lambda b: b, resolve_all=lambda t: t)
     elif case == "no decodes":
         num_decodes = 0
-    elif case == "narrow table":
-        table = table[:, :4]  # row c needs 5 columns
     runner = _patched_class()(defrag)
     if case == "overridden":
         runner._resolve_block = runner._resolve_block  # someone else's per-instance resolver
     args = (num_decodes, [1] * 3, contexts, table)
-    if case == "narrow table":  # the runner's own path meets the runner's own failure
-        for who in (runner, _StandIn(defrag)):
-            with pytest.raises(RuntimeError, match="out of bounds"):
-                who._create_decode_input_data(*args)
-    else:
-        want = _StandIn(defrag)._create_decode_input_data(*args) if num_decodes else ([], [])
-        assert runner._create_decode_input_data(*args) == want
+    want = _StandIn(defrag)._create_decode_input_data(*args) if num_decodes else ([], [])
+    assert runner._create_decode_input_data(*args) == want
     assert runner.seen[0][0] is table  # the runner's own tensor, its own resolves
+
+
+def test_a_table_narrower_than_a_decode_needs_fails_as_the_runners_own_path_does() -> None:
+    defrag = _moved()
+    table, contexts = _batch()
+    args = (3, [1] * 3, contexts, table[:, :4])  # row c needs 5 columns
+    for runner in (_patched_class()(defrag), _StandIn(defrag)):
+        with pytest.raises(RuntimeError, match="out of bounds"):
+            runner._create_decode_input_data(*args)
 
 
 def test_a_hook_of_another_shape_is_left_alone(caplog: pytest.LogCaptureFixture) -> None:

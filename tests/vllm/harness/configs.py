@@ -32,8 +32,9 @@ class RunConfig:
     async_scheduling: bool
     order: str = "gaudi"  # "gaudi": vllm-gaudi's call order; "gpu": vLLM's GPU runner order
     defrag: bool = True
-    # the Gaudi switch's call site (kvlog.integrations.gaudi.run_defragmenter: preemptions and
-    # whole tables from the scheduler output) instead of the runner's exact call
+    # the Gaudi switch (kvlog.integrations.gaudi): its call site (run_defragmenter: preemptions
+    # and whole tables from the scheduler output) instead of the runner's exact call, and its
+    # decode hook (gaudi_decode: the decodes' block-table rows resolved in one resolve_table)
     pass_preempted: bool = False
     gaudi_warmup: bool = True  # build, warm up, then rebuild the defragmenter like the runner
     # "kvlog"; "reference": a plain vLLM-semantics worker, no kvlog; "none": no offloading

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvlog.integrations.gaudi_decode import resolve_decode_rows
 from kvlog.util import vllm_compat
 from tests.vllm.harness.checks import Checks, _Abort, _LoadJob, _StoreJob
 from tests.vllm.harness.configs import RunConfig
@@ -194,15 +195,21 @@ class Run(Checks):
         """The forward's write slots, resolved as vllm-gaudi's HPU runner resolves them
         (timed, and the same calls on the seed's shadow): a decode's block table (up to its
         current token) with one ``resolve_all``, its tokens' blocks one id at a time
-        (``block_number.apply_(self._resolve_block)``); a prefill's blocks one id at a time
-        (``[self._resolve_block(b) for b in blocks]``)."""
+        (``block_number.apply_(self._resolve_block)``), or, through the Gaudi switch
+        (``pass_preempted``), both from its decode hook's one ``resolve_table``; a
+        prefill's blocks one id at a time (``[self._resolve_block(b) for b in blocks]``)."""
         bs, defrag = self.bs, self.defrag
         decodes = [i for i, r in enumerate(reqs) if positions[i][0] >= len(self.seqs[r].prompt)]
         prefills = sorted(set(range(len(reqs))) - set(decodes))
         ends = [-(-int(pos[-1] + 1) // bs) for pos in positions]  # blocks up to the last token
         blocks = [self.tables[r][:end] for r, end in zip(reqs, ends, strict=True)]
         slots: list[np.ndarray] = [np.empty(0, np.int64)] * len(reqs)
-        if decodes:
+        if decodes and self.cfg.pass_preempted:
+            for i, phys in zip(
+                decodes, self._switch_decodes(reqs, decodes, positions), strict=True
+            ):
+                slots[i] = phys * bs + positions[i] % bs
+        elif decodes:
             self._resolve_tables([blocks[i] for i in decodes], timed=True)  # attention's tables
             logical = [np.asarray(blocks[i], np.int32)[positions[i] // bs] for i in decodes]
             ours = torch.from_numpy(np.concatenate(logical)).reshape(-1, 1)
@@ -223,6 +230,37 @@ class Run(Checks):
                 pos = positions[i]
                 slots[i] = np.asarray(phys, np.int64)[pos // bs] * bs + pos % bs
         return slots
+
+    def _switch_decodes(
+        self, reqs: list[str], decodes: list[int], positions: list[np.ndarray]
+    ) -> list[np.ndarray]:
+        """The decodes' slot blocks (physical) as the Gaudi switch's decode hook
+        (``kvlog.integrations.gaudi_decode``) gets them: the input batch's block-table
+        tensor (the decodes' whole tables, logical, zero past each; the runner holds it,
+        not timed) resolved over the columns the hook reads in one ``resolve_table``
+        (timed); the method's own gathers then read physical ids. The seed's shadow makes
+        the plugin's calls (``resolve_all`` of the tables, ``resolve`` per slot)."""
+        bs, defrag = self.bs, self.defrag
+        rows = [self.tables[reqs[i]] for i in decodes]
+        table = np.zeros((len(rows), max(map(len, rows))), np.int32)
+        for row, ids in zip(table, rows, strict=True):
+            row[: len(ids)] = ids
+        tensor = torch.from_numpy(table)
+        contexts = np.array([int(positions[i][0]) for i in decodes])
+        tokens = [len(positions[i]) for i in decodes]
+
+        resolved = self._defrag_call(
+            "resolve_table",
+            lambda: resolve_decode_rows(defrag, len(rows), tokens, contexts, tensor, bs),
+        ).numpy()
+        ends = [-(-int(positions[i][-1] + 1) // bs) for i in decodes]
+        tables = [list(ids[:end]) for ids, end in zip(rows, ends, strict=True)]
+        slots = torch.from_numpy(np.concatenate([table[r, positions[i] // bs]
+                                                 for r, i in enumerate(decodes)]))  # fmt: skip
+        self._shadow(
+            lambda seed: (seed.resolve_all(tables), slots.reshape(-1, 1).apply_(seed.resolve))
+        )
+        return [resolved[r, positions[i] // bs].astype(np.int64) for r, i in enumerate(decodes)]
 
     def _defrag_call(self, name: str, call: Callable[[], Any]) -> Any:
         """A timed call on kvlog's defragmenter, counted in ``defrag_s`` too."""

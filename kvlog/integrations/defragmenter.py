@@ -423,9 +423,12 @@ class OnlineDefragmenter:
         new one of the same kind and dtype. ``rows`` / ``columns``: only the leading ones
         (a 2-D table; sliced as numpy views, cheaper than a tensor's indexing), the shape
         of the result. Ids outside the pool (pads, -1) pass unchanged, as in
-        :meth:`resolve`; a non-integer dtype is refused (``BlockOutOfRange``). The Gaudi
+        :meth:`resolve`; a non-integer dtype or a tensor off the CPU is refused
+        (``BlockOutOfRange``). The Gaudi
         switch resolves the runner's decode table with it (``gaudi_decode``)."""
         as_tensor = isinstance(table, torch.Tensor)
+        if as_tensor and table.device.type != "cpu":
+            raise BlockOutOfRange(f"a block table must be on the CPU, not {table.device}")
         ids = table.numpy() if as_tensor else np.asarray(table)
         if ids.dtype.kind not in "iu" or ids.ndim not in (1, 2):
             raise BlockOutOfRange(

@@ -20,13 +20,18 @@ own tensor is never written.
 
 Why the method's results are the same: nothing inside it changes the books, so an id
 resolved at its start is the id it would have resolved later; every id it resolves comes
-from those rows and columns, except the padding rows' slot blocks (``_PAD_BLOCK_ID``, which
-is ``num_blocks``, outside the pool, so its resolve is the id itself). A test runs the real
+from those rows and columns, except the padding rows' slot blocks, which it overwrites with
+dummy slots right after (and whose ``_PAD_BLOCK_ID`` is ``num_blocks``, outside the pool,
+so that its resolve is the id itself anyway). A test runs the real
 method, taken out of vllm-gaudi's source, both ways and compares every buffer.
 
 Anything unexpected leaves the runner's own path in charge: another defragmenter than
-kvlog's, a method with another signature (checked when patching), no ``attn_block_size``, an
-instance that overrides ``_resolve_block`` itself.
+kvlog's, a method with another signature (checked when patching), no ``attn_block_size``, a
+table that is not a 2-D CPU tensor, an instance that overrides a resolver itself.
+
+The override is the instance's, for the call's duration (restored on any exception): the
+runner builds a step's inputs on one thread, and nothing else resolves on that runner
+while it does.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+import torch
 
 from kvlog.integrations.defragmenter import OnlineDefragmenter
 
@@ -109,7 +115,9 @@ def _resolved_table(runner: Any, args: tuple[Any, ...]) -> Any | None:
         or any(name in vars(runner) for name in RESOLVERS)
         or not isinstance(num_decodes, int)
         or num_decodes <= 0
-        or getattr(table, "ndim", 0) != 2
+        or not isinstance(table, torch.Tensor)
+        or table.device.type != "cpu"
+        or table.ndim != 2
         or table.shape[0] < num_decodes
         or len(num_scheduled_tokens) < num_decodes
     ):

@@ -82,6 +82,11 @@ def test_resolve_table_refuses_what_is_not_an_id_table(bad: Any) -> None:
         _moved().resolve_table(bad)
 
 
+def test_resolve_table_refuses_a_tensor_off_the_cpu() -> None:
+    with pytest.raises(BlockOutOfRange, match="on the CPU, not meta"):
+        _moved().resolve_table(torch.empty((2, 2), dtype=torch.int32, device="meta"))
+
+
 @pytest.mark.parametrize(("rows", "columns"), [(2, 3), (None, 4), (5, None), (9, 99), (0, 2)])
 def test_resolve_table_bounds_are_the_leading_rows_and_columns(rows: Any, columns: Any) -> None:
     defrag = _moved()
@@ -135,11 +140,12 @@ class _StandIn:
         self.seen.append((block_table_cpu_tensor, self._resolve_block))
         if scheduler_output == "raise":
             raise RuntimeError("the runner's own failure")
+        table = torch.as_tensor(block_table_cpu_tensor)
         lens = [-(-(int(c) + 1) // BS) for c in context_lens[:num_decodes]]
         slots = torch.tensor([int(c) // BS for c in context_lens[:num_decodes]], dtype=torch.int64)
-        blocks = torch.gather(block_table_cpu_tensor[:num_decodes], 1, slots.view(-1, 1))
+        blocks = torch.gather(table[:num_decodes], 1, slots.view(-1, 1))
         blocks.apply_(self._resolve_block)
-        tables = [block_table_cpu_tensor[i, :n].tolist() for i, n in enumerate(lens)]
+        tables = [table[i, :n].tolist() for i, n in enumerate(lens)]
         return blocks.view(-1).tolist(), self._resolve_all_blocks(tables)
 
 
@@ -179,7 +185,7 @@ def test_the_hook_resolves_the_decode_rows_once_and_restores_the_runner() -> Non
 
 
 @pytest.mark.parametrize(
-    "case", ["no defragmenter", "another defragmenter", "no decodes", "overridden"]
+    "case", ["no defragmenter", "another defragmenter", "no decodes", "overridden", "numpy table"]
 )
 def test_the_hook_steps_aside_where_it_cannot_know(case: str) -> None:
     defrag: Any = _moved()
@@ -191,6 +197,8 @@ def test_the_hook_steps_aside_where_it_cannot_know(case: str) -> None:
         defrag = SimpleNamespace(resolve=lambda b: b, resolve_all=lambda t: t)
     elif case == "no decodes":
         num_decodes = 0
+    if case == "numpy table":
+        table = table.numpy()  # type: ignore[assignment]
     runner = _patched_class()(defrag)
     if case == "overridden":
         runner._resolve_block = runner._resolve_block  # someone else's per-instance resolver

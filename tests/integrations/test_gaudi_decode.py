@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from torch.nn.utils.rnn import pad_sequence
 
 from kvlog.errors import BlockOutOfRange
@@ -319,3 +321,58 @@ def test_vllm_gaudis_decode_inputs_are_the_same_patched(
     logical = [int(table[i, (c + j) // BS]) for i, c in enumerate(contexts) for j in range(tokens)]
     got = (meta.slot_mapping.view(-1)[: 3 * tokens] // BS).tolist()
     assert got == [defrag.resolve(b) for b in logical] != logical
+
+
+@st.composite
+def _decode_batches(draw: st.DrawFn) -> tuple[list[list[int]], int, int, int]:
+    """Random books and a decode batch: tables (distinct ids in a 64-block pool, some
+    finished before the batch so that defrag moved blocks), each decode's context within
+    its table, tokens a decode, and how many decodes of the live tables run."""
+    ids = draw(st.permutations(range(1, NUM_BLOCKS)))
+    lengths = draw(st.lists(st.integers(1, 6), min_size=2, max_size=8))
+    tables, at = [], 0
+    for n in lengths:
+        if at + n > len(ids):
+            break
+        tables.append(list(ids[at : at + n]))
+        at += n
+    tokens = draw(st.integers(1, 3))
+    finished = draw(st.integers(0, len(tables) - 1))
+    extra = draw(st.integers(0, 3))  # table columns past the longest table
+    return tables, tokens, finished, extra
+
+
+@pytest.mark.skipif(ROOT is None, reason="vllm-gaudi's source is not at ../shared/vllm_gaudi")
+@given(batch=_decode_batches(), contiguous=st.booleans())
+def test_vllm_gaudis_decode_inputs_are_the_same_patched_on_any_books(
+    batch: tuple[list[list[int]], int, int, int], contiguous: bool
+) -> None:
+    tables, tokens, finished, extra = batch
+    defrag = gaudi.GaudiDefragmenter(
+        make_hpu_caches(NUM_BLOCKS, BS), BS, environ={}, backend="cpu", threshold=0
+    )
+    named = {f"r{i}": t for i, t in enumerate(tables)}
+    defrag.update_state(named, ())
+    defrag.defragment()
+    gone = [f"r{i}" for i in range(finished)]
+    defrag.update_state({}, gone)
+    defrag.defragment()  # the finished tables' holes filled from the top
+    live = [t for r, t in named.items() if r not in gone]
+    width = max(map(len, live)) + extra
+    table = torch.zeros((len(live) + 1, width), dtype=torch.int32)
+    for i, t in enumerate(live):
+        table[i, : len(t)] = torch.tensor(t)
+    # each decode's last token in its table's last block
+    contexts = np.array([len(t) * BS - tokens - (i % BS if tokens == 1 else 0)
+                         for i, t in enumerate(live)])  # fmt: skip
+    contexts = np.maximum(contexts, 0)
+    runs = []
+    for runner in _real_runner(defrag, contiguous, window=False):
+        runner.defragmenter = defrag
+        positions = np.concatenate([c + np.arange(tokens) for c in contexts])
+        runner.positions_cpu = torch.from_numpy(positions)
+        runner.input_ids_cpu = torch.arange(len(positions), dtype=torch.int32)
+        runs.append(
+            runner._create_decode_input_data(len(live), [tokens] * len(live), contexts, table)
+        )
+    _same(runs[0], runs[1], "DecodeInputData")

@@ -427,7 +427,7 @@ class OnlineDefragmenter:
         (``BlockOutOfRange``). The Gaudi
         switch resolves the runner's decode table with it (``gaudi_decode``)."""
         as_tensor = isinstance(table, torch.Tensor)
-        if as_tensor and table.device.type != "cpu":
+        if as_tensor and not table.is_cpu:
             raise BlockOutOfRange(f"a block table must be on the CPU, not {table.device}")
         ids = table.numpy() if as_tensor else np.asarray(table)
         if ids.dtype.kind not in "iu" or ids.ndim not in (1, 2):

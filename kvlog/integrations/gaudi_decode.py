@@ -116,7 +116,7 @@ def _resolved_table(runner: Any, args: tuple[Any, ...]) -> Any | None:
         or not isinstance(num_decodes, int)
         or num_decodes <= 0
         or not isinstance(table, torch.Tensor)
-        or table.device.type != "cpu"
+        or not table.is_cpu
         or table.ndim != 2
         or table.shape[0] < num_decodes
         or len(num_scheduled_tokens) < num_decodes

@@ -423,9 +423,10 @@ class OnlineDefragmenter:
         new one of the same kind and dtype. ``rows`` / ``columns``: only the leading ones
         (a 2-D table; sliced as numpy views, cheaper than a tensor's indexing), the shape
         of the result. Ids outside the pool (pads, -1) pass unchanged, as in
-        :meth:`resolve`; a non-integer dtype or a tensor off the CPU is refused
-        (``BlockOutOfRange``). The Gaudi
-        switch resolves the runner's decode table with it (``gaudi_decode``)."""
+        :meth:`resolve`. Refused (``BlockOutOfRange``): a tensor off the CPU, a dtype that
+        is not an integer one or cannot hold every block id of the pool (a resolved id
+        would wrap). The Gaudi switch resolves the runner's decode table with it
+        (``gaudi_decode``)."""
         as_tensor = isinstance(table, torch.Tensor)
         if as_tensor and not table.is_cpu:
             raise BlockOutOfRange(f"a block table must be on the CPU, not {table.device}")
@@ -443,8 +444,14 @@ class OnlineDefragmenter:
         if not self.session.started or ids.size == 0:
             out[...] = ids
         else:
+            view = self.session.engine.view
+            if np.iinfo(ids.dtype).max < view.num_gpu_blocks - 1:
+                raise BlockOutOfRange(
+                    f"a block table of {ids.dtype} cannot hold the ids of a "
+                    f"{view.num_gpu_blocks}-block pool"
+                )
             flat = ids.reshape(1, -1) if ids.ndim == 1 else ids
-            self.session.engine.view.resolve_into(flat, out.reshape(flat.shape))
+            view.resolve_into(flat, out.reshape(flat.shape))
         return torch.from_numpy(out) if as_tensor else out
 
     def _resolve_checked(self, table: Sequence[int]) -> list[int]:

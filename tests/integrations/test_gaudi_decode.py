@@ -84,6 +84,17 @@ def test_resolve_table_refuses_what_is_not_an_id_table(bad: Any) -> None:
         _moved().resolve_table(bad)
 
 
+def test_resolve_table_refuses_a_dtype_narrower_than_the_pool() -> None:
+    defrag = gaudi.GaudiDefragmenter(
+        make_hpu_caches(300, BS), BS, environ={}, backend="cpu", threshold=0
+    )
+    defrag.update_state({"a": [1, 2]}, ())
+    defrag.defragment()
+    with pytest.raises(BlockOutOfRange, match="int8 cannot hold the ids of a 300-block pool"):
+        defrag.resolve_table(np.array([[1, 2]], dtype=np.int8))
+    assert defrag.resolve_table(np.array([[1, 2]], dtype=np.uint16)).tolist() == [[1, 2]]
+
+
 def test_resolve_table_refuses_a_tensor_off_the_cpu() -> None:
     with pytest.raises(BlockOutOfRange, match="on the CPU, not meta"):
         _moved().resolve_table(torch.empty((2, 2), dtype=torch.int32, device="meta"))

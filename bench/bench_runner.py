@@ -530,7 +530,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     d = Scale()
     for field in dataclasses.fields(Scale):
         flag = "--" + field.name.replace("_", "-")
-        if field.type == "bool":
+        if field.name == "switch":
+            p.add_argument(
+                "--switch",
+                action="store_true",
+                help="the runner under kvlog's Gaudi switch (KVLOG_GAUDI=1): its call site "
+                "passes preemptions and whole tables, its decode hook resolves the decodes' "
+                "tables in one resolve_table",
+            )
+        elif field.type == "bool":
             p.add_argument(flag, action="store_true")
         else:
             kind: Callable[[str], Any] = {"int": int, "float": float, "str": str}[str(field.type)]

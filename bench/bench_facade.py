@@ -4,10 +4,13 @@
     python bench/bench_facade.py --quick    # 300 timed steps, one pass
     python bench/bench_facade.py --blocks 4096   # one pool size (default: 4096 and 32768)
     python bench/bench_facade.py --backend cuda  # the KV tensors on the GPU (needs CUDA)
+    python bench/bench_facade.py --layers 80     # a large model's 160 KV tensors (default 2)
+    python bench/bench_facade.py --prefix-caching   # defrag swaps blocks both ways
 
 One pre-generated runner trace per pool size (untimed): 4096 or 32768 blocks on tiny
-HPU-layout CPU tensors (2 layers, key and value, block_size 16), ~80% full; every step 0-2
-requests arrive (4-64 blocks), 8 live requests grow by one block, random requests finish
+HPU-layout CPU tensors (``--layers``, 2 by default, a key and a value tensor each; block_size
+16), ~80% full; every step 0-2 requests arrive (4-64 blocks), 8 live requests grow by one
+block, random requests finish
 while the pool is more than 80% used; block ids come from a FIFO free list like vLLM's. A
 timed step is exactly what the HPU model runner does per step::
 
@@ -128,10 +131,11 @@ Make = Callable[[], tuple[Runner, Callable[[], None]]]
 
 
 def seed_runner(
-    threshold: int, num_blocks: int, backend: str = "cpu"
+    threshold: int, num_blocks: int, backend: str = "cpu", layers: int = 2, pc: bool = False
 ) -> tuple[Runner, Callable[[], None]]:
-    defrag = SeedDefragmenter(threshold=threshold)
-    defrag.initialize(make_hpu_caches(num_blocks, BLOCK_SIZE, device=backend), BLOCK_SIZE)
+    defrag = SeedDefragmenter(threshold=threshold, prefix_caching=pc)
+    caches = make_hpu_caches(num_blocks, BLOCK_SIZE, num_layers=layers, device=backend)
+    defrag.initialize(caches, BLOCK_SIZE)
 
     def step(s: Step) -> None:
         defrag.update_state(s.new_blocks, s.finished)
@@ -142,13 +146,20 @@ def seed_runner(
 
 
 def facade_runner(
-    threshold: int, num_blocks: int, log_path: str | None, sync: str, backend: str = "cpu"
+    threshold: int,
+    num_blocks: int,
+    log_path: str | None,
+    sync: str,
+    backend: str = "cpu",
+    layers: int = 2,
+    pc: bool = False,
 ) -> tuple[Runner, Callable[[], None]]:
     env = {"VLLM_DEFRAG_THRESHOLD": str(threshold), "KVLOG_SYNC": sync}
     if log_path is not None:
         env["KVLOG_PATH"] = log_path
-    defrag = OnlineDefragmenter(environ=env, backend=backend)  # type: ignore[arg-type]
-    defrag.initialize(make_hpu_caches(num_blocks, BLOCK_SIZE, device=backend), BLOCK_SIZE)
+    defrag = OnlineDefragmenter(environ=env, backend=backend, prefix_caching=pc)  # type: ignore[arg-type]
+    caches = make_hpu_caches(num_blocks, BLOCK_SIZE, num_layers=layers, device=backend)
+    defrag.initialize(caches, BLOCK_SIZE)
 
     def step(s: Step) -> None:
         defrag.update_state(s.new_blocks, s.finished)
@@ -198,6 +209,14 @@ def main() -> None:
     parser.add_argument(
         "--backend", choices=["cpu", "cuda"], default="cpu", help="where the KV tensors live"
     )
+    parser.add_argument(
+        "--layers", type=int, default=2, help="model layers, a key and a value tensor each"
+    )
+    parser.add_argument(
+        "--prefix-caching",
+        action="store_true",
+        help="both sides as with prefix caching: defrag swaps blocks both ways (else moves)",
+    )
     args = parser.parse_args()
     if args.backend == "cuda" and not torch.cuda.is_available():
         parser.error("--backend cuda needs a CUDA device")
@@ -213,20 +232,23 @@ def main() -> None:
         for threshold in (THRESHOLD, num_blocks):
             what = "defrag fires" if threshold == THRESHOLD else "defrag idle (never fires)"
             print(f"\n{num_blocks} blocks, threshold {threshold} ({what}):")
-            run_variants(threshold, num_blocks, warm, timed, repeats, args.backend)
+            run_variants(
+                threshold, num_blocks, warm, timed, repeats, args.backend, args.layers,
+                args.prefix_caching,
+            )  # fmt: skip
         gc.unfreeze()
 
 
 def variants_of(
-    threshold: int, num_blocks: int, backend: str
+    threshold: int, num_blocks: int, backend: str, layers: int = 2, pc: bool = False
 ) -> list[tuple[str, Make, str | None]]:
     """(name, how to build its runner, its log path) per variant, the seed first."""
     tmp = tempfile.mkdtemp(prefix="kvlog-bench-facade-")
     variants: list[tuple[str, Make, str | None]] = [
-        ("seed (baseline)", lambda: seed_runner(threshold, num_blocks, backend), None),
+        ("seed (baseline)", lambda: seed_runner(threshold, num_blocks, backend, layers, pc), None),
         (
             "kvlog, no log",
-            lambda: facade_runner(threshold, num_blocks, None, "none", backend),
+            lambda: facade_runner(threshold, num_blocks, None, "none", backend, layers, pc),
             None,
         ),
     ]
@@ -234,7 +256,7 @@ def variants_of(
         path = os.path.join(tmp, f"{sync}.kvlog")
 
         def make(path: str = path, sync: str = sync) -> tuple[Runner, Callable[[], None]]:
-            return facade_runner(threshold, num_blocks, path, sync, backend)
+            return facade_runner(threshold, num_blocks, path, sync, backend, layers, pc)
 
         variants.append((f"kvlog, log sync={sync}", make, path))
     return variants
@@ -247,9 +269,11 @@ def run_variants(
     timed: list[Step],
     repeats: int,
     backend: str = "cpu",
+    layers: int = 2,
+    pc: bool = False,
 ) -> None:
     """Every variant once per round (rounds interleave them against machine noise)."""
-    variants = variants_of(threshold, num_blocks, backend)
+    variants = variants_of(threshold, num_blocks, backend, layers, pc)
     synchronize = torch.cuda.synchronize if backend == "cuda" else None
     runs: dict[str, list[tuple[list[float], list[float]]]] = {name: [] for name, _, _ in variants}
     log_bytes: dict[str, int] = {}

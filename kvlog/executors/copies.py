@@ -14,6 +14,7 @@ blocks.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +32,7 @@ __all__ = [
     "host_rows",
     "indexed_copy",
     "indexed_exchange",
+    "indexed_exchange_all",
 ]
 
 TORCH_COPY_BYTES = 32 << 20
@@ -142,15 +144,27 @@ def indexed_copy(
 def indexed_exchange(rows: np.ndarray, a_ids: np.ndarray, b_ids: np.ndarray, max_rows: int) -> None:
     """Swap rows ``a_ids[i]`` and ``b_ids[i]`` of a ``host_rows`` array (disjoint id sets),
     gathering at most ``max_rows`` rows at a time."""
+    indexed_exchange_all([rows], a_ids, b_ids, max_rows)
+
+
+def indexed_exchange_all(
+    tensors: Sequence[np.ndarray], a_ids: np.ndarray, b_ids: np.ndarray, max_rows: int
+) -> None:
+    """:func:`indexed_exchange` on each of ``tensors`` (a plan swaps the same rows of every
+    view), its index arrays built once for all of them: a model's hundreds of views then
+    cost one gather and one scatter each."""
     if 2 * len(a_ids) <= max_rows:  # one gather of [b, a], one scatter to [a, b]: numpy
         # gathers the whole right-hand side before it writes, and the sets are disjoint
-        rows[np.concatenate((a_ids, b_ids))] = rows[np.concatenate((b_ids, a_ids))]
+        written, read = np.concatenate((a_ids, b_ids)), np.concatenate((b_ids, a_ids))
+        for rows in tensors:
+            rows[written] = rows[read]
         return
-    for a in range(0, len(a_ids), max_rows):
-        first, second = a_ids[a : a + max_rows], b_ids[a : a + max_rows]
-        held = rows[first]
-        rows[first] = rows[second]
-        rows[second] = held
+    for rows in tensors:
+        for a in range(0, len(a_ids), max_rows):
+            first, second = a_ids[a : a + max_rows], b_ids[a : a + max_rows]
+            held = rows[first]
+            rows[first] = rows[second]
+            rows[second] = held
 
 
 def build_host_program(src: np.ndarray, dst: np.ndarray, max_rows: int = 1 << 30) -> HostProgram:

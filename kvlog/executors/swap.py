@@ -5,7 +5,7 @@ caching: a free block may hold cached data). The sources and destinations of one
 disjoint sets, so the pairs are independent and may run in any order.
 
 - On the host (``cpu`` backend) each canonical tensor gets one numpy gather and scatter
-  per chunk of pairs (``copies.indexed_copy`` / ``indexed_exchange``: a ``"swap"`` that
+  per chunk of pairs (``copies.indexed_copy`` / ``indexed_exchange_all``: a ``"swap"`` that
   fits one chunk is one gather of ``[dst, src]`` and one scatter to ``[src, dst]``), as the
   plugin's ``CacheSwapUtils`` does with ``index_select``/``index_copy_``: a defrag plan's pairs are
   scattered (highest used into lowest free), and one gather/scatter call per tensor beats
@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from kvlog.events import SwapPlan
-from kvlog.executors.copies import host_rows, indexed_copy, indexed_exchange
+from kvlog.executors.copies import host_rows, indexed_copy, indexed_exchange_all
 from kvlog.executors.devices import Device
 from kvlog.executors.layouts import CacheLayout
 
@@ -88,11 +88,11 @@ class SwapExecutor:
         pairs are independent: sources and destinations are disjoint)."""
         if self._rows is None:
             self._rows = [host_rows(view) for view in self._views]
+        if plan.mode == "swap":
+            indexed_exchange_all(self._rows, src, dst, self._chunk_rows)
+            return
         for rows in self._rows:
-            if plan.mode == "swap":
-                indexed_exchange(rows, src, dst, self._chunk_rows)
-            else:
-                indexed_copy(rows, rows, dst, src, self._chunk_rows)
+            indexed_copy(rows, rows, dst, src, self._chunk_rows)
 
     def _apply_device(self, plan: SwapPlan, pairs: np.ndarray) -> None:
         """One gather and one scatter per canonical tensor: ``"move"`` reads the sources

@@ -184,3 +184,20 @@ def test_indexed_copy_and_exchange_match_numpy_within_and_beyond_max_rows(
     copies.indexed_exchange(swapped, src, dst, max_rows)
     assert np.array_equal(target, expected_copy)
     assert np.array_equal(swapped, expected_swap)
+
+
+@given(pairs=disjoint_pairs(), max_rows=st.integers(1, 24), views=st.integers(1, 4))
+def test_indexed_exchange_all_swaps_the_same_rows_of_every_view(
+    pairs: tuple[np.ndarray, np.ndarray], max_rows: int, views: int
+) -> None:
+    """A plan's swap over a model's views (its index arrays built once) is the one-view
+    exchange on each view."""
+    src, dst = pairs
+    tensors = [_rows(5 + v).numpy() for v in range(views)]
+    expected = [t.copy() for t in tensors]
+    for t in expected:
+        copies.indexed_exchange(t, src, dst, max_rows)
+    copies.indexed_exchange_all(tensors, src, dst, max_rows)
+    assert all(np.array_equal(t, e) for t, e in zip(tensors, expected, strict=True))
+    if src.size:  # the rows did move (random pages: two equal rows are out of reach)
+        assert not np.array_equal(tensors[0], _rows(5).numpy())

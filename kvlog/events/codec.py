@@ -12,9 +12,8 @@ from __future__ import annotations
 from typing import Any, TypeVar
 
 import msgspec
-import numpy as np
 
-from kvlog.events.types import Event, Plan, Record, StepPacked, packed_ids
+from kvlog.events.types import Event, Plan, Record, StepPacked, packed_counts, packed_ids
 
 __all__ = ["DECODE_ERRORS", "decode", "decode_plan", "encode", "to_dict", "to_json"]
 
@@ -59,7 +58,7 @@ def to_dict(record: Event | Record | Plan) -> dict[str, Any]:
     out.update(msgspec.to_builtins(record))
     if type(record) is StepPacked:  # its packed ids as numbers, not base64
         if len(record.counts) % 4 == 0:
-            out["counts"] = np.frombuffer(record.counts, dtype="<i4").tolist()
+            out["counts"] = packed_counts(record)
         if record.id_bytes in (2, 4) and len(record.block_ids) % record.id_bytes == 0:
             out["block_ids"] = packed_ids(record).tolist()
     return out

@@ -37,6 +37,7 @@ __all__ = [
     "StepPacked",
     "StepScheduled",
     "WHOLE_STEPS",
+    "packed_counts",
     "packed_ids",
     "packed_step",
     "StoreRequested",
@@ -252,7 +253,7 @@ class StepPacked(_Tagged, frozen=True):
     def allocated(self) -> dict[str, list[int]]:
         """``StepScheduled.allocated`` of this step (new lists at each call; the step's
         validation checks first that ``counts`` and ``block_ids`` fit ``req_ids``)."""
-        counts = np.frombuffer(self.counts, dtype="<i4").tolist()
+        counts = packed_counts(self)
         ids = packed_ids(self).tolist()
         ends = list(itertools.accumulate(counts))
         starts = [0, *ends][: len(ends)]
@@ -269,8 +270,17 @@ class StepPacked(_Tagged, frozen=True):
         )
 
 
-_ID_DTYPES: dict[int, np.dtype[Any]] = {2: np.dtype("<u2"), 4: np.dtype("<i4")}
+_COUNT_DTYPE = np.dtype("<i4")
+"""How a ``StepPacked`` stores its ``counts``."""
+_ID_DTYPES: dict[int, np.dtype[Any]] = {2: np.dtype("<u2"), 4: _COUNT_DTYPE}
 """``StepPacked.id_bytes`` -> how its block ids are stored."""
+
+
+def packed_counts(event: StepPacked) -> list[int]:
+    """A ``StepPacked``'s counts, one per request, as ints (``counts`` a whole number of
+    int32: the caller checks its length first, as the validation does)."""
+    counts: list[int] = np.frombuffer(event.counts, dtype=_COUNT_DTYPE).tolist()
+    return counts
 
 
 def packed_ids(event: StepPacked) -> npt.NDArray[np.integer]:
@@ -287,7 +297,7 @@ def packed_step(
     are below 65,536, else 4). ``block_ids``: all of ``allocated``'s ids concatenated, when
     the caller has them as an array already."""
     allocated = event.allocated
-    counts = np.fromiter(map(len, allocated.values()), np.dtype("<i4"), len(allocated))
+    counts = np.fromiter(map(len, allocated.values()), _COUNT_DTYPE, len(allocated))
     flat: npt.NDArray[np.integer]
     if block_ids is None:
         flat = np.fromiter(itertools.chain.from_iterable(allocated.values()), np.int64)

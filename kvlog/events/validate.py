@@ -36,6 +36,7 @@ from kvlog.events.types import (
     TransferBatch,
     TransferFinished,
     TransferSubmitted,
+    packed_counts,
 )
 
 __all__ = [
@@ -251,7 +252,7 @@ def _validate_step_packed(event: StepPacked) -> None:
             "little-endian int32 each",
             event,
         )
-    sizes = np.frombuffer(counts, dtype="<i4").tolist()
+    sizes = packed_counts(event)
     if sizes and min(sizes) < 0:
         raise InvalidEvent("counts holds a negative count", event)
     if len(block_ids) != width * sum(sizes):
@@ -330,7 +331,7 @@ def _validate_decoded_packed(event: StepPacked) -> None:
             )
         ):
             _validate_step_packed(event)
-    sizes = np.frombuffer(event.counts, dtype="<i4").tolist()
+    sizes = packed_counts(event)
     width = event.id_bytes
     if (
         (sizes and min(sizes) < 0)

@@ -36,6 +36,7 @@ from kvlog.events import (
     StepEnded,
     StepPacked,
     StepScheduled,
+    packed_counts,
     packed_ids,
     packed_step,
 )
@@ -307,7 +308,7 @@ def _commit_bulk(state: State, event: Step, found: StepFound) -> tuple[bool, int
 def _requests_and_counts(event: Step) -> tuple[list[str], list[int]]:
     """The step's requests given blocks, in order, and how many each."""
     if type(event) is StepPacked:
-        req_ids, counts = event.req_ids, np.frombuffer(event.counts, dtype="<i4").tolist()
+        req_ids, counts = event.req_ids, packed_counts(event)
     else:
         req_ids, counts = list(event.allocated), list(map(len, event.allocated.values()))
     if 0 in counts:

@@ -41,6 +41,7 @@ from kvlog.integrations.session import (
     derive_num_gpu_blocks,
 )
 from kvlog.log import LogStatus
+from kvlog.reducers.ranges import holds_pool_ids
 from kvlog.runtime.engine import Engine
 from kvlog.runtime.machine import Ticket
 from kvlog.runtime.tables import block_table_row
@@ -445,7 +446,7 @@ class OnlineDefragmenter:
             out[...] = ids
         else:
             view = self.session.engine.view
-            if np.iinfo(ids.dtype).max < view.num_gpu_blocks - 1:
+            if not holds_pool_ids(ids.dtype, view.num_gpu_blocks):
                 raise BlockOutOfRange(
                     f"a block table of {ids.dtype} cannot hold the ids of a "
                     f"{view.num_gpu_blocks}-block pool"

@@ -10,7 +10,7 @@ from kvlog.errors import BlockOutOfRange, InvalidEvent
 from kvlog.events import Event
 from kvlog.reducers.blockset import IdArray
 
-__all__ = ["check_block_range", "check_id_dtype"]
+__all__ = ["check_block_range", "check_id_dtype", "holds_pool_ids"]
 
 
 def check_block_range(event: Event, name: str, block_ids: list[int], size: int) -> IdArray:
@@ -27,9 +27,15 @@ def check_id_dtype(dtype: np.dtype[Any], size: int) -> None:
     attribute reads: the Gaudi facade pays it on every step's ``resolve_all``."""
     if dtype.kind not in "iu":  # numpy's integer kinds (bool is "b")
         raise InvalidEvent(f"block ids must be integers, not {dtype}")
-    signed = dtype.kind == "i"
-    if (1 << (8 * dtype.itemsize - signed)) - 1 < size - 1:  # the dtype's largest value
+    if not holds_pool_ids(dtype, size):
         raise InvalidEvent(
             f"block ids of dtype {dtype} cannot hold the ids of a {size}-block pool "
             f"(up to {size - 1}); use int32 or int64"
         )
+
+
+def holds_pool_ids(dtype: np.dtype[Any], size: int) -> bool:
+    """Whether an integer ``dtype`` holds every block id of a ``size``-block pool (its
+    largest value is at least ``size - 1``)."""
+    signed = dtype.kind == "i"
+    return (1 << (8 * dtype.itemsize - signed)) - 1 >= size - 1

@@ -105,6 +105,22 @@ def steps(draw: st.DrawFn) -> list[tuple[StepScheduled | Event, ...]]:
     return program
 
 
+def _configured_pair(
+    threshold: int, prefix_caching: bool, quarantine: bool
+) -> tuple[Machine, Machine]:
+    """Two machines configured alike for ``steps()``'s programs (``NUM_BLOCKS`` blocks of
+    4 tokens, 64 CPU blocks, pads 2/4/8, at most 8 swaps a step)."""
+    config = CacheConfigured(
+        num_gpu_blocks=NUM_BLOCKS, block_size=4, num_cpu_blocks=64, threshold=threshold,
+        pad_sizes=(2, 4, 8), max_swaps=8, prefix_caching=prefix_caching,
+        quarantine_released=quarantine,
+    )  # fmt: skip
+    first, second = Machine(), Machine()
+    first.apply(config)
+    second.apply(config)
+    return first, second
+
+
 @settings(deadline=None)
 @given(
     program=steps(),
@@ -123,14 +139,7 @@ def test_a_step_is_its_fine_grained_events(
     """``checked_first``: the whole-step machine checks each step before the events that
     precede it (as the facade checks at ``update_state`` and applies at ``defragment()``,
     after a poll's ``TransferFinished``): a check kept across them must still hold."""
-    config = CacheConfigured(
-        num_gpu_blocks=NUM_BLOCKS, block_size=4, num_cpu_blocks=64, threshold=threshold,
-        pad_sizes=(2, 4, 8), max_swaps=8, prefix_caching=prefix_caching,
-        quarantine_released=quarantine,
-    )  # fmt: skip
-    whole, fine = Machine(), Machine()
-    whole.apply(config)
-    fine.apply(config)
+    whole, fine = _configured_pair(threshold, prefix_caching, quarantine)
     for events in program:
         *extras, event = events
         ticket = None
@@ -252,14 +261,7 @@ def test_a_packed_step_is_the_step_it_packs(
     packs: the same acceptance, the same refusal (type and message), plans, both digests,
     after every step; ``decoded``: the packed form goes through the log's codec and the
     replay's path (``apply_decoded``) first."""
-    config = CacheConfigured(
-        num_gpu_blocks=NUM_BLOCKS, block_size=4, num_cpu_blocks=64, threshold=threshold,
-        pad_sizes=(2, 4, 8), max_swaps=8, prefix_caching=prefix_caching,
-        quarantine_released=quarantine,
-    )  # fmt: skip
-    plain, packed = Machine(), Machine()
-    plain.apply(config)
-    packed.apply(config)
+    plain, packed = _configured_pair(threshold, prefix_caching, quarantine)
     for events in program:
         *extras, event = events
         for extra in extras:

@@ -205,9 +205,9 @@ class Run(Checks):
         blocks = [self.tables[r][:end] for r, end in zip(reqs, ends, strict=True)]
         slots: list[np.ndarray] = [np.empty(0, np.int64)] * len(reqs)
         if decodes and self.cfg.pass_preempted:
-            for i, phys in zip(
-                decodes, self._switch_decodes(reqs, decodes, positions), strict=True
-            ):
+            tables = [blocks[i] for i in decodes]
+            switched = self._switch_decodes(reqs, decodes, positions, tables)
+            for i, phys in zip(decodes, switched, strict=True):
                 slots[i] = phys * bs + positions[i] % bs
         elif decodes:
             self._resolve_tables([blocks[i] for i in decodes], timed=True)  # attention's tables
@@ -232,14 +232,19 @@ class Run(Checks):
         return slots
 
     def _switch_decodes(
-        self, reqs: list[str], decodes: list[int], positions: list[np.ndarray]
+        self,
+        reqs: list[str],
+        decodes: list[int],
+        positions: list[np.ndarray],
+        tables: list[list[int]],
     ) -> list[np.ndarray]:
         """The decodes' slot blocks (physical) as the Gaudi switch's decode hook
         (``kvlog.integrations.gaudi_decode``) gets them: the input batch's block-table
         tensor (the decodes' whole tables, logical, zero past each; the runner holds it,
         not timed) resolved over the columns the hook reads in one ``resolve_table``
         (timed); the method's own gathers then read physical ids. The seed's shadow makes
-        the plugin's calls (``resolve_all`` of the tables, ``resolve`` per slot)."""
+        the plugin's calls (``resolve_all`` of ``tables``, each decode's blocks up to its
+        last token, and ``resolve`` per slot)."""
         bs, defrag = self.bs, self.defrag
         rows = [self.tables[reqs[i]] for i in decodes]
         table = np.zeros((len(rows), max(map(len, rows))), np.int32)
@@ -253,8 +258,6 @@ class Run(Checks):
             "resolve_table",
             lambda: resolve_decode_rows(defrag, len(rows), tokens, contexts, tensor, bs),
         ).numpy()
-        ends = [-(-int(positions[i][-1] + 1) // bs) for i in decodes]
-        tables = [list(ids[:end]) for ids, end in zip(rows, ends, strict=True)]
         slots = torch.from_numpy(np.concatenate([table[r, positions[i] // bs]
                                                  for r, i in enumerate(decodes)]))  # fmt: skip
         self._shadow(

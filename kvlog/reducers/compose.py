@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 from kvlog.errors import NotConfigured
 from kvlog.events import (
     TIER_EVENTS,
+    WHOLE_STEPS,
     BlocksAllocated,
     BlocksReleased,
     CacheConfigured,
@@ -89,7 +90,7 @@ _DECODED_STEPS: dict[type, tuple[Callable[[Any], None], _Check, _Apply]] = {
 }
 """``_STEPS`` with the validation of events the log's typed decoder produced."""
 _COUNTED_STEPS = {**_DECODED_STEPS}
-for _whole in (StepScheduled, StepPacked):
+for _whole in WHOLE_STEPS:
     _COUNTED_STEPS[_whole] = (DECODED_VALIDATORS[_whole], step.check_step, step.apply_step_counted)
 """``_DECODED_STEPS`` for a machine that counts a step's defrag moves instead of listing
 them (``step.apply_step_counted``)."""

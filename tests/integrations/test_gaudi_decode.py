@@ -35,11 +35,16 @@ NUM_BLOCKS = 64
 TABLES = {"a": [1, 2, 3], "b": list(range(10, 20)), "c": [30, 31, 32, 33, 34], "d": [40, 41]}
 
 
+def _defragmenter(num_blocks: int = NUM_BLOCKS) -> gaudi.GaudiDefragmenter:
+    """kvlog's defragmenter as the switch builds it, on CPU caches, firing on any hole."""
+    return gaudi.GaudiDefragmenter(
+        make_hpu_caches(num_blocks, BS), BS, environ={}, backend="cpu", threshold=0
+    )
+
+
 def _moved() -> gaudi.GaudiDefragmenter:
     """A defragmenter whose books moved blocks: ``b`` finished, ``c`` and ``d`` compacted."""
-    defrag = gaudi.GaudiDefragmenter(
-        make_hpu_caches(NUM_BLOCKS, BS), BS, environ={}, backend="cpu", threshold=0
-    )
+    defrag = _defragmenter()
     defrag.update_state(TABLES, ())
     defrag.defragment()
     defrag.update_state({}, ("b",))
@@ -85,9 +90,7 @@ def test_resolve_table_refuses_what_is_not_an_id_table(bad: Any) -> None:
 
 
 def test_resolve_table_refuses_a_dtype_narrower_than_the_pool() -> None:
-    defrag = gaudi.GaudiDefragmenter(
-        make_hpu_caches(300, BS), BS, environ={}, backend="cpu", threshold=0
-    )
+    defrag = _defragmenter(300)
     defrag.update_state({"a": [1, 2]}, ())
     defrag.defragment()
     with pytest.raises(BlockOutOfRange, match="int8 cannot hold the ids of a 300-block pool"):
@@ -359,9 +362,7 @@ def test_vllm_gaudis_decode_inputs_are_the_same_patched_on_any_books(
     batch: tuple[list[list[int]], int, int, int], contiguous: bool
 ) -> None:
     tables, tokens, finished, extra = batch
-    defrag = gaudi.GaudiDefragmenter(
-        make_hpu_caches(NUM_BLOCKS, BS), BS, environ={}, backend="cpu", threshold=0
-    )
+    defrag = _defragmenter()
     named = {f"r{i}": t for i, t in enumerate(tables)}
     defrag.update_state(named, ())
     defrag.defragment()

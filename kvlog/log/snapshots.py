@@ -23,6 +23,11 @@ __all__ = ["first_snapshot", "latest_snapshot"]
 
 Found = tuple[int, Checkpoint | None]
 
+_RELISTS = 3
+"""How many times ``latest_snapshot`` lists a live directory again when a segment it listed
+went away before it was read (retention removed it, or the sealer compressed it under a new
+name); the try after these lets the error through."""
+
 
 def latest_snapshot(
     path: str | os.PathLike[str], skip: frozenset[int] = frozenset()
@@ -32,6 +37,16 @@ def latest_snapshot(
     text = os.fspath(path)
     if not os.path.isdir(text):
         return _scan(text, skip)
+    for _ in range(_RELISTS):
+        try:
+            return _latest_in_directory(text, skip)
+        except FileNotFoundError:  # a segment retired or compressed since the listing
+            continue  # list the directory again
+    return _latest_in_directory(text, skip)
+
+
+def _latest_in_directory(text: str, skip: frozenset[int]) -> Found:
+    """``latest_snapshot`` of a log directory, from one listing of its segments."""
     for info in reversed(LogReader(text).stored_segments):
         if info.snapshot_seq >= 0 and info.snapshot_seq not in skip:
             found = _read_hint(text, info)

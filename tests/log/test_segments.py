@@ -4,11 +4,13 @@ file and a directory of the same run hold the same events."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -21,8 +23,15 @@ from kvlog.analysis.parallel import replay_segments
 from kvlog.cli import main
 from kvlog.errors import ConfigError, CorruptLogError, LogLocked
 from kvlog.events import Checkpoint, Event
-from kvlog.log import LogReader, latest_snapshot, list_segments, segments
-from kvlog.log.manifest import MANIFEST_NAME, file_sha256, read_manifest, write_manifest
+from kvlog.log import LogReader, latest_snapshot, list_segments, segments, snapshots
+from kvlog.log.manifest import (
+    MANIFEST_NAME,
+    SegmentInfo,
+    compress_file,
+    file_sha256,
+    read_manifest,
+    write_manifest,
+)
 from kvlog.synth import SynthConfig, SynthRun
 
 SEGMENT_BYTES = 48 << 10
@@ -104,6 +113,51 @@ def test_latest_snapshot_comes_from_the_manifest_and_a_bad_hint_falls_back(
     manifest.segments[-1] = msgspec.structs.replace(last, snapshot_offset=offset)
     write_manifest(str(broken), manifest)
     assert latest_snapshot(broken) == expected
+
+
+def test_latest_snapshot_lists_again_when_a_segment_goes_away_as_it_reads(
+    recorded: tuple[Path, Path, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A live directory changes under a reader between its listing and its reading (the
+    sealer compresses a segment under a new name, retention removes one): the search
+    lists the directory again and finds the snapshot there (``kvlog top`` following a log
+    under retention failed on this with "no such log")."""
+    log = copy_of(recorded[1], tmp_path)
+    *_, sealed, newest = list_segments(str(log))
+    skip = frozenset(  # the newest segment's snapshots: the search reads the one before
+        s for s, r in LogReader(log).records(newest.first_seq)
+        if isinstance(r, Checkpoint) and r.snapshot
+    )  # fmt: skip
+    opened = snapshots.open_segment
+    sealed_now: list[str] = []
+
+    @contextlib.contextmanager
+    def sealing(directory: str, info: SegmentInfo) -> Iterator[str]:
+        if info.name == sealed.name and not sealed_now:  # as the sealer thread does
+            path = os.path.join(directory, info.name)
+            stored = compress_file(path)
+            manifest = read_manifest(directory)
+            assert manifest is not None
+            manifest.segments = [
+                msgspec.structs.replace(
+                    s, name=os.path.basename(stored), compressed=True,
+                    num_bytes=os.path.getsize(stored), sha256=file_sha256(stored),
+                ) if s.name == info.name else s
+                for s in manifest.segments
+            ]  # fmt: skip
+            write_manifest(directory, manifest)
+            os.remove(path)
+            sealed_now.append(os.path.basename(stored))
+        with opened(directory, info) as plain:
+            yield plain
+
+    monkeypatch.setattr(snapshots, "_read_hint", lambda directory, info: None)  # scan them
+    monkeypatch.setattr(snapshots, "open_segment", sealing)
+    seq, checkpoint = latest_snapshot(log, skip)
+    assert sealed_now == [sealed.name + ".zst"]
+    found = [(s, r) for s, r in LogReader(log).records() if isinstance(r, Checkpoint)]
+    assert (seq, checkpoint) == [(s, r) for s, r in found if r.snapshot and s not in skip][-1]
+    assert sealed.first_seq <= seq < newest.first_seq  # from the segment that moved
 
 
 def test_resume_reads_only_the_last_segments_and_continues(

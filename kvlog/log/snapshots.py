@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 
 from kvlog.errors import CorruptLogError
 from kvlog.events import Checkpoint
@@ -24,9 +25,9 @@ __all__ = ["first_snapshot", "latest_snapshot"]
 Found = tuple[int, Checkpoint | None]
 
 _RELISTS = 3
-"""How many times ``latest_snapshot`` lists a live directory again when a segment it listed
-went away before it was read (retention removed it, or the sealer compressed it under a new
-name); the try after these lets the error through."""
+"""How many times ``latest_snapshot`` and ``first_snapshot`` list a live directory again when
+a segment they listed went away before they read it (retention removed it, or the sealer
+compressed it under a new name); the try after these lets the error through."""
 
 
 def latest_snapshot(
@@ -37,12 +38,18 @@ def latest_snapshot(
     text = os.fspath(path)
     if not os.path.isdir(text):
         return _scan(text, skip)
+    return _listed_again(lambda: _latest_in_directory(text, skip))
+
+
+def _listed_again(search: Callable[[], Found]) -> Found:
+    """``search`` of a log, run again from a fresh listing when a segment it listed went
+    away before it read it (a live directory: ``_RELISTS`` times, then the error)."""
     for _ in range(_RELISTS):
         try:
-            return _latest_in_directory(text, skip)
+            return search()
         except FileNotFoundError:  # a segment retired or compressed since the listing
-            continue  # list the directory again
-    return _latest_in_directory(text, skip)
+            continue  # (SegmentsRetired included)
+    return search()
 
 
 def _latest_in_directory(text: str, skip: frozenset[int]) -> Found:
@@ -62,6 +69,11 @@ def _latest_in_directory(text: str, skip: frozenset[int]) -> Found:
 def first_snapshot(path: str | os.PathLike[str]) -> tuple[int, Checkpoint | None]:
     """The log's first record when it is a checkpoint with a snapshot (a segment's
     start), else ``(-1, None)``."""
+    return _listed_again(lambda: _first_record_snapshot(path))
+
+
+def _first_record_snapshot(path: str | os.PathLike[str]) -> Found:
+    """``first_snapshot`` from one listing of the log."""
     reader = LogReader(path)
     for seq, record in reader.records(reader.first_seq):
         if type(record) is Checkpoint and record.snapshot:

@@ -24,6 +24,7 @@ from kvlog.cli import main
 from kvlog.errors import ConfigError, CorruptLogError, LogLocked
 from kvlog.events import Checkpoint, Event
 from kvlog.log import LogReader, latest_snapshot, list_segments, segments, snapshots
+from kvlog.log import reader as reader_module
 from kvlog.log.manifest import (
     MANIFEST_NAME,
     SegmentInfo,
@@ -32,6 +33,7 @@ from kvlog.log.manifest import (
     read_manifest,
     write_manifest,
 )
+from kvlog.log.snapshots import first_snapshot
 from kvlog.synth import SynthConfig, SynthRun
 
 SEGMENT_BYTES = 48 << 10
@@ -158,6 +160,34 @@ def test_latest_snapshot_lists_again_when_a_segment_goes_away_as_it_reads(
     found = [(s, r) for s, r in LogReader(log).records() if isinstance(r, Checkpoint)]
     assert (seq, checkpoint) == [(s, r) for s, r in found if r.snapshot and s not in skip][-1]
     assert sealed.first_seq <= seq < newest.first_seq  # from the segment that moved
+
+
+def test_first_snapshot_lists_again_when_retention_removes_the_first_segment_as_it_reads(
+    recorded: tuple[Path, Path, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Retention removes a directory's oldest segment after a reader listed it and before
+    it read its first record: ``first_snapshot`` reads the new oldest one's."""
+    log = copy_of(recorded[1], tmp_path)
+    oldest, following = list_segments(str(log))[:2]
+    opened = reader_module.open_segment
+    retired: list[str] = []
+
+    @contextlib.contextmanager
+    def retiring(directory: str, info: SegmentInfo) -> Iterator[str]:
+        if info.name == oldest.name and not retired:  # as the writer's retention does
+            manifest = read_manifest(directory)
+            assert manifest is not None
+            manifest.segments = [s for s in manifest.segments if s.name != info.name]
+            write_manifest(directory, manifest)
+            os.remove(os.path.join(directory, info.name))
+            retired.append(info.name)
+        with opened(directory, info) as plain:
+            yield plain
+
+    monkeypatch.setattr(reader_module, "open_segment", retiring)
+    seq, checkpoint = first_snapshot(log)
+    assert retired == [oldest.name]
+    assert seq == following.first_seq and checkpoint is not None and checkpoint.snapshot
 
 
 def test_resume_reads_only_the_last_segments_and_continues(

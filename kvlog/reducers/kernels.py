@@ -54,6 +54,7 @@ __all__ = [
     "resolve_into",
     "seed_walk",
     "step_allocation",
+    "step_allocation_released",
     "step_commit",
     "table_terms",
     "unpin",
@@ -368,6 +369,46 @@ def _step_allocation(
     return status
 
 
+def _step_allocation_released(
+    fwd: Any,
+    refs: Any,
+    store_pins: Any,
+    load_pins: Any,
+    logical: Any,
+    physical: Any,
+    arena: Any,
+    starts: Any,
+    lengths: Any,
+    rows: Any,
+) -> int:
+    """``step_allocation`` for a step whose releases come first: the tables of ``rows``
+    (the released requests' rows of the tables' arena) drop their references, then every
+    id of ``logical`` (all in range: ``step_allocation`` looked) must be free, unpinned and
+    given once. 0: so (the step takes them all as they are, after its releases), else 1.
+    ``refs`` is as it was on return: the drops are counted in place and given back, as
+    ``step_allocation``'s marks are."""
+    for r in range(len(rows)):
+        start = starts[rows[r]]
+        for j in range(lengths[rows[r]]):
+            refs[fwd[arena[start + j]]] -= 1
+    status, marked = 0, 0
+    for i in range(len(logical)):
+        p = fwd[logical[i]]
+        physical[i] = p
+        if refs[p] or store_pins[p] or load_pins[p]:
+            status = 1
+            break
+        refs[p] = 1
+        marked += 1
+    for i in range(marked):
+        refs[physical[i]] = 0
+    for r in range(len(rows)):
+        start = starts[rows[r]]
+        for j in range(lengths[rows[r]]):
+            refs[fwd[arena[start + j]]] += 1
+    return status
+
+
 def _arena_need(rows: Any, num_released: int, starts: Any, lengths: Any, capacities: Any) -> int:
     """Ids of new regions the step's allocations take in the tables' arena (``arena.py``):
     a table that outgrows its region moves to one of twice its capacity (at least its new
@@ -612,6 +653,7 @@ pin = jit(_pin, allocates=False)
 unpin = jit(_unpin, allocates=False)
 allocation = jit(_allocation, allocates=False)
 step_allocation = jit(_step_allocation, allocates=False)
+step_allocation_released = jit(_step_allocation_released, allocates=False)
 step_commit = jit(_step_commit, allocates=False)
 pack_rows = jit(_pack_rows, allocates=False)
 resolve_into = jit(_resolve_into, allocates=False)
@@ -639,6 +681,7 @@ def load() -> None:
     unpin(blocks, blocks, words, none)
     allocation(blocks, blocks, blocks, blocks, none, False, ids)
     step_allocation(blocks, blocks, blocks, blocks, none, ids)
+    step_allocation_released(blocks, blocks, blocks, blocks, none, ids, blocks, ids, ids, ids)
     table_terms(np.uint64(GOLDEN), 0, none)
     table_terms(np.uint64(GOLDEN), 0, blocks[:0])  # a table's ids in the arena (int32)
     drop_refs(words, words, words, blocks, blocks, blocks[:0], ids)

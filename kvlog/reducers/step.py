@@ -15,6 +15,14 @@ or (without prefix caching) a block some table still holds. The apply then canno
 
 Cost: O(blocks named in the step) with per-block work in plain loops over ``array.array``
 buffers for small allocations and numpy for large ones; never O(pool).
+
+The usual step skips that walk: one compiled pass (``kernels.step_allocation``) finds every
+block in range, free, unpinned and given once, and the step commits in bulk. A step whose
+releases free blocks it then gives again (a full pool hands a finished request's blocks
+straight to the next) takes a second compiled pass, after the released tables' references
+are dropped (``kernels.step_allocation_released``), and is bulk too unless it resumes a
+request that still holds a table (released between the allocations). A resumed request
+without one (every new request, where the Gaudi switch passes whole tables) changes nothing.
 """
 
 from __future__ import annotations
@@ -104,13 +112,46 @@ def check_step(state: State, event: Step) -> StepFound:
     status = kernels.step_allocation(
         state.fwd, state.refs, state.store_pins, state.load_pins, logical, physical
     )
+    again = bool(event.resumed) and _releases_between(event, tables, released)
+    if status == 1 and releases and not again:
+        status = _after_releases(state, releases, logical, physical)
     if status == 0:
-        allocations = _allocations(event, tables, released) if event.resumed else None
+        allocations = _allocations(event, tables, released) if again else None
         return _found((releases, allocations, (logical, physical)))
     allocations = _allocations(event, tables, released)
     if status == 2:
         _refuse_range(allocations, config.num_gpu_blocks)
     return StepFound(releases, _scan(state, allocations, released), None)
+
+
+def _releases_between(event: Step, tables: Any, released: set[str]) -> bool:
+    """Whether a resumed request of the step still holds a table and is given blocks: it is
+    released just before them, between the step's allocations. (A resumed request without
+    a table, such as every new request a runner passes whole, changes nothing.)"""
+    holding = [r for r in event.resumed if r in tables and r not in released]
+    if not holding:
+        return False
+    if isinstance(event, StepPacked):
+        given = {r for r, n in zip(event.req_ids, packed_counts(event), strict=True) if n}
+        return any(r in given for r in holding)
+    return any(event.allocated.get(r) for r in holding)
+
+
+def _after_releases(state: State, releases: list[str], logical: Any, physical: Any) -> int:
+    """``kernels.step_allocation``'s verdict once the step's releases have dropped their
+    tables (0: every block then free, unpinned and given once): a step that hands a
+    finished or preempted request's blocks straight to another (a full pool's usual step)
+    stays in bulk. Not for a step that releases a resumed request between its allocations
+    (``_releases_between``)."""
+    slots = state.running.slots
+    rows = np.fromiter(map(slots.__getitem__, releases), np.int64, len(releases))
+    arena = state.running.arena
+    return int(
+        kernels.step_allocation_released(
+            state.fwd, state.refs, state.store_pins, state.load_pins, logical, physical,
+            arena.ids, arena.starts, arena.lengths, rows,
+        )
+    )  # fmt: skip
 
 
 def _logical(

@@ -227,6 +227,49 @@ def test_trace_logs_regrouped_into_whole_steps_fold_to_the_same_states(tmp_path:
         assert _fold(whole) == _fold(fine)
 
 
+@pytest.mark.parametrize(
+    ("prefix_caching", "quarantine"), [(False, False), (True, False), (False, True)]
+)
+def test_a_step_that_reuses_its_own_releases_is_checked_in_bulk(
+    prefix_caching: bool, quarantine: bool
+) -> None:
+    """A full pool's usual step hands the blocks of a request that finished (or was
+    preempted) in the same step straight to another: one compiled check after the
+    releases (``step._after_releases``), and the outcome of the fine-grained events."""
+    whole, fine = _configured_pair(NUM_BLOCKS, prefix_caching, quarantine)
+    first = StepScheduled(0, {"r0": [1, 2, 3], "r1": [4, 5], "r2": [6]}, [])
+    reuse = StepScheduled(
+        1, {"r3": [5, 2], "r4": [4, 3, 7]}, ["r0"], preempted=["r1"]
+    )  # 2, 3 from r0 and 4, 5 from r1, released by the step itself
+    for event in (first, reuse):
+        assert whole.check(event).checked.found.bulk is not None
+        assert _whole(whole, event) == _fine(fine, event)
+        assert digest(whole.state) == digest(fine.state)
+        check_invariants(whole.state)
+    assert dict(whole.state.tables) == {"r2": [6], "r3": [5, 2], "r4": [4, 3, 7]}
+    assert sorted(np.flatnonzero(whole.state.refs).tolist()) == [2, 3, 4, 5, 6, 7]
+
+
+def test_a_released_block_a_store_still_reads_is_checked_block_by_block() -> None:
+    """Reusing a released block that an unfinished store reads needs its flush (the
+    deferred store submitted, then fenced): that step is still scanned allocation by
+    allocation, with the fine-grained events' plans."""
+    whole, fine = _configured_pair(NUM_BLOCKS, False, False)
+    setup = [
+        StepScheduled(0, {"r0": [1, 2], "r1": [3]}, []),
+        StoreRequested(1, [2], [0], deferred=True),
+    ]
+    for event in setup:
+        whole.apply(event)
+        fine.apply(event)
+    reuse = StepScheduled(1, {"r2": [2, 4]}, ["r0"])
+    assert whole.check(reuse).checked.found.bulk is None
+    plans = _whole(whole, reuse)
+    assert plans == _fine(fine, reuse)
+    assert [type(p).__name__ for p in plans] == ["TransferPlan", "FencePlan"]
+    assert digest(whole.state) == digest(fine.state)
+
+
 def test_a_resumed_request_is_released_just_before_its_own_blocks() -> None:
     """Found by the fuzz profile: a resumed request's old table is released between the
     allocations, not before all of them, so an earlier request cannot take its block."""
@@ -294,15 +337,18 @@ def test_a_packed_step_is_the_step_it_packs(
 
 def test_the_log_records_a_step_checked_in_bulk_packed(tmp_path: Path) -> None:
     """The Engine logs a step its check took in bulk as ``StepPacked`` and any other step
-    as it came; the log replays to the Engine's digest."""
+    as it came; the log replays to the Engine's digest. A step that hands a released
+    request's block to another is in bulk; one whose resumed request takes back its own
+    block (released between its allocations) is not."""
     path = tmp_path / "steps.kvlog"
     config = CacheConfigured(num_gpu_blocks=16, block_size=4, threshold=0)
     with Engine(config, log_path=str(path), sync="none") as engine:
         engine.apply(StepScheduled(0, {"a": [1, 2, 3], "b": [], "c": [7]}, []))
         engine.apply(StepScheduled(1, {"a": [9], "d": [3]}, [], preempted=["a"]))  # reuses 3
+        engine.apply(StepScheduled(2, {"c": [7, 10]}, [], resumed=["c"]))  # takes 7 back
         final = digest(engine.state)
     kinds = [type(r).__name__ for _, r in read_log(str(path)) if not isinstance(r, Checkpoint)]
-    assert kinds == ["CacheConfigured", "StepPacked", "StepScheduled"]
+    assert kinds == ["CacheConfigured", "StepPacked", "StepPacked", "StepScheduled"]
     first = next(r for _, r in read_log(str(path)) if isinstance(r, StepPacked))
     assert first.unpacked() == StepScheduled(0, {"a": [1, 2, 3], "b": [], "c": [7]}, [])
     result = replay(str(path))

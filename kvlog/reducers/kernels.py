@@ -54,7 +54,7 @@ __all__ = [
     "resolve_into",
     "seed_walk",
     "step_allocation",
-    "step_allocation_released",
+    "step_allocation_after",
     "step_commit",
     "table_terms",
     "unpin",
@@ -369,7 +369,12 @@ def _step_allocation(
     return status
 
 
-def _step_allocation_released(
+_MARK = 1 << 30
+"""Added to a block's reference count while one allocation of a step takes it
+(``_step_allocation_after``): a second sight within the same allocation is a repeat."""
+
+
+def _step_allocation_after(
     fwd: Any,
     refs: Any,
     store_pins: Any,
@@ -380,28 +385,45 @@ def _step_allocation_released(
     starts: Any,
     lengths: Any,
     rows: Any,
+    counts: Any,
+    shared: bool,
 ) -> int:
-    """``step_allocation`` for a step whose releases come first: the tables of ``rows``
-    (the released requests' rows of the tables' arena) drop their references, then every
-    id of ``logical`` (all in range: ``step_allocation`` looked) must be free, unpinned and
-    given once. 0: so (the step takes them all as they are, after its releases), else 1.
-    ``refs`` is as it was on return: the drops are counted in place and given back, as
-    ``step_allocation``'s marks are."""
+    """``step_allocation`` for a step it did not settle, taken as the step's events take
+    it: the tables of ``rows`` (the released requests' rows of the tables' arena) drop
+    their references first, then the allocations (``counts`` ids each, in order) take
+    ``logical`` (all in range: ``step_allocation`` looked) one reference a block. 0 when
+    the step can commit in bulk (``State.commit_step``): no block an unfinished load
+    writes, none given twice to one allocation, none unreferenced that an unfinished
+    store reads (its reuse needs a flush), and, unless ``shared`` (prefix caching), none
+    with a reference left. Else 1: the caller checks allocation by allocation. ``refs``
+    is as it was on return (the drops and takes are counted in place and given back)."""
     for r in range(len(rows)):
         start = starts[rows[r]]
         for j in range(lengths[rows[r]]):
             refs[fwd[arena[start + j]]] -= 1
-    status, marked = 0, 0
-    for i in range(len(logical)):
-        p = fwd[logical[i]]
-        physical[i] = p
-        if refs[p] or store_pins[p] or load_pins[p]:
-            status = 1
+    status, done = 0, 0
+    for k in range(len(counts)):
+        first, stop = done, done + counts[k]
+        while done < stop:
+            p = fwd[logical[done]]
+            physical[done] = p
+            held = refs[p]
+            if (
+                held >= _MARK
+                or load_pins[p]
+                or (held and not shared)
+                or (not held and store_pins[p])
+            ):
+                status = 1
+                break
+            refs[p] = held + 1 + _MARK
+            done += 1
+        for j in range(first, done):
+            refs[physical[j]] -= _MARK
+        if status:
             break
-        refs[p] = 1
-        marked += 1
-    for i in range(marked):
-        refs[physical[i]] = 0
+    for j in range(done):
+        refs[physical[j]] -= 1
     for r in range(len(rows)):
         start = starts[rows[r]]
         for j in range(lengths[rows[r]]):
@@ -515,15 +537,18 @@ def _pack_rows(old: Any, new: Any, starts: Any, lengths: Any, capacities: Any) -
     return top
 
 
-def _take_free(words: Any, nonempty: Any, notfull: Any, refs: Any, physical: Any) -> int:
-    """One reference to each of ``physical`` (distinct, all free); the highest, or -1."""
-    peak = -1
+def _take_blocks(words: Any, nonempty: Any, notfull: Any, refs: Any, physical: Any) -> Any:
+    """One more reference to each of ``physical`` (a block free before joins the bitmap);
+    returns (blocks that became used, the highest of ``physical`` or -1)."""
+    fresh, peak = 0, -1
     for i in range(len(physical)):
         p = physical[i]
-        refs[p] = 1
-        _add_member(words, nonempty, notfull, p)
+        refs[p] += 1
+        if refs[p] == 1:
+            _add_member(words, nonempty, notfull, p)
+            fresh += 1
         peak = max(peak, p)
-    return peak
+    return fresh, peak
 
 
 def _trigger_walk_move(
@@ -589,7 +614,9 @@ def _step_commit(
     allocation its row, then their counts; tables are rows of the arena (``arena``,
     ``starts``, ``lengths``, ``capacities``, next region at ``top``: ``arena.py``), keys
     and sums rows of ``keys`` / ``sums``; ``logical`` / ``physical``: the allocations' ids
-    concatenated (physical ones distinct and free, as the check found). If the new
+    concatenated (as the check found them: no block an unfinished load writes or given
+    twice to one allocation, and, where it found no prefix caching's sharing, every one
+    free and given once). If the new
     regions would pass the arena's end nothing changes and the ids needed come back (the
     caller makes room, calls again). Else the released tables drop a reference per id
     (freed blocks to ``freed``) and leave, each allocation joins its table and sum, each
@@ -598,10 +625,10 @@ def _step_commit(
     / ``destinations``).
     Returns (ids needed first or 0, the arena's new top, ids turned garbage, blocks freed,
     highest used block after the step, the change of the tables' sum, pairs moved, the
-    change of the mapping sum), sums as wrapping uint64."""
+    change of the mapping sum, blocks that became used), sums as wrapping uint64."""
     need = _arena_need(rows, num_released, starts, lengths, capacities)
     if top + need > len(arena):
-        return need, top, 0, 0, max_used, _ZERO, 0, _ZERO
+        return need, top, 0, 0, max_used, _ZERO, 0, _ZERO, 0
     num_freed, garbage, change = _release_rows(
         words, nonempty, notfull, refs, fwd, arena, starts, lengths, capacities, rows,
         num_released, sums, freed,
@@ -610,7 +637,7 @@ def _step_commit(
         arena, starts, lengths, capacities, top, rows, num_released, keys, sums, logical
     )
     change += added
-    peak = _take_free(words, nonempty, notfull, refs, physical)
+    fresh, peak = _take_blocks(words, nonempty, notfull, refs, physical)
     if (
         num_freed
         and max_used >= 0
@@ -618,12 +645,12 @@ def _step_commit(
     ):
         max_used = _highest_member(words, nonempty, max_used)
     max_used = max(max_used, peak)
-    num_used += len(physical) - num_freed
+    num_used += fresh - num_freed
     num_pairs, delta, max_used = _trigger_walk_move(
         words, nonempty, notfull, pinned, refs, fwd, bwd, sources, destinations, max_used,
         num_used, threshold, max_swaps,
     )  # fmt: skip
-    return 0, top, garbage + moved, num_freed, max_used, change, num_pairs, delta
+    return 0, top, garbage + moved, num_freed, max_used, change, num_pairs, delta, fresh
 
 
 _mix = inline(_mix)
@@ -641,7 +668,7 @@ _grown = inline(grown_capacity)
 _arena_need = inline(_arena_need)
 _release_rows = inline(_release_rows)
 _append_rows = inline(_append_rows)
-_take_free = inline(_take_free)
+_take_blocks = inline(_take_blocks)
 seed_walk = jit(_seed_walk, allocates=False)
 _seed_walk_inline = inline(_seed_walk)
 move = jit(_move, allocates=False)
@@ -653,7 +680,7 @@ pin = jit(_pin, allocates=False)
 unpin = jit(_unpin, allocates=False)
 allocation = jit(_allocation, allocates=False)
 step_allocation = jit(_step_allocation, allocates=False)
-step_allocation_released = jit(_step_allocation_released, allocates=False)
+step_allocation_after = jit(_step_allocation_after, allocates=False)
 step_commit = jit(_step_commit, allocates=False)
 pack_rows = jit(_pack_rows, allocates=False)
 resolve_into = jit(_resolve_into, allocates=False)
@@ -681,7 +708,9 @@ def load() -> None:
     unpin(blocks, blocks, words, none)
     allocation(blocks, blocks, blocks, blocks, none, False, ids)
     step_allocation(blocks, blocks, blocks, blocks, none, ids)
-    step_allocation_released(blocks, blocks, blocks, blocks, none, ids, blocks, ids, ids, ids)
+    step_allocation_after(
+        blocks, blocks, blocks, blocks, none, ids, blocks, ids, ids, ids, ids, True
+    )
     table_terms(np.uint64(GOLDEN), 0, none)
     table_terms(np.uint64(GOLDEN), 0, blocks[:0])  # a table's ids in the arena (int32)
     drop_refs(words, words, words, blocks, blocks, blocks[:0], ids)

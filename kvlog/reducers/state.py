@@ -215,7 +215,9 @@ class State:
         holding a table) drop their tables, then each of ``req_ids`` (distinct, released
         ones getting a fresh table) gets its ``counts`` (each at least 1) of ``ids``
         appended; ``ids``: all of those ids, concatenated, logical and physical, whose physical
-        blocks the check found distinct, free and unpinned. The running digest follows.
+        blocks the check found takeable in bulk (``step.check_step``: free and given once, or,
+        under prefix caching, shared; none an unfinished load writes or a flush must free
+        first). The running digest follows.
         ``walk``: the same call then takes the seed rule's defrag decision and moves (only
         where ``defrag.walks_in_step``); the pairs are the first of ``pair_sources`` /
         ``pair_destinations``. Returns the blocks the releases freed and the number of
@@ -238,7 +240,7 @@ class State:
         config, used = self.config, self.used
         assert config is not None, "a step commits to a configured state only"
         while True:
-            need, top, garbage, num_freed, self._max_used, change, num_pairs, delta = (
+            need, top, garbage, num_freed, self._max_used, change, num_pairs, delta, fresh = (
                 kernels.step_commit(
                     used.words, used.nonempty, used.notfull, self.pinned, self.refs, self.fwd,
                     self.bwd, arena.ids, arena.starts, arena.lengths, arena.capacities,
@@ -253,7 +255,7 @@ class State:
             arena.reserve(need)  # nothing changed yet: again, with room for the step
         arena.top = top
         arena.garbage += garbage
-        used.count += ids[1].size - num_freed
+        used.count += fresh - num_freed
         digest.tables_changed(int(change))
         if num_released:
             digest.release_slots(rows[:num_released])

@@ -19,10 +19,11 @@ buffers for small allocations and numpy for large ones; never O(pool).
 The usual step skips that walk: one compiled pass (``kernels.step_allocation``) finds every
 block in range, free, unpinned and given once, and the step commits in bulk. A step whose
 releases free blocks it then gives again (a full pool hands a finished request's blocks
-straight to the next) takes a second compiled pass, after the released tables' references
-are dropped (``kernels.step_allocation_released``), and is bulk too unless it resumes a
-request that still holds a table (released between the allocations). A resumed request
-without one (every new request, where the Gaudi switch passes whole tables) changes nothing.
+straight to the next), or that shares blocks under prefix caching, takes a second compiled
+pass that takes the blocks as the step's events would (``kernels.step_allocation_after``),
+and is bulk too unless a block needs a flush or a refusal, or it releases a resumed request
+that still holds a table (between the allocations). A resumed request without one (every
+new request, where the Gaudi switch passes whole tables) changes nothing.
 """
 
 from __future__ import annotations
@@ -113,8 +114,8 @@ def check_step(state: State, event: Step) -> StepFound:
         state.fwd, state.refs, state.store_pins, state.load_pins, logical, physical
     )
     again = bool(event.resumed) and _releases_between(event, tables, released)
-    if status == 1 and releases and not again:
-        status = _after_releases(state, releases, logical, physical)
+    if status == 1 and (releases or config.prefix_caching) and not again:
+        status = _after_releases(state, event, releases, logical, physical)
     if status == 0:
         allocations = _allocations(event, tables, released) if again else None
         return _found((releases, allocations, (logical, physical)))
@@ -137,19 +138,28 @@ def _releases_between(event: Step, tables: Any, released: set[str]) -> bool:
     return any(event.allocated.get(r) for r in holding)
 
 
-def _after_releases(state: State, releases: list[str], logical: Any, physical: Any) -> int:
-    """``kernels.step_allocation``'s verdict once the step's releases have dropped their
-    tables (0: every block then free, unpinned and given once): a step that hands a
-    finished or preempted request's blocks straight to another (a full pool's usual step)
-    stays in bulk. Not for a step that releases a resumed request between its allocations
-    (``_releases_between``)."""
+def _after_releases(
+    state: State, event: Step, releases: list[str], logical: Any, physical: Any
+) -> int:
+    """``kernels.step_allocation``'s verdict taken as the step's events take its blocks
+    (``kernels.step_allocation_after``; 0: the step commits in bulk): its releases drop
+    their tables first, and under prefix caching a block may be shared (with a live table,
+    or between two of the step's requests). So a step that hands a finished or preempted
+    request's blocks straight to another (a full pool's usual step), or that shares cached
+    prefix blocks, stays in bulk. Not for a step that releases a resumed request between
+    its allocations (``_releases_between``)."""
     slots = state.running.slots
     rows = np.fromiter(map(slots.__getitem__, releases), np.int64, len(releases))
-    arena = state.running.arena
+    if isinstance(event, StepPacked):
+        counts = np.asarray(packed_counts(event), dtype=np.int64)
+    else:
+        counts = np.fromiter(map(len, event.allocated.values()), np.int64, len(event.allocated))
+    arena, config = state.running.arena, state.config
+    assert config is not None, "reduce() dispatches only configured states here"
     return int(
-        kernels.step_allocation_released(
+        kernels.step_allocation_after(
             state.fwd, state.refs, state.store_pins, state.load_pins, logical, physical,
-            arena.ids, arena.starts, arena.lengths, rows,
+            arena.ids, arena.starts, arena.lengths, rows, counts, config.prefix_caching,
         )
     )  # fmt: skip
 

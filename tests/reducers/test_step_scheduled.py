@@ -22,12 +22,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlog import Engine, replay
-from kvlog.errors import InvalidEvent, KvlogError
+from kvlog.errors import BlockInUse, DuplicateBlock, InvalidEvent, KvlogError
 from kvlog.events import (
     BlocksAllocated,
     CacheConfigured,
     Checkpoint,
     Event,
+    LoadRequested,
     Plan,
     RequestFinished,
     RequestPreempted,
@@ -248,6 +249,35 @@ def test_a_step_that_reuses_its_own_releases_is_checked_in_bulk(
         check_invariants(whole.state)
     assert dict(whole.state.tables) == {"r2": [6], "r3": [5, 2], "r4": [4, 3, 7]}
     assert sorted(np.flatnonzero(whole.state.refs).tolist()) == [2, 3, 4, 5, 6, 7]
+
+
+def test_shared_prefix_blocks_are_checked_in_bulk_under_prefix_caching() -> None:
+    """Under prefix caching a step may give a block a live table holds, or the same block
+    to two of its requests (a cached prefix): bulk, one reference a taker, the fine-grained
+    outcome. The same block twice in one allocation is still refused, as its
+    ``BlocksAllocated`` is, and so is a block an unfinished load writes."""
+    whole, fine = _configured_pair(NUM_BLOCKS, True, False)
+    first = StepScheduled(0, {"r0": [1, 2, 3]}, [])
+    shared = StepScheduled(1, {"r1": [1, 2, 4], "r2": [1, 4, 5]}, [])  # 1 thrice, 4 twice
+    for event in (first, shared):
+        assert whole.check(event).checked.found.bulk is not None
+        assert _whole(whole, event) == _fine(fine, event)
+        assert digest(whole.state) == digest(fine.state)
+        check_invariants(whole.state)
+    refs = whole.state.refs
+    assert [int(refs[p]) for p in (1, 2, 3, 4, 5)] == [3, 2, 1, 2, 1]
+    for bad in (
+        StepScheduled(2, {"r3": [6, 1, 6]}, []),  # 6 twice in one allocation
+        StepScheduled(2, {"r3": [7], "r4": [8, 8]}, []),
+    ):
+        assert isinstance(_whole(whole, bad), DuplicateBlock)
+        assert isinstance(_fine(fine, bad), DuplicateBlock)
+    for machine in (whole, fine):
+        machine.apply(LoadRequested(1, [0], [9]))
+    loading = StepScheduled(2, {"r3": [1, 9]}, [])
+    assert isinstance(_whole(whole, loading), BlockInUse)
+    assert isinstance(_fine(fine, loading), BlockInUse)
+    assert digest(whole.state) == digest(fine.state)
 
 
 def test_a_released_block_a_store_still_reads_is_checked_block_by_block() -> None:

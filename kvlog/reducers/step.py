@@ -88,7 +88,9 @@ _found: Callable[[tuple[Any, Any, Any]], StepFound] = functools.partial(tuple.__
 def check_step(state: State, event: Step) -> StepFound:
     """Refuse the step if any of its events would be refused where it stands; else what
     the apply needs. One compiled pass over all of the step's blocks settles the usual
-    step (every block free); a step that reuses a block checks block by block."""
+    step (every block free), a second one a step that reuses its own releases' blocks or
+    shares blocks under prefix caching (``_after_releases``); a step with a block that
+    needs a flush or a refusal checks block by block."""
     config = state.config
     assert config is not None, "reduce() dispatches only configured states here"
     tables = state.running.slots  # the requests holding a table (membership only)
@@ -338,11 +340,11 @@ def apply_step_counted(state: State, event: Step, found: StepFound) -> list[Plan
 
 
 def _commit_bulk(state: State, event: Step, found: StepFound) -> tuple[bool, int]:
-    """A step whose blocks were all free, unpinned and given once, in one compiled commit
+    """A step the check took in bulk (``check_step``), in one compiled commit
     (``State.commit_step``): whether it also took the defrag decision and moved, and the
     pairs it moved (possibly none; in the state's pair scratch)."""
     assert found.bulk is not None, "only a step checked in bulk commits in bulk"
-    if found.allocations is None:  # nothing resumed: the step's lists as they are
+    if found.allocations is None:  # no release between allocations: the step's lists
         releases = found.releases
         req_ids, counts = _requests_and_counts(event)
     else:

@@ -85,10 +85,11 @@ class Machine:
     def still_checked(self, ticket: Ticket) -> Checked | None:
         """What ``ticket``'s check found, if it still describes the state: nothing was
         committed since, or only finished transfers since and the ticket is a whole step
-        checked with every block free, unpinned and given once (its ``found.bulk``): a
-        finished transfer only ends a job and unpins its blocks (no table, mapping or
-        reference changes). The Gaudi facade checks a step at ``update_state`` and applies
-        it at ``defragment()``, after that call's poll. None: check it again."""
+        checked in bulk (its ``found.bulk``: no block an unfinished load writes, none a
+        store's flush must free first): a finished transfer only ends a job and unpins its
+        blocks (no table, mapping or reference changes), which keeps that so. The Gaudi
+        facade checks a step at ``update_state`` and applies it at ``defragment()``, after
+        that call's poll. None: check it again."""
         checked = ticket.checked
         if ticket.commits == self.commits:
             return checked

@@ -387,35 +387,36 @@ def _step_allocation_after(
     rows: Any,
     counts: Any,
     shared: bool,
-) -> int:
+    flush_at: Any,
+) -> Any:
     """``step_allocation`` for a step it did not settle, taken as the step's events take
     it: the tables of ``rows`` (the released requests' rows of the tables' arena) drop
     their references first, then the allocations (``counts`` ids each, in order) take
-    ``logical`` (all in range: ``step_allocation`` looked) one reference a block. 0 when
-    the step can commit in bulk (``State.commit_step``): no block an unfinished load
-    writes, none given twice to one allocation, none unreferenced that an unfinished
-    store reads (its reuse needs a flush), and, unless ``shared`` (prefix caching), none
-    with a reference left. Else 1: the caller checks allocation by allocation. ``refs``
+    ``logical`` (all in range: ``step_allocation`` looked) one reference a block. Returns
+    (status, flushes): status 0 when the step can commit in bulk (``State.commit_step``):
+    no block an unfinished load writes, none given twice to one allocation, and, unless
+    ``shared`` (prefix caching), none with a reference left; else 1 (the caller checks
+    allocation by allocation). A block with no reference left that an unfinished store
+    reads is taken all the same, its index in ``logical`` written to ``flush_at``
+    (``flushes`` of them, ascending): its allocation flushes those stores first. ``refs``
     is as it was on return (the drops and takes are counted in place and given back)."""
     for r in range(len(rows)):
         start = starts[rows[r]]
         for j in range(lengths[rows[r]]):
             refs[fwd[arena[start + j]]] -= 1
-    status, done = 0, 0
+    status, done, flushes = 0, 0, 0
     for k in range(len(counts)):
         first, stop = done, done + counts[k]
         while done < stop:
             p = fwd[logical[done]]
             physical[done] = p
             held = refs[p]
-            if (
-                held >= _MARK
-                or load_pins[p]
-                or (held and not shared)
-                or (not held and store_pins[p])
-            ):
+            if held >= _MARK or load_pins[p] or (held and not shared):
                 status = 1
                 break
+            if not held and store_pins[p]:
+                flush_at[flushes] = done
+                flushes += 1
             refs[p] = held + 1 + _MARK
             done += 1
         for j in range(first, done):
@@ -428,7 +429,7 @@ def _step_allocation_after(
         start = starts[rows[r]]
         for j in range(lengths[rows[r]]):
             refs[fwd[arena[start + j]]] += 1
-    return status
+    return status, flushes
 
 
 def _arena_need(rows: Any, num_released: int, starts: Any, lengths: Any, capacities: Any) -> int:
@@ -709,7 +710,7 @@ def load() -> None:
     allocation(blocks, blocks, blocks, blocks, none, False, ids)
     step_allocation(blocks, blocks, blocks, blocks, none, ids)
     step_allocation_after(
-        blocks, blocks, blocks, blocks, none, ids, blocks, ids, ids, ids, ids, True
+        blocks, blocks, blocks, blocks, none, ids, blocks, ids, ids, ids, ids, True, ids
     )
     table_terms(np.uint64(GOLDEN), 0, none)
     table_terms(np.uint64(GOLDEN), 0, blocks[:0])  # a table's ids in the arena (int32)

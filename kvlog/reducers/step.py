@@ -49,7 +49,7 @@ from kvlog.events import (
     packed_ids,
     packed_step,
 )
-from kvlog.reducers import defrag, kernels
+from kvlog.reducers import defrag, kernels, transfers
 from kvlog.reducers.blockset import SCALAR_LIMIT
 from kvlog.reducers.state import State
 
@@ -73,15 +73,20 @@ class StepFound(NamedTuple):
     """What ``check_step`` found: the requests to release first (finished, then preempted,
     in order, each once, each holding a table); per allocation in order, whether the
     request is released just before it (resumed), its physical ids and whether they were
-    all free and unpinned; and, when every block of the step was free, unpinned and given
-    once, all of their logical and physical ids in two arrays (``bulk``, else None)."""
+    all free and unpinned; when the step commits in bulk, all of its logical and physical
+    ids in two arrays (``bulk``, else None); and then, per allocation that reuses blocks
+    an unfinished store still reads, in order, those physical blocks (``flushes``: each
+    list flushed before the step's defrag decision, as its ``BlocksAllocated`` would)."""
 
     releases: list[str]
     allocations: list[tuple[str, list[int], bool, list[int] | None, bool]] | None
     bulk: tuple[np.ndarray, np.ndarray] | None
+    flushes: list[list[int]]
 
 
-_found: Callable[[tuple[Any, Any, Any]], StepFound] = functools.partial(tuple.__new__, StepFound)
+_found: Callable[[tuple[Any, Any, Any, Any]], StepFound] = functools.partial(
+    tuple.__new__, StepFound
+)
 """``StepFound`` from a plain tuple without the NamedTuple constructor's Python frame."""
 
 
@@ -110,21 +115,22 @@ def check_step(state: State, event: Step) -> StepFound:
             logical = _logical(event, tables, released, count, config.num_gpu_blocks)
     if not count:
         none = np.zeros(0, dtype=np.int64)
-        return StepFound(releases, [], (none, none))
+        return StepFound(releases, [], (none, none), [])
     physical = np.empty(count, dtype=np.int64)
     status = kernels.step_allocation(
         state.fwd, state.refs, state.store_pins, state.load_pins, logical, physical
     )
+    flushes: list[list[int]] = []
     again = bool(event.resumed) and _releases_between(event, tables, released)
-    if status == 1 and (releases or config.prefix_caching) and not again:
-        status = _after_releases(state, event, releases, logical, physical)
+    if status == 1 and not again:
+        status, flushes = _after_releases(state, event, releases, logical, physical)
     if status == 0:
         allocations = _allocations(event, tables, released) if again else None
-        return _found((releases, allocations, (logical, physical)))
+        return _found((releases, allocations, (logical, physical), flushes))
     allocations = _allocations(event, tables, released)
     if status == 2:
         _refuse_range(allocations, config.num_gpu_blocks)
-    return StepFound(releases, _scan(state, allocations, released), None)
+    return StepFound(releases, _scan(state, allocations, released), None, [])
 
 
 def _releases_between(event: Step, tables: Any, released: set[str]) -> bool:
@@ -142,14 +148,17 @@ def _releases_between(event: Step, tables: Any, released: set[str]) -> bool:
 
 def _after_releases(
     state: State, event: Step, releases: list[str], logical: Any, physical: Any
-) -> int:
+) -> tuple[int, list[list[int]]]:
     """``kernels.step_allocation``'s verdict taken as the step's events take its blocks
-    (``kernels.step_allocation_after``; 0: the step commits in bulk): its releases drop
-    their tables first, and under prefix caching a block may be shared (with a live table,
-    or between two of the step's requests). So a step that hands a finished or preempted
-    request's blocks straight to another (a full pool's usual step), or that shares cached
-    prefix blocks, stays in bulk. Not for a step that releases a resumed request between
-    its allocations (``_releases_between``)."""
+    (``kernels.step_allocation_after``; 0: the step commits in bulk), with the blocks each
+    allocation must flush first (``StepFound.flushes``). The step's releases drop their
+    tables first, a block may be shared under prefix caching (with a live table, or
+    between two of the step's requests), and a freed block an unfinished store still
+    reads is taken once its allocation's stores are flushed. So a step that hands a
+    finished or preempted request's blocks straight to another (a full pool's usual
+    step), that shares cached prefix blocks, or that reuses blocks being stored, stays in
+    bulk. Not for a step that releases a resumed request between its allocations
+    (``_releases_between``)."""
     slots = state.running.slots
     rows = np.fromiter(map(slots.__getitem__, releases), np.int64, len(releases))
     if isinstance(event, StepPacked):
@@ -158,12 +167,17 @@ def _after_releases(
         counts = np.fromiter(map(len, event.allocated.values()), np.int64, len(event.allocated))
     arena, config = state.running.arena, state.config
     assert config is not None, "reduce() dispatches only configured states here"
-    return int(
-        kernels.step_allocation_after(
-            state.fwd, state.refs, state.store_pins, state.load_pins, logical, physical,
-            arena.ids, arena.starts, arena.lengths, rows, counts, config.prefix_caching,
-        )
+    flush_at = np.empty(len(logical), dtype=np.int64)
+    status, num_flushes = kernels.step_allocation_after(
+        state.fwd, state.refs, state.store_pins, state.load_pins, logical, physical,
+        arena.ids, arena.starts, arena.lengths, rows, counts, config.prefix_caching, flush_at,
     )  # fmt: skip
+    if status or not num_flushes:
+        return int(status), []
+    at = flush_at[:num_flushes]
+    owner = np.searchsorted(np.cumsum(counts), at, side="right")  # each one's allocation
+    cuts = np.flatnonzero(np.diff(owner)) + 1
+    return 0, [part.tolist() for part in np.split(physical[at], cuts)]
 
 
 def _logical(
@@ -317,9 +331,20 @@ def apply_step(state: State, event: Step, found: StepFound) -> list[Plan]:
     if found.bulk is None:
         return _apply_scanned(state, event, found)
     walked, num_pairs = _commit_bulk(state, event, found)
+    plans = _flushed(state, found.flushes) if found.flushes else []
     if walked:
-        return defrag.end_step_moved(state, event.step, num_pairs)
-    return defrag.end_step_at(state, event.step)
+        return plans + defrag.end_step_moved(state, event.step, num_pairs)
+    return plans + defrag.end_step_at(state, event.step)
+
+
+def _flushed(state: State, flushes: list[list[int]]) -> list[Plan]:
+    """The flushes of a step committed in bulk, allocation by allocation in order (what
+    each one's ``BlocksAllocated`` plans): they change only the jobs, which the step's
+    commit and defrag move do not read."""
+    plans: list[Plan] = []
+    for reused in flushes:
+        plans += transfers.flush(state, reused)
+    return plans
 
 
 def apply_step_counted(state: State, event: Step, found: StepFound) -> list[Plan]:
@@ -332,6 +357,8 @@ def apply_step_counted(state: State, event: Step, found: StepFound) -> list[Plan
     state.counted_pairs = 0
     if found.bulk is None:
         return _apply_scanned(state, event, found)
+    if found.flushes:  # its plans are more than its swaps
+        return apply_step(state, event, found)
     walked, num_pairs = _commit_bulk(state, event, found)
     if walked:
         state.step, state.counted_pairs = event.step, num_pairs

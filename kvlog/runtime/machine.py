@@ -85,9 +85,9 @@ class Machine:
     def still_checked(self, ticket: Ticket) -> Checked | None:
         """What ``ticket``'s check found, if it still describes the state: nothing was
         committed since, or only finished transfers since and the ticket is a whole step
-        checked in bulk (its ``found.bulk``: no block an unfinished load writes, none a
-        store's flush must free first): a finished transfer only ends a job and unpins its
-        blocks (no table, mapping or reference changes), which keeps that so. The Gaudi
+        checked in bulk with nothing to flush (its ``found.bulk``, no ``found.flushes``):
+        a finished transfer only ends a job and unpins its blocks (no table, mapping or
+        reference changes), which keeps that so. The Gaudi
         facade checks a step at ``update_state`` and applies it at ``defragment()``, after
         that call's poll. None: check it again."""
         checked = ticket.checked
@@ -97,6 +97,7 @@ class Machine:
             ticket.changes == self.changes
             and type(checked.event) in WHOLE_STEPS
             and checked.found.bulk is not None
+            and not checked.found.flushes  # a finished store would have nothing to flush
         ):
             return checked
         return None

@@ -55,6 +55,7 @@ with verification at the end (``--no-replay`` skips it).
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import dataclasses
 import gc
@@ -426,6 +427,8 @@ class Figures:
     counts: dict[str, float]
     replay: str
     errors: list[str]
+    bulk: str = "-"
+    """Of the run's whole steps, those the Engine's check took in bulk (``_bulk_steps``)."""
 
     def kvlog(self, how: str = "mean") -> float:
         src = self.mean if how == "mean" else self.median
@@ -456,8 +459,22 @@ def measure(
             ok = done.ok and done.final_digest == result.live_digest
             replayed = "ok" if ok else f"FAILED ({done.divergence})"
         figures = _figures(run, prefix_caching, warmup, replayed)
+        if not result.errors:
+            figures.bulk = _bulk_steps(run.log_path)
     gc.collect()
     return figures, run.profile
+
+
+def _bulk_steps(path: str) -> str:
+    """How many of the log's steps (warm-up included) the Engine's check took in bulk, of
+    all of them: a step checked in bulk is logged packed (``StepPacked``), any other whole
+    step as it came (``StepScheduled``), a step the books took apart as its fine-grained
+    events (``StepEnded`` closes it)."""
+    from kvlog.log import read_log
+
+    kinds = collections.Counter(type(record).__name__ for _, record in read_log(path))
+    steps = kinds["StepPacked"] + kinds["StepScheduled"] + kinds["StepEnded"]
+    return f"{kinds['StepPacked']:,} of {steps:,}"
 
 
 def _figures(run: ScaleRun, prefix_caching: bool, warmup: int, replayed: str) -> Figures:
@@ -483,7 +500,7 @@ def report(figs: Figures) -> str:
     lines = [
         f"prefix caching {'on' if figs.prefix_caching else 'off'}: {figs.steps} timed steps, "
         + ", ".join(f"{k} {v:,.0f}" if v >= 10 else f"{k} {v:.1f}" for k, v in figs.counts.items())
-        + f"; replay {figs.replay}",
+        + f"; steps in bulk {figs.bulk}; replay {figs.replay}",
         f"  {'us a step':34} {'mean':>9} {'median':>9}",
     ]
 

@@ -38,3 +38,5 @@ def test_the_serving_scale_bench_runs_at_a_toy_scale(prefix_caching: bool, switc
     assert "plain" not in bench_runner.CALLS  # and its time is not kvlog's
     assert figs.mean["kvlog"] >= sum(figs.mean[c] for c in calls)
     assert figs.counts["stores"] > 0
+    bulk, of = (int(n) for n in figs.bulk.split(" of "))  # whole steps logged packed
+    assert of == 80 and 0 < bulk <= of

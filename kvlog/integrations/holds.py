@@ -34,6 +34,9 @@ class LoadHolds:
 
     def __init__(self) -> None:
         self._by_block: dict[int, str] = {}
+        self._blocks_of: dict[str, list[int]] = {}
+        """Placeholder -> the blocks it holds, in the order it took them (``_by_block``
+        inverted, so that a placeholder's blocks cost O(its blocks), not O(all held))."""
         self._renamed = 0
         self.prefix = f"{HOLD_PREFIX}{secrets.token_hex(8)}-"
         """The placeholders' request ids of this session (no client can guess them)."""
@@ -53,7 +56,22 @@ class LoadHolds:
 
     def held(self, event: BlocksAllocated) -> None:
         """``event`` (from :meth:`hold` or :meth:`claim`) was applied."""
-        self._by_block.update(dict.fromkeys(event.block_ids, event.req_id))
+        self._take(event.req_id, event.block_ids)
+
+    def _take(self, hold_id: str, block_ids: list[int]) -> None:
+        """``hold_id`` (a new placeholder) holds ``block_ids`` (none held before)."""
+        by_block = self._by_block
+        assert hold_id not in self._blocks_of and by_block.keys().isdisjoint(block_ids), (
+            "a placeholder or a held block taken twice: holds bug"
+        )
+        by_block.update(dict.fromkeys(block_ids, hold_id))
+        self._blocks_of[hold_id] = list(block_ids)
+
+    def _let_go(self, hold_id: str) -> None:
+        """``hold_id`` holds nothing any more."""
+        by_block = self._by_block
+        for b in self._blocks_of.pop(hold_id):
+            del by_block[b]
 
     def plan(self, given: Iterable[list[int]]) -> Claims:
         """The placeholders the blocks ``given`` now (one list per request) take over,
@@ -78,15 +96,14 @@ class LoadHolds:
         was accepted: the placeholders are as it leaves them."""
         if not claims.released:
             return
-        gone = set(claims.released)
-        for b in [b for b, h in self._by_block.items() if h in gone]:
-            del self._by_block[b]
+        for hold_id in claims.released:
+            self._let_go(hold_id)
         for hold_id, block_ids in claims.held.items():
-            self._by_block.update(dict.fromkeys(block_ids, hold_id))
+            self._take(hold_id, block_ids)
         self._renamed = claims.renamed
 
     def _rest(self, hold_id: str, wanted: set[int]) -> list[int]:
-        return [b for b, h in self._by_block.items() if h == hold_id and b not in wanted]
+        return [b for b in self._blocks_of[hold_id] if b not in wanted]
 
     def claim(self, block_ids: Iterable[int]) -> list[Event]:
         """A request is being given these blocks: the events that make the placeholders
@@ -99,8 +116,7 @@ class LoadHolds:
         for hold_id in sorted({self._by_block[b] for b in wanted if b in self._by_block}):
             rest = self._rest(hold_id, wanted)
             events.append(RequestFinished(req_id=hold_id))
-            for b in [b for b, h in self._by_block.items() if h == hold_id]:
-                del self._by_block[b]
+            self._let_go(hold_id)
             if rest:
                 self._renamed += 1
                 events.append(BlocksAllocated(req_id=f"{hold_id}.{self._renamed}", block_ids=rest))

@@ -111,6 +111,29 @@ def test_an_inferred_preemption_is_one_step_record(tmp_path: Path) -> None:
     assert replay(str(log)).ok
 
 
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_a_step_reusing_its_releases_or_sharing_blocks_is_logged_packed(
+    tmp_path: Path, prefix_caching: bool
+) -> None:
+    """The runner's usual full-pool step (a finished request's blocks handed to a new one
+    in the same ``update_state``) and, under prefix caching, a cached prefix shared with a
+    live request are checked in bulk: one ``StepPacked`` record each."""
+    log = tmp_path / "a.kvlog"
+    defrag = make(log, prefix_caching=prefix_caching)
+    defrag.update_state({"a": [1, 2], "b": [3]}, [])
+    defrag.defragment()
+    defrag.update_state({"c": [2, 1, 4]}, ["a"])  # a's blocks, straight to c
+    defrag.defragment()
+    steps = [{"d": [3, 5]}] if prefix_caching else []  # b's block 3, shared
+    for allocated in steps:
+        defrag.update_state(allocated, [])
+        defrag.defragment()
+    defrag.close()
+    raw = [type(r).__name__ for _, r in LogReader(log).records()]
+    assert [k for k in raw if k.startswith("Step")] == ["StepPacked"] * (2 + len(steps))
+    assert replay(str(log)).ok
+
+
 def test_a_partial_release_stays_fine_grained(tmp_path: Path) -> None:
     """a got [1] then [2] (two batches); 1 handed to c proves a lost its first batch, and
     its second may be a resumed table: a keeps [2]. No StepScheduled states that."""

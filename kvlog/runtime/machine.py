@@ -87,9 +87,9 @@ class Machine:
         committed since, or only finished transfers since and the ticket is a whole step
         checked in bulk with nothing to flush (its ``found.bulk``, no ``found.flushes``):
         a finished transfer only ends a job and unpins its blocks (no table, mapping or
-        reference changes), which keeps that so. The Gaudi
-        facade checks a step at ``update_state`` and applies it at ``defragment()``, after
-        that call's poll. None: check it again."""
+        reference changes), which keeps that so. The Gaudi facade checks a step at
+        ``update_state`` and applies it at ``defragment()``, after that call's poll. None:
+        check it again."""
         checked = ticket.checked
         if ticket.commits == self.commits:
             return checked

@@ -237,7 +237,9 @@ def test_a_step_that_reuses_its_own_releases_is_checked_in_bulk(
     """A full pool's usual step hands the blocks of a request that finished (or was
     preempted) in the same step straight to another: one compiled check after the
     releases (``step._after_releases``), and the outcome of the fine-grained events."""
-    whole, fine = _configured_pair(NUM_BLOCKS, prefix_caching, quarantine)
+    whole, fine = _configured_pair(
+        threshold=NUM_BLOCKS, prefix_caching=prefix_caching, quarantine=quarantine
+    )
     first = StepScheduled(0, {"r0": [1, 2, 3], "r1": [4, 5], "r2": [6]}, [])
     reuse = StepScheduled(
         1, {"r3": [5, 2], "r4": [4, 3, 7]}, ["r0"], preempted=["r1"]
@@ -256,7 +258,7 @@ def test_shared_prefix_blocks_are_checked_in_bulk_under_prefix_caching() -> None
     to two of its requests (a cached prefix): bulk, one reference a taker, the fine-grained
     outcome. The same block twice in one allocation is still refused, as its
     ``BlocksAllocated`` is, and so is a block an unfinished load writes."""
-    whole, fine = _configured_pair(NUM_BLOCKS, True, False)
+    whole, fine = _configured_pair(threshold=NUM_BLOCKS, prefix_caching=True, quarantine=False)
     first = StepScheduled(0, {"r0": [1, 2, 3]}, [])
     shared = StepScheduled(1, {"r1": [1, 2, 4], "r2": [1, 4, 5]}, [])  # 1 thrice, 4 twice
     for event in (first, shared):
@@ -286,7 +288,7 @@ def test_a_step_reusing_blocks_a_store_still_reads_flushes_them_in_bulk() -> Non
     bulk, with each allocation's flush in order before its defrag decision, the plans of
     the fine-grained events. A check kept across a finished transfer is not trusted then
     (the finished store would have nothing left to flush)."""
-    whole, fine = _configured_pair(NUM_BLOCKS, False, False)
+    whole, fine = _configured_pair(threshold=NUM_BLOCKS, prefix_caching=False, quarantine=False)
     setup = [
         StepScheduled(0, {"r0": [1, 2], "r1": [3, 5]}, []),
         StoreRequested(1, [2], [0], deferred=True),

@@ -181,9 +181,10 @@ class OffloadingWorker:
     def batched(self) -> contextlib.AbstractContextManager[None]:
         """Within this block, declarations and submissions of declared jobs are kept and
         applied at its end as one ``TransferBatch`` (a load's hold still comes right before
-        its declaration: what was kept is applied first). A refused batch raises and
-        applies nothing of it; an exception inside the block applies what was kept before
-        it, as the calls one by one would have."""
+        its declaration: what was kept is applied first; so is what was kept when anything
+        else reaches the session's Engine, ``KvCacheSession.keep``). A refused batch raises
+        and applies nothing of it; an exception inside the block applies what was kept
+        before it, as the calls one by one would have."""
         return _Batched(self)
 
     def begin_batch(self) -> bool:
@@ -192,6 +193,7 @@ class OffloadingWorker:
         if self._batch is not None:
             return False
         self._batch = []
+        self.session.keep(self.flush)  # whatever else reaches the Engine comes after it
         return True
 
     def end_batch(self) -> None:
@@ -200,6 +202,7 @@ class OffloadingWorker:
             self.flush()
         finally:
             self._batch = None
+            self.session.keep(None)
 
     def flush(self) -> None:
         """Apply what ``batched()`` kept so far: one event, or a ``TransferBatch``."""

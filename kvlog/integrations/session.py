@@ -165,6 +165,8 @@ class KvCacheSession:
         """A step ``update_state`` checked, applied as one event by ``end_step`` (or as
         its fine-grained events by ``settle`` if anything else comes first); with the
         requests it releases, for the books."""
+        self._kept: Callable[[], None] | None = None
+        """Applies the events a facade keeps for one batch (``keep``), or None."""
 
     # -- start-up ------------------------------------------------------------------------
     @property
@@ -344,7 +346,20 @@ class KvCacheSession:
         return self._engine.log_status()
 
     # -- running -------------------------------------------------------------------------
+    def keep(self, flush: Callable[[], None] | None) -> None:
+        """A facade keeps events for one batch (``OffloadingWorker.batched``, whose batch
+        may span the connector's ``bind_connector_metadata`` and ``start_load_kv``): until
+        ``keep(None)``, ``flush`` applies them, and the session calls it before anything
+        else reaches the Engine through it (an event, a step's check or its apply, a poll, a
+        wait), so that they come first, in the order of the calls."""
+        self._kept = flush
+
+    def _apply_kept(self) -> None:
+        if self._kept is not None:
+            self._kept()
+
     def apply(self, event: Event) -> list[Plan]:
+        self._apply_kept()  # (the facade's own flush comes here with nothing kept)
         if self._pending is not None:
             self.settle()
         return self.engine.apply(event)
@@ -359,7 +374,9 @@ class KvCacheSession:
     def settle(self) -> None:
         """Apply a pending step's changes now, as the fine-grained events it stands for
         (without its ``StepEnded``): something else reached the Engine before the step's
-        end, and must come after them."""
+        end, and must come after them. Kept events (``keep``) are applied first: the
+        defragmenter settles before it checks a step."""
+        self._apply_kept()
         if self._pending is None:
             return
         event, _, kept = self._pending
@@ -372,6 +389,7 @@ class KvCacheSession:
     def end_step(self) -> list[Plan]:
         """Finished transfers first, then the step: the pending one as one
         ``StepScheduled`` event, else ``StepEnded``. The step's plans."""
+        self._apply_kept()  # kept events came before the step's end (its check re-runs)
         view = self.engine.view
         if view.has_transfers():  # else the executor has nothing to report
             self.poll()
@@ -427,6 +445,7 @@ class KvCacheSession:
         come before its changes (the log records the order that happened)."""
         if self._engine is None:
             return
+        self._apply_kept()
         self._route(self._engine.poll())
 
     def take_finished(self, kinds: Iterable[JobKind]) -> list[tuple[JobKind, TransferCompletion]]:
@@ -443,6 +462,7 @@ class KvCacheSession:
         """Block until those jobs (every job, for None) finish; results stay queued."""
         if self._engine is None:
             return
+        self._apply_kept()
         ids = None if job_ids is None else [j for j in job_ids if j in self._kinds]
         if ids is not None and not ids:
             return
@@ -479,7 +499,7 @@ class KvCacheSession:
         preempted: ``books.evict`` releases what that proves. Where the loading request is
         not known, only blocks no request holds are held.
         """
-        self.settle()
+        self.settle()  # kept events first, then a pending step
         engine = self.engine
         view = engine.view
         blocks = self.holds.not_held(gpu_block_ids)

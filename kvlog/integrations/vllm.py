@@ -122,6 +122,8 @@ class KvlogConnectorWorker(OffloadingConnectorWorker):  # type: ignore[misc]
         self.kvlog_worker: OffloadingWorker | None = None
         """kvlog's worker; ``self.worker`` is what vLLM calls (the same, or on vLLM 0.34
         the same behind ``vllm_compat.IdentityPointers``)."""
+        self._bound = False
+        """``bind`` opened the worker's batch, for ``start_kv_transfers`` to apply."""
 
     # -- start-up -------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:  # type: ignore[override]
@@ -174,15 +176,25 @@ class KvlogConnectorWorker(OffloadingConnectorWorker):  # type: ignore[misc]
 
     def handle_preemptions(self, kv_connector_metadata: OffloadingConnectorMetadata) -> None:
         """vLLM's fence of ``jobs_to_flush``, after declaring the step's jobs."""
+        self._end_bound()
         self.declare(kv_connector_metadata)
         with self._batched():
             super().handle_preemptions(kv_connector_metadata)
 
     def start_kv_transfers(self, metadata: OffloadingConnectorMetadata) -> None:
-        """vLLM's submissions of the step, applied as one ``TransferBatch`` (before a
-        sync load's wait, which needs them)."""
-        with self._batched():
-            super().start_kv_transfers(metadata)
+        """vLLM's submissions of the step, applied with the step's declarations (``bind``)
+        as one ``TransferBatch`` (before a sync load's wait, which needs them)."""
+        try:
+            with self._batched():
+                super().start_kv_transfers(metadata)
+        finally:
+            self._end_bound()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """vLLM's ``get_finished`` (a ``bind`` no ``start_kv_transfers`` followed is
+        applied first)."""
+        self._end_bound()
+        return super().get_finished(finished_req_ids)  # type: ignore[no-any-return]
 
     def _batched(self) -> contextlib.AbstractContextManager[None]:
         worker = self.kvlog_worker
@@ -191,11 +203,33 @@ class KvlogConnectorWorker(OffloadingConnectorWorker):  # type: ignore[misc]
 
     def bind(self, metadata: OffloadingConnectorMetadata) -> None:
         """Declare the step's jobs, and fence ``jobs_to_flush`` (again, if the runner called
-        ``handle_preemptions``: then the jobs are done and this costs nothing)."""
-        self.declare(metadata)
-        if metadata.jobs_to_flush:
-            with self._batched():
-                super().handle_preemptions(metadata)
+        ``handle_preemptions``: then the jobs are done and this costs nothing).
+
+        The declarations stay in the worker's batch for ``start_kv_transfers``: vLLM's
+        runners and vllm-gaudi's call it right after, and the step's declarations and
+        submissions are then one ``TransferBatch``, one check and one log record. Whatever
+        else reaches the Engine first (the defragmenter, a poll, a wait) applies them
+        before itself (``KvCacheSession.keep``); a refused declaration raises there."""
+        worker = self.kvlog_worker
+        assert worker is not None, "register_kv_caches() first"
+        self._end_bound()  # an earlier bind no start_kv_transfers followed
+        self._bound = worker.begin_batch()
+        try:
+            self.declare(metadata)
+            if metadata.jobs_to_flush:
+                with self._batched():
+                    super().handle_preemptions(metadata)
+        except BaseException:
+            self._end_bound()  # what was kept is applied, as the calls one by one would
+            raise
+
+    def _end_bound(self) -> None:
+        """Apply the batch ``bind`` opened (if it did) and close it."""
+        if self._bound:
+            self._bound = False
+            worker = self.kvlog_worker
+            assert worker is not None, "bound by bind()"
+            worker.end_batch()
 
 
 def scheduler_log_path(log_path: str) -> str:

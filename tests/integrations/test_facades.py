@@ -183,6 +183,55 @@ def test_a_block_a_store_still_reads_is_fenced_when_reused() -> None:
     assert defrag.req_blocks == {"b": [2]}
 
 
+def test_declarations_kept_for_a_batch_come_before_the_defragmenters_step(
+    tmp_path: Path,
+) -> None:
+    """The connector's ``bind`` keeps the step's declarations in the worker's batch for
+    ``start_load_kv`` (one record for both). A runner that runs the defragmenter in between
+    gets them applied first (``KvCacheSession.keep``): the store is declared before the
+    step hands its block to another request, and is fenced there, as the calls one by one
+    would have; a poll and a wait apply them too."""
+    path = tmp_path / "kept.kvlog"
+    env = {"VLLM_DEFRAG_THRESHOLD": "4", "KVLOG_PATH": str(path), "KVLOG_SYNC": "none"}
+    defrag = OnlineDefragmenter(environ=env, backend="fake")
+    defrag.initialize(make_hpu_caches(64, BS), BS)
+    worker = OffloadingWorker(defrag, num_cpu_blocks=4)
+    executor = defrag.engine.executor
+    assert executor is not None
+    defrag.update_state({"a": [1, 2]}, [])
+    defrag.defragment()
+    old = np.full(16, 0xA2, np.uint64).tobytes()
+    executor.write_gpu_block(2, old)
+    assert worker.begin_batch()  # as bind leaves it
+    worker.declare("store", 1, [1, 2], [0, 1], req_id="a")
+    assert defrag.session.engine.view.job(1) is None  # kept
+    defrag.update_state({"b": [2]}, ["a"])  # the kept declaration first, then the check
+    assert defrag.session.engine.view.job(1) is not None
+    defrag.defragment()  # the step fences the store before b's forward writes block 2
+    executor.write_gpu_block(2, np.full(16, 0xB2, np.uint64).tobytes())
+    assert worker.submit_store(1, [1, 2], [0, 1])  # kept: the store was flushed already
+    worker.declare("store", 2, [2], [2], req_id="b")
+    defrag.session.poll()  # a poll applies what is kept first
+    assert defrag.session.engine.view.job(2) is not None
+    worker.end_batch()
+    assert worker.submit_store(2, [2], [2])
+    worker.wait(None)
+    assert sorted(r.job_id for r in worker.get_finished()) == [1, 2]
+    assert executor.read_cpu_block(1) == old
+    defrag.close()
+    kinds = [type(e).__name__ for e in events(path) if type(e).__name__ != "StepEnded"]
+    assert kinds == [
+        "CacheConfigured",
+        "StepScheduled",  # a: [1, 2]
+        "StoreRequested",  # job 1, applied before the step that reuses block 2
+        "StepScheduled",  # b: [2], a finished; job 1 flushed (submitted, fenced)
+        "StoreRequested",  # job 2, applied by the poll, before the finish it found
+        "TransferFinished",
+        "TransferSubmitted",
+        "TransferFinished",
+    ], kinds
+
+
 def test_a_block_a_load_still_writes_is_refused_and_nothing_changes() -> None:
     defrag = make(backend="fake")
     worker = OffloadingWorker(defrag, num_cpu_blocks=4)

@@ -41,6 +41,7 @@ def test_kvlog_in_real_vllm(cfg: harness.RunConfig, tmp_path: Path) -> None:
         _tier_whatifs(cfg, tmp_path)
         # vLLM's plain worker ran beside kvlog's connector to the end (the table's baseline)
         assert res.plain_s > 0 and "plain shadow" not in res.details, res.details
+        _declarations_ride_with_submissions(tmp_path / f"{cfg.name}.kvlog", res.flush_steps)
     if cfg.defrag:
         fired = f"defrag planned swaps on {res.swap_steps}/{res.steps} steps"
         if cfg.name in harness.DEFRAG_MOST_STEPS:
@@ -54,6 +55,29 @@ def test_kvlog_in_real_vllm(cfg: harness.RunConfig, tmp_path: Path) -> None:
             floor = max(50, res.steps // 10)
             assert res.swap_steps >= floor, fired
         assert res.table_checks > 0
+
+
+def _declarations_ride_with_submissions(log: Path, flush_steps: int) -> None:
+    """The connector's step is one unit of work (issue 33): ``bind_connector_metadata``'s
+    declarations and ``start_load_kv``'s submissions are one record. A record of
+    declarations alone is followed by one of submissions alone only where ``bind`` had to
+    apply them first: a step with ``jobs_to_flush`` waits for those stores there (a load's
+    hold, applied right before its declaration, also splits them, but comes between)."""
+    from kvlog.events import LoadRequested, StoreRequested, TransferBatch, TransferSubmitted
+    from kvlog.log import LogReader
+
+    def kinds(record: object) -> set[type]:
+        events = record.events if isinstance(record, TransferBatch) else [record]
+        return {type(e) for e in events}
+
+    requests, submitted = {StoreRequested, LoadRequested}, {TransferSubmitted}
+    shapes = [kinds(r) for _, r in LogReader(log).records()]
+    split = [
+        i for i in range(len(shapes) - 1) if shapes[i] <= requests and shapes[i + 1] == submitted
+    ]
+    mixed = sum(1 for k in shapes if k & requests and submitted <= k)
+    assert len(split) <= flush_steps, f"{len(split)} steps logged apart, {flush_steps} flushed"
+    assert mixed > len(split), f"{mixed} steps declared and submitted jobs in one record"
 
 
 TIER_LINES: list[str] = []

@@ -199,18 +199,15 @@ def _busy_cpu(state: State, event: Transfer, subs: IdArray) -> None:
             )
 
 
-_SMALL = 64
-"""Up to this many ids on both sides, overlaps are found with Python sets: ``np.isin``'s
-set-up costs more than a transfer job's few blocks."""
-
-
 def _first_shared(ids: IdArray, others: IdArray) -> int | None:
-    """The first of ``ids`` (in order) that ``others`` holds, or None."""
-    if len(ids) + len(others) <= _SMALL:
-        held = set(others.tolist())
-        return next((i for i in ids.tolist() if i in held), None)
-    clash = np.isin(ids, others)
-    return int(ids[int(np.argmax(clash))]) if clash.any() else None
+    """The first of ``ids`` (in order) that ``others`` holds, or None. Python sets, at any
+    size a job has: ``np.isin`` costs 3-5x more from a few ids up to thousands (26-35 us
+    against 5-10 for 30-200 ids a side, 103 against 35 for 1,000)."""
+    held = set(others.tolist())
+    listed = ids.tolist()
+    if held.isdisjoint(listed):
+        return None
+    return next(i for i in listed if i in held)
 
 
 def check_submit(state: State, event: Transfer) -> tuple[IdArray, IdArray, IdArray]:
@@ -236,12 +233,18 @@ def _plan(state: State, job: Job) -> list[Plan]:
     """Mark ``job`` submitted and return its plan, after the last submitted job of its kind;
     first a fence on the submitted, unfinished jobs of the other direction that touch its
     GPU blocks, so that transfers sharing a block run in the order they were submitted."""
-    others = state.load_jobs if job.kind == "store" else state.store_jobs
-    earlier = [
-        j.job_id
-        for j in others.values()
-        if j.submitted and _first_shared(j.gpu_block_ids, job.gpu_block_ids) is not None
-    ]
+    store = job.kind == "store"
+    others = state.load_jobs if store else state.store_jobs
+    pins = state.load_pins if store else state.store_pins  # the other direction's, per block
+    earlier = (
+        [
+            j.job_id
+            for j in others.values()
+            if j.submitted and _first_shared(j.gpu_block_ids, job.gpu_block_ids) is not None
+        ]
+        if others and pins[job.gpu_block_ids].any()  # else no job of theirs shares a block
+        else []
+    )
     plans: list[Plan] = [FencePlan(job_ids=earlier)] if earlier else []
     plans.append(_transfer_plan(state, job))
     return plans

@@ -202,7 +202,7 @@ class OffloadingWorker:
             self.flush()
         finally:
             self._batch = None
-            self.session.keep(None)
+            self.session.let_go(self.flush)
 
     def flush(self) -> None:
         """Apply what ``batched()`` kept so far: one event, or a ``TransferBatch``."""

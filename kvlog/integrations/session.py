@@ -165,8 +165,8 @@ class KvCacheSession:
         """A step ``update_state`` checked, applied as one event by ``end_step`` (or as
         its fine-grained events by ``settle`` if anything else comes first); with the
         requests it releases, for the books."""
-        self._kept: Callable[[], None] | None = None
-        """Applies the events a facade keeps for one batch (``keep``), or None."""
+        self._kept: list[Callable[[], None]] = []
+        """What applies the events facades keep for one batch (``keep``)."""
 
     # -- start-up ------------------------------------------------------------------------
     @property
@@ -346,17 +346,24 @@ class KvCacheSession:
         return self._engine.log_status()
 
     # -- running -------------------------------------------------------------------------
-    def keep(self, flush: Callable[[], None] | None) -> None:
+    def keep(self, flush: Callable[[], None]) -> None:
         """A facade keeps events for one batch (``OffloadingWorker.batched``, whose batch
         may span the connector's ``bind_connector_metadata`` and ``start_load_kv``): until
-        ``keep(None)``, ``flush`` applies them, and the session calls it before anything
+        ``let_go(flush)``, ``flush`` applies them, and the session calls it before anything
         else reaches the Engine through it (an event, a step's check or its apply, a poll, a
         wait), so that they come first, in the order of the calls."""
-        self._kept = flush
+        if flush not in self._kept:
+            self._kept.append(flush)
+
+    def let_go(self, flush: Callable[[], None]) -> None:
+        """The facade's batch ended (``keep``)."""
+        if flush in self._kept:
+            self._kept.remove(flush)
 
     def _apply_kept(self) -> None:
-        if self._kept is not None:
-            self._kept()
+        if self._kept:
+            for flush in tuple(self._kept):  # a flush applies through this session
+                flush()
 
     def apply(self, event: Event) -> list[Plan]:
         self._apply_kept()  # (the facade's own flush comes here with nothing kept)

@@ -232,6 +232,34 @@ def test_declarations_kept_for_a_batch_come_before_the_defragmenters_step(
     ], kinds
 
 
+def test_every_kept_batch_is_applied_before_the_session_goes_on() -> None:
+    """``KvCacheSession.keep``: each facade's kept batch is applied, in the order kept,
+    before a step's check and its apply, until that facade lets go."""
+    defrag = make(backend="cpu")
+    session = defrag.session
+    calls: list[str] = []
+
+    def first() -> None:
+        calls.append("first")
+
+    def second() -> None:
+        calls.append("second")
+
+    session.keep(first)
+    session.keep(second)
+    session.keep(first)  # kept once
+    defrag.update_state({"a": [1]}, [])
+    assert calls == ["first", "second"]
+    session.let_go(first)
+    defrag.defragment()
+    assert calls == ["first", "second", "second"]
+    session.let_go(second)
+    defrag.update_state({"b": [2]}, [])
+    defrag.defragment()
+    assert calls == ["first", "second", "second"]
+    assert defrag.req_blocks == {"a": [1], "b": [2]}
+
+
 def test_a_block_a_load_still_writes_is_refused_and_nothing_changes() -> None:
     defrag = make(backend="fake")
     worker = OffloadingWorker(defrag, num_cpu_blocks=4)

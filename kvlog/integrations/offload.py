@@ -177,6 +177,8 @@ class OffloadingWorker:
         self._declared: dict[int, JobKind] = {}  # declared, their submit_* not called yet
         self._batch: list[TransferEvent] | None = None
         """Inside ``batched()``: the events its calls made, applied as one at its end."""
+        self._kept_last = -1
+        """The highest job id a request kept in the batch has (-1: none kept)."""
 
     def batched(self) -> contextlib.AbstractContextManager[None]:
         """Within this block, declarations and submissions of declared jobs are kept and
@@ -210,6 +212,7 @@ class OffloadingWorker:
         if not events:
             return
         self._batch = []
+        self._kept_last = -1
         try:
             self.session.apply(events[0] if len(events) == 1 else TransferBatch(events=events))
         except BaseException:  # refused: none of its jobs was declared
@@ -294,8 +297,15 @@ class OffloadingWorker:
         """Keep ``event`` for the batch (inside ``batched()``), else apply it now."""
         if self._batch is not None:
             self._batch.append(event)
+            if type(event) is not TransferSubmitted:
+                self._kept_last = event.job_id  # requests come in job-id order
         else:
             self.session.apply(event)
+
+    def knows(self, job_id: int) -> bool:
+        """Whether job ``job_id`` was declared or submitted here: applied (it may have
+        finished since) or kept in the batch."""
+        return job_id <= self._kept_last or self.session.known(job_id)
 
     def get_finished(self) -> list[TransferResult]:
         """Transfers finished since the last call (logged as ``TransferFinished``)."""

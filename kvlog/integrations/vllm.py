@@ -170,16 +170,21 @@ class KvlogConnectorWorker(OffloadingConnectorWorker):  # type: ignore[misc]
         assert self.session is not None, "register_kv_caches() first"
         with worker.batched():  # one TransferBatch for the step's declarations
             for job_id, kind, entry in sorted(jobs, key=lambda job: job[0]):
-                if not self.session.known(job_id):
+                if not worker.knows(job_id):
                     req_id, sync = str(entry.req_id), vllm_compat.load_is_sync(entry)
                     worker.declare(kind, job_id, entry.src_spec, entry.dst_spec, req_id, sync)
 
     def handle_preemptions(self, kv_connector_metadata: OffloadingConnectorMetadata) -> None:
-        """vLLM's fence of ``jobs_to_flush``, after declaring the step's jobs."""
-        self._end_bound()
-        self.declare(kv_connector_metadata)
-        with self._batched():
+        """vLLM's fence of ``jobs_to_flush``, after declaring the step's jobs; what it
+        declares and submits stays in the batch for ``start_kv_transfers`` (see ``bind``),
+        unless its ``jobs_to_flush`` wait needs it applied."""
+        self._open_bound()
+        try:
+            self.declare(kv_connector_metadata)
             super().handle_preemptions(kv_connector_metadata)
+        except BaseException:
+            self._end_bound()  # what was kept is applied, as the calls one by one would
+            raise
 
     def start_kv_transfers(self, metadata: OffloadingConnectorMetadata) -> None:
         """vLLM's submissions of the step, applied with the step's declarations (``bind``)
@@ -210,18 +215,22 @@ class KvlogConnectorWorker(OffloadingConnectorWorker):  # type: ignore[misc]
         submissions are then one ``TransferBatch``, one check and one log record. Whatever
         else reaches the Engine first (the defragmenter, a poll, a wait) applies them
         before itself (``KvCacheSession.keep``); a refused declaration raises there."""
-        worker = self.kvlog_worker
-        assert worker is not None, "register_kv_caches() first"
-        self._end_bound()  # an earlier bind no start_kv_transfers followed
-        self._bound = worker.begin_batch()
+        self._open_bound()
         try:
             self.declare(metadata)
             if metadata.jobs_to_flush:
-                with self._batched():
-                    super().handle_preemptions(metadata)
+                super().handle_preemptions(metadata)
         except BaseException:
             self._end_bound()  # what was kept is applied, as the calls one by one would
             raise
+
+    def _open_bound(self) -> None:
+        """Open the worker's batch for ``start_kv_transfers``, or go on with the one
+        ``handle_preemptions`` (or a ``bind`` no ``start_kv_transfers`` followed) opened."""
+        worker = self.kvlog_worker
+        assert worker is not None, "register_kv_caches() first"
+        if not self._bound:
+            self._bound = worker.begin_batch()
 
     def _end_bound(self) -> None:
         """Apply the batch ``bind`` opened (if it did) and close it."""

@@ -123,7 +123,8 @@ class KvlogConnectorWorker(OffloadingConnectorWorker):  # type: ignore[misc]
         """kvlog's worker; ``self.worker`` is what vLLM calls (the same, or on vLLM 0.34
         the same behind ``vllm_compat.IdentityPointers``)."""
         self._bound = False
-        """``bind`` opened the worker's batch, for ``start_kv_transfers`` to apply."""
+        """``bind`` (or ``handle_preemptions``) opened the worker's batch, for
+        ``start_kv_transfers`` to apply."""
 
     # -- start-up -------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:  # type: ignore[override]
@@ -233,7 +234,8 @@ class KvlogConnectorWorker(OffloadingConnectorWorker):  # type: ignore[misc]
             self._bound = worker.begin_batch()
 
     def _end_bound(self) -> None:
-        """Apply the batch ``bind`` opened (if it did) and close it."""
+        """Apply the batch ``bind`` or ``handle_preemptions`` opened (if one did) and close
+        it."""
         if self._bound:
             self._bound = False
             worker = self.kvlog_worker

@@ -366,9 +366,7 @@ class KvCacheSession:
                 flush()
 
     def apply(self, event: Event) -> list[Plan]:
-        self._apply_kept()  # (the facade's own flush comes here with nothing kept)
-        if self._pending is not None:
-            self.settle()
+        self.settle()  # kept events, then a pending step (a facade's own flush: neither)
         return self.engine.apply(event)
 
     def pend(self, event: StepScheduled, ticket: Ticket, kept: Callable[[], None]) -> None:

@@ -179,13 +179,7 @@ class KvlogConnectorWorker(OffloadingConnectorWorker):  # type: ignore[misc]
         """vLLM's fence of ``jobs_to_flush``, after declaring the step's jobs; what it
         declares and submits stays in the batch for ``start_kv_transfers`` (see ``bind``),
         unless its ``jobs_to_flush`` wait needs it applied."""
-        self._open_bound()
-        try:
-            self.declare(kv_connector_metadata)
-            super().handle_preemptions(kv_connector_metadata)
-        except BaseException:
-            self._end_bound()  # what was kept is applied, as the calls one by one would
-            raise
+        self._declare_kept(kv_connector_metadata, fence=True)
 
     def start_kv_transfers(self, metadata: OffloadingConnectorMetadata) -> None:
         """vLLM's submissions of the step, applied with the step's declarations (``bind``)
@@ -216,22 +210,25 @@ class KvlogConnectorWorker(OffloadingConnectorWorker):  # type: ignore[misc]
         submissions are then one ``TransferBatch``, one check and one log record. Whatever
         else reaches the Engine first (the defragmenter, a poll, a wait) applies them
         before itself (``KvCacheSession.keep``); a refused declaration raises there."""
-        self._open_bound()
-        try:
-            self.declare(metadata)
-            if metadata.jobs_to_flush:
-                super().handle_preemptions(metadata)
-        except BaseException:
-            self._end_bound()  # what was kept is applied, as the calls one by one would
-            raise
+        self._declare_kept(metadata, fence=bool(metadata.jobs_to_flush))
 
-    def _open_bound(self) -> None:
-        """Open the worker's batch for ``start_kv_transfers``, or go on with the one
-        ``handle_preemptions`` (or a ``bind`` no ``start_kv_transfers`` followed) opened."""
+    def _declare_kept(self, metadata: OffloadingConnectorMetadata, fence: bool) -> None:
+        """Declare the step's jobs into the worker's batch for ``start_kv_transfers`` (a
+        new one, or the one ``handle_preemptions`` or a ``bind`` no ``start_kv_transfers``
+        followed opened), then, with ``fence``, vLLM's ``handle_preemptions`` (its deferred
+        stores submitted, its ``jobs_to_flush`` waited for). On an exception what was kept
+        is applied, as the calls one by one would have, and the batch is closed."""
         worker = self.kvlog_worker
         assert worker is not None, "register_kv_caches() first"
         if not self._bound:
             self._bound = worker.begin_batch()
+        try:
+            self.declare(metadata)
+            if fence:
+                super().handle_preemptions(metadata)
+        except BaseException:
+            self._end_bound()
+            raise
 
     def _end_bound(self) -> None:
         """Apply the batch ``bind`` or ``handle_preemptions`` opened (if one did) and close

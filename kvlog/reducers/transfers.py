@@ -236,15 +236,13 @@ def _plan(state: State, job: Job) -> list[Plan]:
     store = job.kind == "store"
     others = state.load_jobs if store else state.store_jobs
     pins = state.load_pins if store else state.store_pins  # the other direction's, per block
-    earlier = (
-        [
+    earlier: list[int] = []
+    if others and pins[job.gpu_block_ids].any():  # else no job of theirs shares a block
+        earlier = [
             j.job_id
             for j in others.values()
             if j.submitted and _first_shared(j.gpu_block_ids, job.gpu_block_ids) is not None
         ]
-        if others and pins[job.gpu_block_ids].any()  # else no job of theirs shares a block
-        else []
-    )
     plans: list[Plan] = [FencePlan(job_ids=earlier)] if earlier else []
     plans.append(_transfer_plan(state, job))
     return plans

@@ -30,9 +30,11 @@ words the cursors pass); the summaries skip empty (sources) or full (destination
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
+import numba
 import numpy as np
+from numba.cpython.unsafe import numbers as numba_numbers
 
 from kvlog.util.jit import inline, jit
 from kvlog.util.splitmix import GOLDEN, M1, M2
@@ -133,12 +135,12 @@ def _remove_member(words: Any, nonempty: Any, notfull: Any, block_id: int) -> No
         nonempty[w >> 6] &= ~(_ONE << np.uint64(w & 63))
 
 
-def _lowest_bit(x: Any) -> int:
+def _lowest_bit_portable(x: Any) -> int:
     """Index of the lowest set bit of a non-zero uint64 (a de Bruijn multiply)."""
     return int(_DE_BRUIJN_INDEX[((x & (~x + _ONE)) * _DE_BRUIJN) >> np.uint64(58)])
 
 
-def _highest_bit(x: Any) -> int:
+def _highest_bit_portable(x: Any) -> int:
     """Index of the highest set bit of a non-zero uint64."""
     x |= x >> np.uint64(1)
     x |= x >> np.uint64(2)
@@ -146,7 +148,40 @@ def _highest_bit(x: Any) -> int:
     x |= x >> np.uint64(8)
     x |= x >> np.uint64(16)
     x |= x >> np.uint64(32)
-    return _lowest_bit(x ^ (x >> np.uint64(1)))
+    return _lowest_bit_portable(x ^ (x >> np.uint64(1)))
+
+
+_trailing_zeros: Any = numba_numbers.trailing_zeros
+_leading_zeros: Any = numba_numbers.leading_zeros
+
+
+def _lowest_bit_compiled(x: Any) -> int:
+    """``_lowest_bit_portable`` as the CPU's count of trailing zeros (LLVM's ``cttz``)."""
+    return int(_trailing_zeros(x))
+
+
+def _highest_bit_compiled(x: Any) -> int:
+    """``_highest_bit_portable`` as 63 less the CPU's count of leading zeros (``ctlz``)."""
+    return 63 - int(_leading_zeros(x))
+
+
+if cast(Any, numba.config).DISABLE_JIT:  # plain Python: numba's intrinsics cannot run uncompiled
+    _lowest_bit, _highest_bit = _lowest_bit_portable, _highest_bit_portable
+else:
+    _lowest_bit, _highest_bit = _lowest_bit_compiled, _highest_bit_compiled
+
+
+def _refresh_summaries(words: Any, nonempty: Any, notfull: Any, w: int) -> None:
+    """Word ``w``'s bits of the ``nonempty`` / ``notfull`` summaries, from its value now."""
+    bit = _ONE << np.uint64(w & 63)
+    if words[w] == _ZERO:
+        nonempty[w >> 6] &= ~bit
+    else:
+        nonempty[w >> 6] |= bit
+    if words[w] == _ALL:
+        notfull[w >> 6] &= ~bit
+    else:
+        notfull[w >> 6] |= bit
 
 
 def _prev_word(words: Any, pinned: Any, nonempty: Any, w: int) -> int:
@@ -208,7 +243,7 @@ def _seed_walk(
         sources[count], destinations[count] = source, destination
         count += 1
         source_bits ^= _ONE << np.uint64(top)
-        free_bits ^= _ONE << np.uint64(low)
+        free_bits &= free_bits - _ONE  # the lowest bit, ``low``, taken
     return count
 
 
@@ -226,8 +261,13 @@ def _move(
     """Each source hands its refs and logical id to its (free) destination, which hands its
     logical id back: ref counts, both mappings and the used bitmap with its summaries
     follow. Returns the change of the running digest's mapping sum (uint64, wrapping) and
-    the highest used block after the move (at most ``max_used``, the highest before)."""
+    the highest used block after the move (at most ``max_used``, the highest before).
+    A word's summary bits are refreshed once its side's run of pairs leaves it (the seed
+    rule's sources descend and its destinations ascend, so dozens of pairs share each),
+    and both last words at the end: every word changed is refreshed after its change, in
+    any order of pairs."""
     delta = _ZERO
+    source_word, destination_word = -1, -1
     for i in range(len(sources)):
         s, d = sources[i], destinations[i]
         logical_source, logical_destination = bwd[s], bwd[d]
@@ -240,8 +280,19 @@ def _move(
         refs[d], refs[s] = refs[s], 0
         fwd[logical_source], fwd[logical_destination] = d, s
         bwd[d], bwd[s] = logical_source, logical_destination
-        _remove_member(words, nonempty, notfull, s)
-        _add_member(words, nonempty, notfull, d)
+        if s >> 6 != source_word:
+            if source_word >= 0:
+                _refresh_summaries(words, nonempty, notfull, source_word)
+            source_word = s >> 6
+        if d >> 6 != destination_word:
+            if destination_word >= 0:
+                _refresh_summaries(words, nonempty, notfull, destination_word)
+            destination_word = d >> 6
+        words[s >> 6] &= ~(_ONE << np.uint64(s & 63))
+        words[d >> 6] |= _ONE << np.uint64(d & 63)
+    if source_word >= 0:
+        _refresh_summaries(words, nonempty, notfull, source_word)
+        _refresh_summaries(words, nonempty, notfull, destination_word)
     return delta, _highest_member(words, nonempty, max_used)
 
 
@@ -662,6 +713,7 @@ _add_member = inline(_add_member)
 _remove_member = inline(_remove_member)
 _lowest_bit = inline(_lowest_bit)
 _highest_bit = inline(_highest_bit)
+_refresh_summaries = inline(_refresh_summaries)
 _highest_member = inline(_highest_member)
 _prev_word = inline(_prev_word)
 _next_word = inline(_next_word)

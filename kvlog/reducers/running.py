@@ -217,6 +217,30 @@ class RunningDigest:
         self.slots[req_id] = slot
         return slot
 
+    def add_requests(self, req_ids: list[str]) -> None:
+        """``add_request`` for each of ``req_ids`` (distinct, none with a row), in order:
+        the same slots, keys and order of ``slots``, in one loop without a call per
+        request."""
+        count = len(req_ids)
+        free = self.free_slots
+        reused = min(count, len(free))
+        rows = free[len(free) - reused :][::-1]  # as pop() takes them, last first
+        del free[len(free) - reused :]
+        fresh = count - reused
+        if fresh:
+            while self.num_rows + fresh > len(self.keys_buffer):
+                self._grow()
+            rows += range(self.num_rows, self.num_rows + fresh)
+            self.num_rows += fresh
+        copy, from_bytes = _KEY_HASH.copy, int.from_bytes
+        keys, sums = self.keys_buffer, self.sums_buffer
+        for slot, req_id in zip(rows, req_ids, strict=True):  # request_key, inlined
+            hasher = copy()
+            hasher.update(req_id.encode("utf-8", "surrogatepass"))
+            keys[slot] = from_bytes(hasher.digest(), "little")
+            sums[slot] = 0
+        self.slots.update(zip(req_ids, rows, strict=True))
+
     def _grow(self) -> None:
         """Twice the rows (the old arrays are left to their holders: copied, not resized)."""
         size = 2 * len(self.keys_buffer)

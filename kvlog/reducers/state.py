@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Mapping
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -221,19 +220,18 @@ class State:
         ``walk``: the same call then takes the seed rule's defrag decision and moves (only
         where ``defrag.walks_in_step``); the pairs are the first of ``pair_sources`` /
         ``pair_destinations``. Returns the blocks the releases freed and the number of
-        pairs moved. The per-request work is C-level passes (``map``) over the step's
-        requests: one dict lookup each; the ids go into the tables' arena in the kernel."""
+        pairs moved. The per-request work is a dict lookup or two each (C-level ``map``
+        passes where it can), the new requests' rows added in one call
+        (``RunningDigest.add_requests``); the ids go into the tables' arena in the kernel."""
         digest = self.running
         slots, arena = digest.slots, digest.arena
         rows: list[int] = list(map(slots.pop, releases))
         num_released = len(rows)
         num_dropped = sum(map(arena.lengths_buffer.__getitem__, rows))
-        found: list[Any] = list(map(slots.get, req_ids))
-        i = -1
-        for _ in range(found.count(None)):  # new tables (new, or released by this step)
-            i = found.index(None, i + 1)
-            found[i] = digest.add_request(req_ids[i])
-        rows += found
+        new = [req_id for req_id in req_ids if req_id not in slots]
+        if new:  # new tables (new, or released by this step)
+            digest.add_requests(new)
+        rows += map(slots.__getitem__, req_ids)
         rows += counts
         row_array = np.frombuffer(array("q", rows), dtype=np.int64)  # (cheaper than np.array)
         freed = np.empty(num_dropped, dtype=np.int64)

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+from hypothesis import given
+from hypothesis import strategies as st
+
 from kvlog import Engine
 from kvlog.events import (
     BlocksAllocated,
@@ -13,6 +18,7 @@ from kvlog.events import (
     TransferFinished,
 )
 from kvlog.reducers import check_invariants, checkpoint, restore, snapshot
+from kvlog.reducers.running import RunningDigest, request_key
 
 CONFIG = CacheConfigured(num_gpu_blocks=64, block_size=16, num_cpu_blocks=16, threshold=0)
 
@@ -65,3 +71,32 @@ def test_a_restored_snapshot_has_the_running_digest_of_its_state() -> None:
     state = restore(snapshot(engine.state))
     check_invariants(state)
     assert checkpoint.checkpoint_digest(state) == engine.running_digest()
+
+
+@given(
+    st.lists(st.text(min_size=1, max_size=12), min_size=1, max_size=80, unique=True),
+    st.data(),
+)
+def test_rows_added_in_bulk_are_the_rows_added_one_by_one(names: list[str], data: Any) -> None:
+    """``add_requests`` leaves what ``add_request`` per id leaves: the same slots (free
+    rows reused last first, then new ones, past a doubling of the rows), keys, zeroed sums
+    and order of ``slots``, whatever rows were freed before."""
+    one, bulk = RunningDigest(), RunningDigest()
+    first = data.draw(st.integers(0, len(names)), label="rows before")
+    for digest in (one, bulk):
+        for name in names[:first]:
+            digest.add_request(name)
+            digest.sums_buffer[digest.slots[name]] = 7  # a freed row's sum is stale
+    for name in data.draw(st.lists(st.sampled_from(names[:first] or [""]), unique=True)):
+        for digest in (one, bulk):
+            digest.table_removed(name) if name in digest.slots else None
+    rest = names[first:]
+    for name in rest:
+        one.add_request(name)
+    bulk.add_requests(rest)
+    assert list(bulk.slots.items()) == list(one.slots.items())
+    assert bulk.free_slots == one.free_slots and bulk.num_rows == one.num_rows
+    rows = list(one.slots.values())
+    assert bulk.keys[rows].tolist() == one.keys[rows].tolist()
+    assert bulk.sums[rows].tolist() == one.sums[rows].tolist()
+    assert all(bulk.keys_buffer[one.slots[n]] == request_key(n) for n in rest)

@@ -291,11 +291,14 @@ def packed_ids(event: StepPacked) -> npt.NDArray[np.integer]:
 
 
 def packed_step(
-    event: StepScheduled, block_ids: npt.NDArray[np.integer] | None = None
+    event: StepScheduled,
+    block_ids: npt.NDArray[np.integer] | None = None,
+    nonnegative: bool = False,
 ) -> StepPacked:
     """``event`` as a ``StepPacked`` (its block ids all below 2**31; 2 bytes an id where all
     are below 65,536, else 4). ``block_ids``: all of ``allocated``'s ids concatenated, when
-    the caller has them as an array already."""
+    the caller has them as an array already; ``nonnegative``: the caller knows none is
+    negative (a checked step's: its ids are in the pool), so only their maximum is read."""
     allocated = event.allocated
     counts = np.fromiter(map(len, allocated.values()), _COUNT_DTYPE, len(allocated))
     flat: npt.NDArray[np.integer]
@@ -303,7 +306,7 @@ def packed_step(
         flat = np.fromiter(itertools.chain.from_iterable(allocated.values()), np.int64)
     else:
         flat = block_ids
-    narrow = not flat.size or (int(flat.min()) >= 0 and int(flat.max()) < 1 << 16)
+    narrow = not flat.size or ((nonnegative or int(flat.min()) >= 0) and int(flat.max()) < 1 << 16)
     id_bytes = 2 if narrow else 4
     return StepPacked(
         step=event.step,

@@ -18,6 +18,7 @@ import msgspec
 import numpy as np
 
 from kvlog.errors import BlockOutOfRange, DuplicateBlock, InvalidEvent
+from kvlog.events.int_lists import int_lists
 from kvlog.events.tier_checks import TIER_VALIDATORS
 from kvlog.events.types import (
     DEFRAG_POLICIES,
@@ -199,7 +200,8 @@ def _validate_finished(event: Any) -> None:
 
 
 def _validate_step_scheduled(event: StepScheduled) -> None:
-    """A whole step: its number, each request id, and that every block id is an int. What
+    """A whole step: its number, each request id, and that every block id is an int (not
+    a bool; an ``IntEnum`` member counts as its value: ``kvlog.events.int_lists``). What
     the pool bounds anyway (negative ids, ids out of range, an id given twice) the step's
     check refuses in its one compiled pass over the step's blocks (``reducers/step.py``),
     with the same errors as ``validate_block_ids``."""
@@ -214,10 +216,12 @@ def _validate_step_scheduled(event: StepScheduled) -> None:
             _encodable(event, "req_id", req_id)
         if type(block_ids) is not list:
             raise InvalidEvent(f"allocated[{req_id!r}] must be a list of ints", event)
-    types = list(map(type, itertools.chain.from_iterable(allocated.values())))
-    if types.count(int) != len(types):  # exact ints only (one C-level pass, no set)
-        for req_id, block_ids in allocated.items():
-            validate_block_ids(event, f"allocated[{req_id!r}]", block_ids)  # names it
+    lists = list(allocated.values())
+    if int_lists(lists, sum(map(len, lists))) is None:  # ints only (bools are not), fast
+        types = list(map(type, itertools.chain.from_iterable(lists)))
+        if types.count(int) != len(types):  # exact ints only (one C-level pass, no set)
+            for req_id, block_ids in allocated.items():
+                validate_block_ids(event, f"allocated[{req_id!r}]", block_ids)  # names it
     _validate_request_ids(event, ("finished", "preempted", "resumed"))
 
 

@@ -36,6 +36,7 @@ import numba
 import numpy as np
 from numba.cpython.unsafe import numbers as numba_numbers
 
+from kvlog.events.int_lists import int_lists
 from kvlog.util.jit import inline, jit
 from kvlog.util.splitmix import GOLDEN, M1, M2
 
@@ -775,4 +776,5 @@ def load() -> None:
         words, words, words, words, blocks, blocks, blocks, blocks, ids, ids, ids, 0, none,
         none, none, 0, words, words, ids, ids, ids, -1, 0, 0, 0,
     )  # fmt: skip
+    int_lists([[0]], 1)  # a StepScheduled's ids read back (``kvlog.events.int_lists``)
     _loaded = True

@@ -49,6 +49,7 @@ from kvlog.events import (
     packed_ids,
     packed_step,
 )
+from kvlog.events.int_lists import int_lists
 from kvlog.reducers import defrag, kernels, transfers
 from kvlog.reducers.blockset import SCALAR_LIMIT
 from kvlog.reducers.state import State
@@ -184,8 +185,12 @@ def _logical(
     event: StepScheduled, tables: Any, released: set[str], count: int, size: int
 ) -> np.ndarray:
     """All of the step's ``count`` allocated ids, concatenated, as int64."""
-    try:
-        return np.fromiter(itertools.chain.from_iterable(event.allocated.values()), np.int64, count)
+    lists = list(event.allocated.values())
+    ids = int_lists(lists, count)  # msgspec's pass over the ints, read back compiled
+    if ids is not None:
+        return ids
+    try:  # an id beyond int64 (refused below), or an int msgpack does not carry
+        return np.fromiter(itertools.chain.from_iterable(lists), np.int64, count)
     except OverflowError:  # an int beyond int64
         _refuse_range(_allocations(event, tables, released), size)
 
@@ -427,7 +432,7 @@ def log_form(event: Event, found: Any) -> Event:
     if type(event) is StepScheduled and found.bulk is not None:
         logical = found.bulk[0]
         if logical.size <= PACKED_LIMIT:
-            return packed_step(event, logical)
+            return packed_step(event, logical, nonnegative=True)  # checked: in the pool
     return event
 
 

@@ -16,6 +16,7 @@ from typing import Any, NoReturn
 
 import msgspec
 import numpy as np
+import numpy.typing as npt
 
 from kvlog.errors import BlockOutOfRange, DuplicateBlock, InvalidEvent
 from kvlog.events.int_lists import int_lists
@@ -47,6 +48,7 @@ __all__ = [
     "MAX_GPU_BLOCKS",
     "MAX_ID",
     "normalize_event",
+    "scheduled_ids",
     "validate_block_ids",
     "validate_event",
 ]
@@ -205,6 +207,14 @@ def _validate_step_scheduled(event: StepScheduled) -> None:
     the pool bounds anyway (negative ids, ids out of range, an id given twice) the step's
     check refuses in its one compiled pass over the step's blocks (``reducers/step.py``),
     with the same errors as ``validate_block_ids``."""
+    scheduled_ids(event)
+
+
+def scheduled_ids(event: StepScheduled) -> npt.NDArray[np.int64] | None:
+    """``StepScheduled``'s validation (raises as it does), returning what its pass over
+    the block ids read: all of them, concatenated, as int64, for the step's check to take
+    instead of reading them again (``reducers.check``); None where an id is an int past
+    int64 (the check refuses it by range)."""
     _int(event, "step", event.step, 0)
     allocated = event.allocated
     if type(allocated) is not dict:
@@ -217,12 +227,14 @@ def _validate_step_scheduled(event: StepScheduled) -> None:
         if type(block_ids) is not list:
             raise InvalidEvent(f"allocated[{req_id!r}] must be a list of ints", event)
     lists = list(allocated.values())
-    if int_lists(lists, sum(map(len, lists))) is None:  # ints only (bools are not), fast
+    ids = int_lists(lists, sum(map(len, lists)))  # ints only (bools are not), fast
+    if ids is None:
         types = list(map(type, itertools.chain.from_iterable(lists)))
         if types.count(int) != len(types):  # exact ints only (one C-level pass, no set)
             for req_id, block_ids in allocated.items():
                 validate_block_ids(event, f"allocated[{req_id!r}]", block_ids)  # names it
     _validate_request_ids(event, ("finished", "preempted", "resumed"))
+    return ids
 
 
 def _validate_request_ids(event: Event, names: tuple[str, ...]) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 from kvlog.errors import NotConfigured
 from kvlog.events import (
@@ -37,7 +37,7 @@ from kvlog.events import (
     TransferSubmitted,
     validate_event,
 )
-from kvlog.events.validate import DECODED_VALIDATORS, VALIDATORS
+from kvlog.events.validate import DECODED_VALIDATORS, VALIDATORS, scheduled_ids
 from kvlog.reducers import defrag, step, transfer_batch, transfers
 from kvlog.reducers.state import State
 
@@ -79,12 +79,15 @@ _PAIRS: dict[type, tuple[_Check, _Apply]] = {
     TransferBatch: (transfer_batch.check_batch, transfer_batch.apply_batch),
 }
 """Per event type: its check against the state and its apply."""
-_STEPS: dict[type, tuple[Callable[[Any], None], _Check, _Apply]] = {
+_STEPS: dict[type, tuple[Callable[[Any], Any], _Check, _Apply]] = {
     event_type: (VALIDATORS[event_type], check_event, apply_event)
     for event_type, (check_event, apply_event) in _PAIRS.items()
 }
-"""Per event type: its stateless validation, its check against the state, its apply."""
-_DECODED_STEPS: dict[type, tuple[Callable[[Any], None], _Check, _Apply]] = {
+_STEPS[StepScheduled] = (scheduled_ids, step.check_step, step.apply_step)
+"""Per event type: its stateless validation, its check against the state, its apply. A
+``StepScheduled``'s validation returns the block ids it read, which its check takes
+(``_check``); every other validation returns None."""
+_DECODED_STEPS: dict[type, tuple[Callable[[Any], Any], _Check, _Apply]] = {
     event_type: (DECODED_VALIDATORS[event_type], check_event, apply_event)
     for event_type, (_, check_event, apply_event) in _STEPS.items()
 }
@@ -125,16 +128,18 @@ def check_decoded(state: State, event: Event, counted: bool = False) -> Checked:
 
 
 def _check(
-    state: State, event: Event, steps: tuple[Callable[[Any], None], _Check, _Apply] | None
+    state: State, event: Event, steps: tuple[Callable[[Any], Any], _Check, _Apply] | None
 ) -> Checked:
     if steps is None:
         validate_event(event)  # raises: not a kvlog event
         raise AssertionError(f"{type(event).__name__} validates but has no reducer")
     validate, check_event, apply_event = steps
-    validate(event)
+    ids = validate(event)  # None but for a StepScheduled: the ids its validation read
     if state.config is None and type(event) is not CacheConfigured:
         raise NotConfigured("the first event must be CacheConfigured", event)
-    return _checked((event, apply_event, check_event(state, event)))
+    if ids is None:
+        return _checked((event, apply_event, check_event(state, event)))
+    return _checked((event, apply_event, step.check_step(state, cast(StepScheduled, event), ids)))
 
 
 def recorded(checked: Checked) -> Event:

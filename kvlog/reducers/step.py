@@ -91,12 +91,13 @@ _found: Callable[[tuple[Any, Any, Any, Any]], StepFound] = functools.partial(
 """``StepFound`` from a plain tuple without the NamedTuple constructor's Python frame."""
 
 
-def check_step(state: State, event: Step) -> StepFound:
+def check_step(state: State, event: Step, ids: np.ndarray | None = None) -> StepFound:
     """Refuse the step if any of its events would be refused where it stands; else what
     the apply needs. One compiled pass over all of the step's blocks settles the usual
     step (every block free), a second one a step that reuses its own releases' blocks or
     shares blocks under prefix caching (``_after_releases``); a step with a block that
-    needs a flush or a refusal checks block by block."""
+    needs a flush or a refusal checks block by block. ``ids``: a ``StepScheduled``'s
+    block ids as its validation just read them (``validate.scheduled_ids``), or None."""
     config = state.config
     assert config is not None, "reduce() dispatches only configured states here"
     tables = state.running.slots  # the requests holding a table (membership only)
@@ -109,6 +110,8 @@ def check_step(state: State, event: Step) -> StepFound:
     if isinstance(event, StepPacked):  # the ids as one array already
         logical = packed_ids(event).astype(np.int64)
         count = logical.size
+    elif ids is not None:  # read by the validation just now
+        logical, count = ids, ids.size
     else:
         allocated = event.allocated
         count = sum(map(len, allocated.values()))

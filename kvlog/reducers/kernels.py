@@ -297,6 +297,80 @@ def _move(
     return delta, _highest_member(words, nonempty, max_used)
 
 
+def _walk_and_move(
+    words: Any,
+    nonempty: Any,
+    notfull: Any,
+    pinned: Any,
+    refs: Any,
+    fwd: Any,
+    bwd: Any,
+    max_used: int,
+    limit: int,
+    sources: Any,
+    destinations: Any,
+) -> Any:
+    """``_seed_walk`` then ``_move`` of its pairs, in one pass: each pair is moved as the
+    walk finds it (refs, both mappings, the mapping sum's change), and the bits a cursor
+    took from a word are applied to the ``used`` bitmap, summaries and all, when it
+    leaves that word (and at the end). The walk reads the bitmap as it was: a word is
+    changed only once a cursor has left it, and the cursors never read a word they have
+    left (the destination cursor stays at or below the source cursor; the source
+    cursor's scan passes below the destination cursor only to stop the walk, as it
+    would have). Returns (pairs, the change of the mapping sum, the highest used block),
+    the pairs written to ``sources`` / ``destinations`` as ``_seed_walk`` writes them."""
+    count, delta = 0, _ZERO
+    sw, source_bits, moved_out = (max_used >> 6) + 1, _ZERO, _ZERO
+    dw, free_bits, moved_in = 0, ~(words[0] | pinned[0] | _ONE), _ZERO  # block 0: never
+    while count < limit:
+        if source_bits == _ZERO:
+            if moved_out != _ZERO:
+                words[sw] &= ~moved_out
+                _refresh_summaries(words, nonempty, notfull, sw)
+                moved_out = _ZERO
+            sw = _prev_word(words, pinned, nonempty, sw - 1)
+            if sw < 0:
+                break
+            source_bits = words[sw] & ~pinned[sw]
+        if free_bits == _ZERO:
+            if moved_in != _ZERO:
+                words[dw] |= moved_in
+                _refresh_summaries(words, nonempty, notfull, dw)
+                moved_in = _ZERO
+            dw = _next_word(words, pinned, notfull, dw + 1, sw)
+            if dw < 0:
+                break
+            free_bits = ~(words[dw] | pinned[dw])
+        top, low = _highest_bit(source_bits), _lowest_bit(free_bits)
+        s, d = (sw << 6) | top, (dw << 6) | low
+        if d > s:
+            break
+        sources[count], destinations[count] = s, d
+        count += 1
+        source_bit = _ONE << np.uint64(top)
+        source_bits ^= source_bit
+        moved_out |= source_bit
+        moved_in |= free_bits & (~free_bits + _ONE)  # the lowest bit, ``low``
+        free_bits &= free_bits - _ONE
+        logical_source, logical_destination = bwd[s], bwd[d]
+        delta += np.uint64(_fwd_term(logical_source, d)) - np.uint64(_fwd_term(logical_source, s))
+        delta += np.uint64(_fwd_term(logical_destination, s)) - np.uint64(
+            _fwd_term(logical_destination, d)
+        )
+        refs[d], refs[s] = refs[s], 0
+        fwd[logical_source], fwd[logical_destination] = d, s
+        bwd[d], bwd[s] = logical_source, logical_destination
+    if moved_out != _ZERO:
+        words[sw] &= ~moved_out
+        _refresh_summaries(words, nonempty, notfull, sw)
+    if moved_in != _ZERO:
+        words[dw] |= moved_in
+        _refresh_summaries(words, nonempty, notfull, dw)
+    if count:
+        max_used = _highest_member(words, nonempty, max_used)
+    return count, delta, max_used
+
+
 def _highest_member(words: Any, nonempty: Any, limit: int) -> int:
     """The highest member of the bitmap at or below ``limit``, or -1."""
     if limit < 0:
@@ -623,14 +697,10 @@ def _trigger_walk_move(
     Returns (pairs moved, the change of the mapping sum, the highest used block)."""
     num_pairs, delta = 0, _ZERO
     if max_swaps > 0 and max_used >= 0 and max_used - threshold > num_used:
-        num_pairs = _seed_walk_inline(
-            words, nonempty, notfull, pinned, max_used, max_swaps, sources, destinations
-        )
-        if num_pairs:
-            delta, max_used = _move_inline(
-                words, nonempty, notfull, refs, fwd, bwd, sources[:num_pairs],
-                destinations[:num_pairs], max_used,
-            )  # fmt: skip
+        num_pairs, delta, max_used = _walk_and_move(
+            words, nonempty, notfull, pinned, refs, fwd, bwd, max_used, max_swaps, sources,
+            destinations,
+        )  # fmt: skip
     return num_pairs, delta, max_used
 
 
@@ -724,9 +794,8 @@ _release_rows = inline(_release_rows)
 _append_rows = inline(_append_rows)
 _take_blocks = inline(_take_blocks)
 seed_walk = jit(_seed_walk, allocates=False)
-_seed_walk_inline = inline(_seed_walk)
 move = jit(_move, allocates=False)
-_move_inline = inline(_move)
+_walk_and_move = inline(_walk_and_move)
 _trigger_walk_move = inline(_trigger_walk_move)
 add_refs = jit(_add_refs, allocates=False)
 drop_refs = jit(_drop_refs, allocates=False)

@@ -37,6 +37,7 @@ import numpy as np
 from numba.cpython.unsafe import numbers as numba_numbers
 
 from kvlog.events.int_lists import int_lists
+from kvlog.reducers.request_keys import SCRATCH_WORDS, keys_into
 from kvlog.util.jit import inline, jit
 from kvlog.util.splitmix import GOLDEN, M1, M2
 
@@ -846,4 +847,5 @@ def load() -> None:
         none, none, 0, words, words, ids, ids, ids, -1, 0, 0, 0,
     )  # fmt: skip
     int_lists([[0]], 1)  # a StepScheduled's ids read back (``kvlog.events.int_lists``)
+    keys_into(["k"], [0], words, words, np.zeros(SCRATCH_WORDS, dtype=np.uint64))  # new rows
     _loaded = True

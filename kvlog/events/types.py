@@ -293,12 +293,13 @@ def packed_ids(event: StepPacked) -> npt.NDArray[np.integer]:
 def packed_step(
     event: StepScheduled,
     block_ids: npt.NDArray[np.integer] | None = None,
-    nonnegative: bool = False,
+    pool: int = 0,
 ) -> StepPacked:
     """``event`` as a ``StepPacked`` (its block ids all below 2**31; 2 bytes an id where all
     are below 65,536, else 4). ``block_ids``: all of ``allocated``'s ids concatenated, when
-    the caller has them as an array already; ``nonnegative``: the caller knows none is
-    negative (a checked step's: its ids are in the pool), so only their maximum is read."""
+    the caller has them as an array already; ``pool`` (0: unknown): the caller knows every
+    id lies in ``[0, pool)`` (a checked step's), so a pool of at most 65,536 blocks packs
+    2 bytes an id without reading them, and a larger one reads only their maximum."""
     allocated = event.allocated
     counts = np.fromiter(map(len, allocated.values()), _COUNT_DTYPE, len(allocated))
     flat: npt.NDArray[np.integer]
@@ -306,7 +307,10 @@ def packed_step(
         flat = np.fromiter(itertools.chain.from_iterable(allocated.values()), np.int64)
     else:
         flat = block_ids
-    narrow = not flat.size or ((nonnegative or int(flat.min()) >= 0) and int(flat.max()) < 1 << 16)
+    if pool:
+        narrow = pool <= 1 << 16 or not flat.size or int(flat.max()) < 1 << 16
+    else:
+        narrow = not flat.size or (int(flat.min()) >= 0 and int(flat.max()) < 1 << 16)
     id_bytes = 2 if narrow else 4
     return StepPacked(
         step=event.step,

@@ -142,10 +142,11 @@ def _check(
     return _checked((event, apply_event, step.check_step(state, cast(StepScheduled, event), ids)))
 
 
-def recorded(checked: Checked) -> Event:
+def recorded(checked: Checked, pool: int = 0) -> Event:
     """The record a log keeps for a checked event (``step.log_form``: a whole step checked
-    in bulk in its packed form, every other event itself)."""
-    return step.log_form(checked.event, checked.found)
+    in bulk in its packed form, every other event itself); ``pool``: the checked state's
+    ``num_gpu_blocks``, if known (0: not)."""
+    return step.log_form(checked.event, checked.found, pool)
 
 
 def commit(state: State, checked: Checked) -> list[Plan]:

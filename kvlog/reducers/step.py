@@ -427,15 +427,16 @@ PACKED_LIMIT = 1 << 22
 real step, is recorded as it came: the log's size refusal stays that of the step)."""
 
 
-def log_form(event: Event, found: Any) -> Event:
+def log_form(event: Event, found: Any, pool: int = 0) -> Event:
     """What the log records for ``event``, checked with ``found``: a ``StepScheduled`` the
     check took in bulk as its ``StepPacked`` (the ids from the check's array: no second
     pass over them), anything else as it is. Both replay to the same state, plans and
-    digest."""
+    digest. ``pool``: the checked state's ``num_gpu_blocks`` (0: unknown), which bounds a
+    checked step's ids (``packed_step``)."""
     if type(event) is StepScheduled and found.bulk is not None:
         logical = found.bulk[0]
         if logical.size <= PACKED_LIMIT:
-            return packed_step(event, logical, nonnegative=True)  # checked: in the pool
+            return packed_step(event, logical, pool=pool or 1 << 31)  # checked: in the pool
     return event
 
 

@@ -279,6 +279,12 @@ class Engine:
                 self._broken = self._busy is not None
                 raise
 
+    def _log_form(self, checked: reducers.Checked) -> Event:
+        """The record the log keeps for ``checked`` (``reducers.recorded``), told the pool's
+        size, which bounds a checked step's ids."""
+        config = self._machine.state.config
+        return reducers.recorded(checked, 0 if config is None else config.num_gpu_blocks)
+
     def _apply(self, event: Event, ticket: Ticket | None = None) -> list[Plan]:
         """``apply`` without the lock and the entry check (``poll`` applies through it)."""
         outer = self._busy
@@ -292,7 +298,7 @@ class Engine:
             checked = machine.check(plain).checked
         self._busy = "apply"  # from here a raise leaves the engine broken
         try:
-            self._record(checked.event if self._log is None else reducers.recorded(checked))
+            self._record(checked.event if self._log is None else self._log_form(checked))
         except RecordRejected:  # nothing logged
             self._busy = outer
             raise

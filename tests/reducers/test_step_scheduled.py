@@ -447,6 +447,10 @@ def test_a_step_packs_its_ids_in_2_bytes_where_they_fit_else_in_4(tmp_path: Path
     assert (large.id_bytes, len(large.block_ids)) == (4, 8)
     assert small.allocated == {"a": [5, 65535]} and large.allocated == {"b": [6, 65536]}
     assert packed_step(StepScheduled(2, {"c": [-1]}, [])).id_bytes == 4  # refused later, kept
+    ids = np.array([6, 65536], dtype=np.int64)  # a checked step's ids, in its pool
+    assert packed_step(StepScheduled(1, {"b": [6, 65536]}, []), ids, pool=70_000) == large
+    ids = np.array([5, 65535], dtype=np.int64)
+    assert packed_step(StepScheduled(0, {"a": [5, 65535]}, []), ids, pool=65_536) == small
     path = tmp_path / "wide.kvlog"
     with Engine(CacheConfigured(num_gpu_blocks=70_000, block_size=4), log_path=path) as engine:
         engine.apply(StepScheduled(0, {"a": [5, 65535]}, []))

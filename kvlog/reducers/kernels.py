@@ -249,6 +249,23 @@ def _seed_walk(
     return count
 
 
+def _move_pair(refs: Any, fwd: Any, bwd: Any, s: int, d: int) -> Any:
+    """Source ``s`` hands its refs and logical id to the free destination ``d``, which hands
+    its logical id back (refs and both mappings; the bitmap is the caller's); the change
+    of the mapping sum (uint64, wrapping)."""
+    logical_source, logical_destination = bwd[s], bwd[d]
+    # uint64 on both sides: run as Python, a compiled helper returns a Python int,
+    # whose difference numpy 1.x would not wrap (NUMBA_DISABLE_JIT, the tests)
+    delta = np.uint64(_fwd_term(logical_source, d)) - np.uint64(_fwd_term(logical_source, s))
+    delta += np.uint64(_fwd_term(logical_destination, s)) - np.uint64(
+        _fwd_term(logical_destination, d)
+    )
+    refs[d], refs[s] = refs[s], 0
+    fwd[logical_source], fwd[logical_destination] = d, s
+    bwd[d], bwd[s] = logical_source, logical_destination
+    return delta
+
+
 def _move(
     words: Any,
     nonempty: Any,
@@ -272,16 +289,7 @@ def _move(
     source_word, destination_word = -1, -1
     for i in range(len(sources)):
         s, d = sources[i], destinations[i]
-        logical_source, logical_destination = bwd[s], bwd[d]
-        # uint64 on both sides: run as Python, a compiled helper returns a Python int,
-        # whose difference numpy 1.x would not wrap (NUMBA_DISABLE_JIT, the tests)
-        delta += np.uint64(_fwd_term(logical_source, d)) - np.uint64(_fwd_term(logical_source, s))
-        delta += np.uint64(_fwd_term(logical_destination, s)) - np.uint64(
-            _fwd_term(logical_destination, d)
-        )
-        refs[d], refs[s] = refs[s], 0
-        fwd[logical_source], fwd[logical_destination] = d, s
-        bwd[d], bwd[s] = logical_source, logical_destination
+        delta += _move_pair(refs, fwd, bwd, s, d)
         if s >> 6 != source_word:
             if source_word >= 0:
                 _refresh_summaries(words, nonempty, notfull, source_word)
@@ -353,14 +361,7 @@ def _walk_and_move(
         moved_out |= source_bit
         moved_in |= free_bits & (~free_bits + _ONE)  # the lowest bit, ``low``
         free_bits &= free_bits - _ONE
-        logical_source, logical_destination = bwd[s], bwd[d]
-        delta += np.uint64(_fwd_term(logical_source, d)) - np.uint64(_fwd_term(logical_source, s))
-        delta += np.uint64(_fwd_term(logical_destination, s)) - np.uint64(
-            _fwd_term(logical_destination, d)
-        )
-        refs[d], refs[s] = refs[s], 0
-        fwd[logical_source], fwd[logical_destination] = d, s
-        bwd[d], bwd[s] = logical_source, logical_destination
+        delta += _move_pair(refs, fwd, bwd, s, d)
     if moved_out != _ZERO:
         words[sw] &= ~moved_out
         _refresh_summaries(words, nonempty, notfull, sw)
@@ -796,6 +797,7 @@ _append_rows = inline(_append_rows)
 _take_blocks = inline(_take_blocks)
 seed_walk = jit(_seed_walk, allocates=False)
 move = jit(_move, allocates=False)
+_move_pair = inline(_move_pair)
 _walk_and_move = inline(_walk_and_move)
 _trigger_walk_move = inline(_trigger_walk_move)
 add_refs = jit(_add_refs, allocates=False)

@@ -35,7 +35,9 @@ def test_bench_prints_each_phase_and_the_ratio(
     assert re.search(r"plain copy of its bytes\s+\d+\.\d", out)
     assert re.search(r"kvlog / plain \d+\.\dx", out)
     assert re.search(r"the design's floor, inline\s+\d+\.\d", out)
-    assert re.search(r"kvlog's bookkeeping / the floor \d+\.\dx", out)
+    # a difference of two timings: in a 40-step smoke run on a loaded machine the plain copy
+    # can take longer than kvlog's whole job, and the bench prints the negative figure it got
+    assert re.search(r"kvlog's bookkeeping / the floor -?\d+\.\dx", out)
     assert list(tmp_path.iterdir()) == []  # the logs went with the temp dir
 
 

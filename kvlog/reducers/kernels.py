@@ -289,7 +289,7 @@ def _move(
     source_word, destination_word = -1, -1
     for i in range(len(sources)):
         s, d = sources[i], destinations[i]
-        delta += _move_pair(refs, fwd, bwd, s, d)
+        delta += np.uint64(_move_pair(refs, fwd, bwd, s, d))  # (a Python int, run uncompiled)
         if s >> 6 != source_word:
             if source_word >= 0:
                 _refresh_summaries(words, nonempty, notfull, source_word)
@@ -361,7 +361,7 @@ def _walk_and_move(
         moved_out |= source_bit
         moved_in |= free_bits & (~free_bits + _ONE)  # the lowest bit, ``low``
         free_bits &= free_bits - _ONE
-        delta += _move_pair(refs, fwd, bwd, s, d)
+        delta += np.uint64(_move_pair(refs, fwd, bwd, s, d))  # (a Python int, run uncompiled)
     if moved_out != _ZERO:
         words[sw] &= ~moved_out
         _refresh_summaries(words, nonempty, notfull, sw)

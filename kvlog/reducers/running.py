@@ -62,11 +62,11 @@ _SUBMITTED_KEY = 0x13198A2E03707344
 _LOOP_LIMIT = 16
 """Up to this many table entries, ``table_terms`` hashes them in a Python loop."""
 _FIRST_ROWS = 64
+"""Request rows a fresh ``RunningDigest`` holds before it first doubles them."""
 _BULK_KEYS = 8
 """From this many new requests on, ``add_requests`` hashes their keys compiled
 (``request_keys.keys_into``: ~150 ns a key against ~390 for hashlib's calls, after a
 fixed ~1.5 us)."""
-"""Request rows a fresh ``RunningDigest`` holds before it first doubles them."""
 
 
 mix = mix64
@@ -228,7 +228,7 @@ class RunningDigest:
     def add_requests(self, req_ids: list[str]) -> None:
         """``add_request`` for each of ``req_ids`` (distinct, none with a row), in order:
         the same slots, keys and order of ``slots``; the keys hashed in one compiled pass
-        from ``_BULK_KEYS`` requests on, else in one loop without a call per request."""
+        from ``_BULK_KEYS`` requests on, else by ``request_key`` each."""
         count = len(req_ids)
         free = self.free_slots
         reused = min(count, len(free))
@@ -243,12 +243,9 @@ class RunningDigest:
         if count >= _BULK_KEYS:  # one compiled pass (``request_keys.py``)
             keys_into(req_ids, rows, self.keys, self.sums, self.scratch)
         else:
-            copy, from_bytes = _KEY_HASH.copy, int.from_bytes
             keys, sums = self.keys_buffer, self.sums_buffer
-            for slot, req_id in zip(rows, req_ids, strict=True):  # request_key, inlined
-                hasher = copy()
-                hasher.update(req_id.encode("utf-8", "surrogatepass"))
-                keys[slot] = from_bytes(hasher.digest(), "little")
+            for slot, req_id in zip(rows, req_ids, strict=True):
+                keys[slot] = request_key(req_id)
                 sums[slot] = 0
         self.slots.update(zip(req_ids, rows, strict=True))
 

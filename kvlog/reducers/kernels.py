@@ -212,6 +212,42 @@ def _next_word(words: Any, pinned: Any, notfull: Any, w: int, last: int) -> int:
     return -1
 
 
+def _next_pair(
+    words: Any,
+    nonempty: Any,
+    notfull: Any,
+    pinned: Any,
+    sw: int,
+    source_bits: Any,
+    dw: int,
+    free_bits: Any,
+) -> Any:
+    """One step of the seed rule's walk: from the source cursor (word ``sw``, its
+    ``source_bits`` not yet taken) and the destination cursor (word ``dw``, its
+    ``free_bits``), the next pair, highest source with lowest destination. Returns
+    (found, the cursors after it: ``sw``, ``source_bits``, ``dw``, ``free_bits``, source,
+    destination); not found: no source or destination is left, or the destination would
+    lie above the source. Reads the bitmaps only, and only words at or below ``sw`` and
+    at or above ``dw``: never a word a cursor has left."""
+    if source_bits == _ZERO:
+        sw = _prev_word(words, pinned, nonempty, sw - 1)
+        if sw < 0:
+            return False, sw, source_bits, dw, free_bits, -1, -1
+        source_bits = words[sw] & ~pinned[sw]
+    if free_bits == _ZERO:
+        dw = _next_word(words, pinned, notfull, dw + 1, sw)
+        if dw < 0:
+            return False, sw, source_bits, dw, free_bits, -1, -1
+        free_bits = ~(words[dw] | pinned[dw])
+    top, low = _highest_bit(source_bits), _lowest_bit(free_bits)
+    source, destination = (sw << 6) | top, (dw << 6) | low
+    if destination > source:
+        return False, sw, source_bits, dw, free_bits, -1, -1
+    source_bits ^= _ONE << np.uint64(top)
+    free_bits &= free_bits - _ONE  # the lowest bit, ``low``, taken
+    return True, sw, source_bits, dw, free_bits, source, destination
+
+
 def _seed_walk(
     words: Any,
     nonempty: Any,
@@ -228,24 +264,17 @@ def _seed_walk(
     sw, source_bits = (max_used >> 6) + 1, _ZERO
     dw, free_bits = 0, ~(words[0] | pinned[0] | _ONE)  # block 0 is never a destination
     while count < limit:
-        if source_bits == _ZERO:
-            sw = _prev_word(words, pinned, nonempty, sw - 1)
-            if sw < 0:
-                break
-            source_bits = words[sw] & ~pinned[sw]
-        if free_bits == _ZERO:
-            dw = _next_word(words, pinned, notfull, dw + 1, sw)
-            if dw < 0:
-                break
-            free_bits = ~(words[dw] | pinned[dw])
-        top, low = _highest_bit(source_bits), _lowest_bit(free_bits)
-        source, destination = (sw << 6) | top, (dw << 6) | low
-        if destination > source:
+        found, sw, source_bits, dw, free_bits, source, destination = _next_pair(
+            words, nonempty, notfull, pinned, sw, source_bits, dw, free_bits
+        )
+        source_bits, free_bits = (
+            np.uint64(source_bits),
+            np.uint64(free_bits),
+        )  # (Python ints, run uncompiled)
+        if not found:
             break
         sources[count], destinations[count] = source, destination
         count += 1
-        source_bits ^= _ONE << np.uint64(top)
-        free_bits &= free_bits - _ONE  # the lowest bit, ``low``, taken
     return count
 
 
@@ -321,56 +350,53 @@ def _walk_and_move(
 ) -> Any:
     """``_seed_walk`` then ``_move`` of its pairs, in one pass: each pair is moved as the
     walk finds it (refs, both mappings, the mapping sum's change), and the bits a cursor
-    took from a word are applied to the ``used`` bitmap, summaries and all, when it
-    leaves that word (and at the end). The walk reads the bitmap as it was: a word is
-    changed only once a cursor has left it, and the cursors never read a word they have
-    left (the destination cursor stays at or below the source cursor; the source
-    cursor's scan passes below the destination cursor only to stop the walk, as it
-    would have). Returns (pairs, the change of the mapping sum, the highest used block),
-    the pairs written to ``sources`` / ``destinations`` as ``_seed_walk`` writes them."""
+    took from a word are applied to the ``used`` bitmap, summaries and all, once it has
+    left that word (and at the end). The walk reads the bitmap as it was: ``_next_pair``
+    never reads a word a cursor has left. Returns (pairs, the change of the mapping sum,
+    the highest used block), the pairs written to ``sources`` / ``destinations`` as
+    ``_seed_walk`` writes them."""
     count, delta = 0, _ZERO
     sw, source_bits, moved_out = (max_used >> 6) + 1, _ZERO, _ZERO
     dw, free_bits, moved_in = 0, ~(words[0] | pinned[0] | _ONE), _ZERO  # block 0: never
     while count < limit:
-        if source_bits == _ZERO:
-            if moved_out != _ZERO:
-                words[sw] &= ~moved_out
-                _refresh_summaries(words, nonempty, notfull, sw)
-                moved_out = _ZERO
-            sw = _prev_word(words, pinned, nonempty, sw - 1)
-            if sw < 0:
-                break
-            source_bits = words[sw] & ~pinned[sw]
-        if free_bits == _ZERO:
-            if moved_in != _ZERO:
-                words[dw] |= moved_in
-                _refresh_summaries(words, nonempty, notfull, dw)
-                moved_in = _ZERO
-            dw = _next_word(words, pinned, notfull, dw + 1, sw)
-            if dw < 0:
-                break
-            free_bits = ~(words[dw] | pinned[dw])
-        top, low = _highest_bit(source_bits), _lowest_bit(free_bits)
-        s, d = (sw << 6) | top, (dw << 6) | low
-        if d > s:
+        found, next_sw, source_bits, next_dw, free_bits, s, d = _next_pair(
+            words, nonempty, notfull, pinned, sw, source_bits, dw, free_bits
+        )
+        source_bits, free_bits = (
+            np.uint64(source_bits),
+            np.uint64(free_bits),
+        )  # (Python ints, run uncompiled)
+        if next_sw != sw and moved_out != _ZERO:  # the source cursor left word sw
+            _apply_bits(words, nonempty, notfull, sw, moved_out, False)
+            moved_out = _ZERO
+        if next_dw != dw and moved_in != _ZERO:  # the destination cursor left word dw
+            _apply_bits(words, nonempty, notfull, dw, moved_in, True)
+            moved_in = _ZERO
+        sw, dw = next_sw, next_dw
+        if not found:
             break
         sources[count], destinations[count] = s, d
         count += 1
-        source_bit = _ONE << np.uint64(top)
-        source_bits ^= source_bit
-        moved_out |= source_bit
-        moved_in |= free_bits & (~free_bits + _ONE)  # the lowest bit, ``low``
-        free_bits &= free_bits - _ONE
+        moved_out |= _ONE << np.uint64(s & 63)
+        moved_in |= _ONE << np.uint64(d & 63)
         delta += np.uint64(_move_pair(refs, fwd, bwd, s, d))  # (a Python int, run uncompiled)
     if moved_out != _ZERO:
-        words[sw] &= ~moved_out
-        _refresh_summaries(words, nonempty, notfull, sw)
+        _apply_bits(words, nonempty, notfull, sw, moved_out, False)
     if moved_in != _ZERO:
-        words[dw] |= moved_in
-        _refresh_summaries(words, nonempty, notfull, dw)
+        _apply_bits(words, nonempty, notfull, dw, moved_in, True)
     if count:
         max_used = _highest_member(words, nonempty, max_used)
     return count, delta, max_used
+
+
+def _apply_bits(words: Any, nonempty: Any, notfull: Any, w: int, bits: Any, add: bool) -> None:
+    """Word ``w`` of the used bitmap gains (``add``) or loses ``bits``; its summary bits
+    follow."""
+    if add:
+        words[w] |= bits
+    else:
+        words[w] &= ~bits
+    _refresh_summaries(words, nonempty, notfull, w)
 
 
 def _highest_member(words: Any, nonempty: Any, limit: int) -> int:
@@ -787,9 +813,11 @@ _remove_member = inline(_remove_member)
 _lowest_bit = inline(_lowest_bit)
 _highest_bit = inline(_highest_bit)
 _refresh_summaries = inline(_refresh_summaries)
+_apply_bits = inline(_apply_bits)
 _highest_member = inline(_highest_member)
 _prev_word = inline(_prev_word)
 _next_word = inline(_next_word)
+_next_pair = inline(_next_pair)
 _grown = inline(grown_capacity)
 _arena_need = inline(_arena_need)
 _release_rows = inline(_release_rows)

@@ -41,6 +41,7 @@ from kvlog.integrations.defragmenter import OnlineDefragmenter
 from kvlog.integrations.session import JobKind, KvCacheSession
 
 __all__ = [
+    "DeclaredJob",
     "OffloadingHandler",
     "OffloadingHandlers",
     "OffloadingWorker",
@@ -73,6 +74,10 @@ class TransferResult(msgspec.Struct, frozen=True):
     def elapsed_s(self) -> float:
         return self.transfer_time or 0.0
 
+
+DeclaredJob = tuple[JobKind, int, Any, Any, "str | None", "bool | None"]
+"""One job of a step for ``OffloadingWorker.declare_step``: ``(kind, job_id, src_spec,
+dst_spec, req_id, sync)``."""
 
 _TYPES: dict[JobKind, tuple[str, str]] = {"store": ("GPU", "CPU"), "load": ("CPU", "GPU")}
 
@@ -236,6 +241,52 @@ class OffloadingWorker:
         self._submit(event, req_id, sync)
         self._declared[event.job_id] = kind
 
+    def declare_step(self, jobs: Sequence[DeclaredJob]) -> None:
+        """``declare`` each of a step's jobs (job-id order), ``(kind, job_id, src_spec,
+        dst_spec, req_id, sync)``, into the batch (inside ``batched()``) or one by one.
+
+        A load's hold (``KvCacheSession.hold``) comes right before its declaration, and
+        what was kept before it is applied first; inside an empty batch the step's holds
+        are applied first instead, before any of its declarations, and the declarations
+        stay kept as one batch (one record instead of a hold, a record and a flush a load),
+        where that changes nothing: no load writes a GPU block another job of the step
+        reads or writes (a hold then commutes with every other declaration: an allocation
+        reads only its own blocks' pins and references, a declaration reads none of those),
+        and no hold must first release a stale holder (``hold(evict=False)``; from the
+        first load that must, the rest go as above). Every spec is read before anything is
+        held: a bad one raises with nothing applied."""
+        if self._shut_down:
+            raise TransferSpecError("the offloading worker was shut down")
+        events = [
+            transfer_event(kind, _job_id(j), src, dst, deferred=True)
+            for kind, j, src, dst, _, _ in jobs
+        ]
+        held = self._hold_first(events, jobs) if self._batch == [] else set()
+        for event, (kind, _, _, _, req_id, sync) in zip(events, jobs, strict=True):
+            self._submit(event, req_id, sync, held=event.job_id in held)
+            self._declared[event.job_id] = kind
+
+    def _hold_first(
+        self, events: list[StoreRequested | LoadRequested], jobs: Sequence[DeclaredJob]
+    ) -> set[int]:
+        """Apply the holds of the step's loads now, as ``declare_step`` says; the job ids
+        of the loads held."""
+        loads = [(e, job) for e, job in zip(events, jobs, strict=True) if type(e) is LoadRequested]
+        if not loads:
+            return set()
+        written = [b for e, _ in loads for b in e.gpu_block_ids]
+        blocks = set(written)
+        if len(blocks) != len(written) or any(
+            not blocks.isdisjoint(e.gpu_block_ids) for e in events if type(e) is StoreRequested
+        ):
+            return set()
+        held: set[int] = set()
+        for event, (_, _, _, _, req_id, sync) in loads:
+            if not self.session.hold(event.job_id, event.gpu_block_ids, req_id, sync, evict=False):
+                break
+            held.add(event.job_id)
+        return held
+
     def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
         """GPU (logical ids) -> CPU; True once submitted."""
         return self._run("store", job_id, src_spec, dst_spec)
@@ -283,11 +334,12 @@ class OffloadingWorker:
         event: StoreRequested | LoadRequested,
         req_id: str | None = None,
         sync: bool | None = None,
+        held: bool = False,
     ) -> None:
         if self._shut_down:
             raise TransferSpecError("the offloading worker was shut down")
         kind: JobKind = "store" if isinstance(event, StoreRequested) else "load"
-        if kind == "load":
+        if kind == "load" and not held:
             self.flush()  # the hold comes after what came before it
             self.session.hold(event.job_id, event.gpu_block_ids, req_id, sync)
         self._apply(event)

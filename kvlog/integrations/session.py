@@ -488,8 +488,12 @@ class KvCacheSession:
         gpu_block_ids: list[int],
         req_id: str | None = None,
         sync: bool | None = None,
-    ) -> None:
-        """Keep a load's destination blocks used until a request claims them.
+        *,
+        evict: bool = True,
+    ) -> bool:
+        """Keep a load's destination blocks used until a request claims them; True once
+        done (``evict`` False: False, with nothing applied, where a stale holder would
+        first have to be released).
 
         vLLM allocates a request's blocks, loads into them, and reports the request to the
         runner only when it is scheduled, possibly steps after the load ended. Until then
@@ -512,6 +516,8 @@ class KvCacheSession:
             blocks = [b for b in blocks if not self.books.holds(req_id, b)]
         used = view.in_use(blocks)  # only a block some table holds can have a stale holder
         if req_id is not None and not self.prefix_caching and any(used):
+            if not evict:
+                return False
             stale = [b for b, u in zip(blocks, used, strict=True) if u]
             for step in self.books.evict(view, stale):
                 assert not isinstance(step, Claim), "evict only releases"
@@ -522,6 +528,7 @@ class KvCacheSession:
             blocks = [b for b, u in zip(blocks, used, strict=True) if not u]
         if blocks:
             self._apply_hold(self.holds.hold(job_id, blocks))
+        return True
 
     def _apply_hold(self, event: Event) -> None:
         self.apply(event)

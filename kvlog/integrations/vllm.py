@@ -71,7 +71,7 @@ from kvlog.errors import UnsupportedVllm
 from kvlog.events import CacheConfigured
 from kvlog.integrations.config import config_from_env
 from kvlog.integrations.metrics import PromMetrics, Reporter, metrics_enabled, recorder_figures
-from kvlog.integrations.offload import OffloadingWorker
+from kvlog.integrations.offload import DeclaredJob, OffloadingWorker
 from kvlog.integrations.registry import shared_session
 from kvlog.integrations.session import JobKind, KvCacheSession
 from kvlog.log import LogStatus
@@ -169,11 +169,14 @@ class KvlogConnectorWorker(OffloadingConnectorWorker):  # type: ignore[misc]
         if vllm_compat.is_store_writer(self):  # other ranks never submit stores
             jobs += [(job_id, "store", entry) for job_id, entry in metadata.store_jobs.items()]
         assert self.session is not None, "register_kv_caches() first"
+        declared: list[DeclaredJob] = [
+            (kind, job_id, entry.src_spec, entry.dst_spec, str(entry.req_id),
+             vllm_compat.load_is_sync(entry))
+            for job_id, kind, entry in sorted(jobs, key=lambda job: job[0])
+            if not worker.knows(job_id)
+        ]  # fmt: skip
         with worker.batched():  # one TransferBatch for the step's declarations
-            for job_id, kind, entry in sorted(jobs, key=lambda job: job[0]):
-                if not worker.knows(job_id):
-                    req_id, sync = str(entry.req_id), vllm_compat.load_is_sync(entry)
-                    worker.declare(kind, job_id, entry.src_spec, entry.dst_spec, req_id, sync)
+            worker.declare_step(declared)
 
     def handle_preemptions(self, kv_connector_metadata: OffloadingConnectorMetadata) -> None:
         """vLLM's fence of ``jobs_to_flush``, after declaring the step's jobs; what it

@@ -22,11 +22,14 @@ from kvlog.errors import (
 )
 from kvlog.events import (
     BlocksAllocated,
+    LoadRequested,
     RequestFinished,
     RequestPreempted,
     StepEnded,
     StepPacked,
     StepScheduled,
+    StoreRequested,
+    TransferBatch,
     unbatched,
 )
 from kvlog.integrations import (
@@ -734,6 +737,79 @@ def test_a_batched_block_applies_its_calls_as_one_record_at_its_end(tmp_path: Pa
         ("StoreRequested", 0),
         ("StoreRequested", 1),
     ]
+
+
+def _step_records(path: Path) -> list[tuple[str, object]]:
+    """The records after ``_logged_worker``'s set-up (its configuration and first step):
+    a hold as ``("hold", its blocks)``, a batch (or a lone transfer event) as ``("batch",
+    [(kind, job id), ...])``."""
+    out: list[tuple[str, object]] = []
+    for r in _records(path)[2:]:
+        if isinstance(r, BlocksAllocated):
+            out.append(("hold", r.block_ids))
+        elif isinstance(r, (TransferBatch, StoreRequested, LoadRequested)):
+            events = r.events if isinstance(r, TransferBatch) else [r]
+            out.append(("batch", [(type(e).__name__[:4], e.job_id) for e in events]))
+    return out
+
+
+def test_a_steps_loads_are_held_before_its_declarations_which_are_one_record(
+    tmp_path: Path,
+) -> None:
+    """vLLM's step: stores and a load in job-id order. The load's hold is applied first
+    and the three declarations stay one batch (not: a batch of the store before the load,
+    the hold, then the rest)."""
+    defrag, worker, path = _logged_worker(tmp_path)
+    with worker.batched():
+        worker.declare_step(
+            [
+                ("store", 0, [1, 2], [0, 1], "a", None),
+                ("load", 1, [5, 6], [10, 11], "c", False),
+                ("store", 2, [4], [3], "b", None),
+            ]
+        )
+    assert defrag.session.held_blocks == dict.fromkeys([10, 11], f"{defrag.session.holds.prefix}1")
+    defrag.close()
+    assert _step_records(path) == [
+        ("hold", [10, 11]),
+        ("batch", [("Stor", 0), ("Load", 1), ("Stor", 2)]),
+    ]
+
+
+def test_a_load_writing_a_block_another_job_of_its_step_reads_is_held_in_call_order(
+    tmp_path: Path,
+) -> None:
+    """Where a load writes a GPU block another job of the step reads (store 2 reads free
+    block 12, which load 1 is about to fill), holding first could reorder what the two do:
+    the step goes as the calls one by one would (what was kept, the hold, the rest)."""
+    defrag, worker, path = _logged_worker(tmp_path)
+    with worker.batched():
+        worker.declare_step(
+            [
+                ("store", 0, [1, 2], [0, 1], "a", None),
+                ("load", 1, [5, 6], [12, 13], "c", False),
+                ("store", 2, [12], [3], "d", None),
+            ]
+        )
+    defrag.close()
+    assert _step_records(path) == [
+        ("batch", [("Stor", 0)]),
+        ("hold", [12, 13]),
+        ("batch", [("Load", 1), ("Stor", 2)]),
+    ]
+
+
+def test_a_bad_spec_in_a_step_holds_and_declares_nothing(tmp_path: Path) -> None:
+    defrag, worker, _ = _logged_worker(tmp_path)
+    with pytest.raises(TransferSpecError), worker.batched():
+        worker.declare_step(
+            [
+                ("load", 0, [5, 6], [10, 11], "c", False),
+                ("store", 1, [4], [[3]], "b", None),  # a nested list: not ids
+            ]
+        )
+    assert defrag.session.held_blocks == {}
+    assert defrag.session.engine.view.last_job_id == -1
 
 
 def test_a_refused_batch_applies_nothing_and_forgets_its_declarations(tmp_path: Path) -> None:

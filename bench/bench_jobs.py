@@ -5,14 +5,17 @@
     python bench/bench_jobs.py --jobs 4 --blocks 32   # jobs a step, GPU blocks a job
 
 vLLM's connector worker, as ``KvlogOffloadingConnector`` drives kvlog's
-``OffloadingWorker`` every step: the step's jobs declared together (``batched()``: one
-``TransferBatch``), submitted together (one more), their completions collected by one
-``get_finished`` (one more), with the log at the integration's default (``background``) and
-the runner's ``update_state`` + ``defragment`` between steps (untimed). Stores of
-``--blocks`` GPU blocks from live requests' tables into fresh CPU blocks (specs shaped as
-vLLM 0.33's: int32 block ids, one KV-cache group, ``Spec``), on HPU-layout CPU
-tensors (2 layers, key and value, ``--page-bytes`` a block a tensor: small by default, so
-that what is measured is the bookkeeping, not this machine's memory bandwidth).
+``OffloadingWorker`` every step: the step's jobs declared and submitted in one
+``batched()`` block (one ``TransferBatch``: the declarations kept, as
+``bind_connector_metadata`` keeps them, and applied with the submissions, as
+``start_load_kv`` applies them; ``declare`` times the keeping, ``submit`` the rest), their
+completions collected by one ``get_finished`` (one more), with the log at the integration's
+default (``background``) and the runner's ``update_state`` + ``defragment`` between steps
+(untimed). Stores of ``--blocks`` GPU blocks from live requests' tables into fresh CPU
+blocks (specs shaped as vLLM 0.33's: int32 block ids, one KV-cache group, ``Spec``), on
+HPU-layout CPU tensors (2 layers, key and value, ``--page-bytes`` a block a tensor: small
+by default, so that what is measured is the bookkeeping, not this machine's memory
+bandwidth).
 
 The baseline, in the same run on the same tensors: the same jobs' bytes moved with no books
 (``plain``: one numpy gather/scatter a tensor a job, the copy any worker must make). Printed:
@@ -21,7 +24,7 @@ microseconds a job for each phase, kvlog's whole job, the plain copy, and kvlog'
 
 A second baseline, same run: the design's floor (``floor_round``), the operations kvlog's
 books need for the same jobs (ids checked, looked up, pinned, the job's digest term, the
-three records encoded and checksummed, the plans' pairs, the unpins) written inline with no
+two records encoded and checksummed, the plans' pairs, the unpins) written inline with no
 layers. kvlog's bookkeeping over the floor is what its layers cost.
 """
 
@@ -126,11 +129,10 @@ def kvlog_round(shape: Shape, steps: int, workdir: str) -> dict[str, float]:
     for step in range(steps):
         jobs = specs_of(job_specs(shape, step))
         t0 = clock()
-        with worker.batched():
+        with worker.batched():  # bind_connector_metadata keeps, start_load_kv applies
             for job_id, src, dst in jobs:
                 worker.declare("store", job_id, src, dst, req_id=f"r{job_id % 7}")
-        t1 = clock()
-        with worker.batched():
+            t1 = clock()
             for job_id, src, dst in jobs:
                 worker.submit_store(job_id, src, dst)
         t2 = clock()
@@ -164,16 +166,18 @@ def plain_round(shape: Shape, steps: int) -> float:
 
 
 def step_records(jobs: list[tuple[int, list[int], list[int]]]) -> list[TransferBatch]:
-    """The three records kvlog's log holds for a step of ``jobs`` stored: the declarations,
-    the submissions, the finishes (each a ``TransferBatch``)."""
+    """The two records kvlog's log holds for a step of ``jobs`` stored: the declarations
+    with the submissions, and the finishes (each a ``TransferBatch``)."""
     return [
         TransferBatch(
             events=[
-                StoreRequested(j, gpu, cpu, (len(gpu),), (0,), deferred=True)
-                for j, gpu, cpu in jobs
+                *(
+                    StoreRequested(j, gpu, cpu, (len(gpu),), (0,), deferred=True)
+                    for j, gpu, cpu in jobs
+                ),
+                *(TransferSubmitted(j) for j, _, _ in jobs),
             ]
         ),
-        TransferBatch(events=[TransferSubmitted(j) for j, _, _ in jobs]),
         TransferBatch(events=[TransferFinished(j, True) for j, _, _ in jobs]),
     ]
 
@@ -182,11 +186,11 @@ def floor_round(shape: Shape, steps: int) -> float:
     """Seconds for the same jobs' bookkeeping as the design's essential operations alone,
     written inline with no layers (no copy): the floor of kvlog's design in Python.
 
-    Per step, kvlog's three records (``step_records``), each encoded and checksummed: the
-    declarations (each job's ids checked to be ints in the pool, its GPU ids looked up in
-    the forward table, checked against the blocks loads write, pinned one by one, its job
-    kept with its term hashed as the running digest hashes it); the submissions (each job's
-    ``(src, dst)`` pairs listed for its plan); the finishes (each job dropped, its blocks
+    Per step, kvlog's two records (``step_records``), each encoded and checksummed: the
+    declarations with the submissions (each job's ids checked to be ints in the pool, its
+    GPU ids looked up in the forward table, checked against the blocks loads write, pinned
+    one by one, its job kept with its term hashed as the running digest hashes it; each
+    job's ``(src, dst)`` pairs listed for its plan); the finishes (each job dropped, its blocks
     unpinned). Left out: the engine's lock and observers, the executor's streams and events,
     the session's routing, typed errors' context and the facade's spec handling, which
     kvlog's figure includes."""
@@ -201,7 +205,7 @@ def floor_round(shape: Shape, steps: int) -> float:
         specs = specs_of(job_specs(shape, step))
         t0 = time.perf_counter()
         jobs = [(j, src.block_ids.tolist(), dst.block_ids.tolist()) for j, src, dst in specs]
-        declared, submitted, finished = step_records(jobs)
+        requested, finished = step_records(jobs)
         for job_id, gpu, cpu in jobs:
             for i in gpu + cpu:
                 if type(i) is not int or not 0 <= i < n:
@@ -215,9 +219,8 @@ def floor_round(shape: Shape, steps: int) -> float:
             body = encoder.encode([job_id, "store", gpu, cpu, cpu])
             term = int.from_bytes(hashlib.blake2b(body, digest_size=8).digest(), "little")
             kept[job_id] = (physical, cpu, term)
-        crc32c(encoder.encode(declared))
         pairs = [list(zip(kept[j][0].tolist(), kept[j][1], strict=True)) for j, _, _ in jobs]
-        crc32c(encoder.encode(submitted))
+        crc32c(encoder.encode(requested))
         for job_id, _, _ in jobs:
             for p in kept.pop(job_id)[0].tolist():
                 pins[p] -= 1

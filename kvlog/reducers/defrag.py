@@ -289,23 +289,23 @@ def end_step_at(state: State, step: int) -> list[Plan]:
 
 def walks_in_step(state: State) -> bool:
     """Whether a step's one compiled commit takes the defrag decision as well
-    (``State.commit_step``): under the seed rule without a byte cap, and with no quarantine
-    (where ``end_step_at`` lifts it between the walk and the move)."""
+    (``State.commit_step``): under the seed rule without a byte cap. With
+    ``quarantine_released`` the commit pins the blocks its releases free before it walks
+    (those freed earlier are pinned already), and ``end_step_moved`` lifts the quarantine
+    after the move, where ``end_step_at`` lifts it between its walk and its move: the
+    same, as a move reads no pins and touches no quarantined block (free and pinned, it is
+    neither a source nor a destination)."""
     config = state.config
     assert config is not None, "reduce() dispatches only configured states here"
-    return (
-        config.defrag
-        and config.policy == "seed"
-        and not config.max_bytes_per_step
-        and not config.quarantine_released
-        and not state.quarantined
-    )
+    return config.defrag and config.policy == "seed" and not config.max_bytes_per_step
 
 
 def end_step_moved(state: State, step: int, num_pairs: int) -> list[Plan]:
     """``end_step_at`` once ``State.commit_step`` has walked and moved ``num_pairs`` pairs
-    (in the state's pair scratch): record the step, the plan of the pairs."""
+    (in the state's pair scratch): record the step, lift the quarantine, the plan of the
+    pairs."""
     state.step = step
+    state.lift_quarantine()
     if not num_pairs:
         return []
     config = state.config

@@ -758,6 +758,7 @@ def _step_commit(
     num_used: int,
     threshold: int,
     max_swaps: int,
+    quarantine: bool,
 ) -> Any:
     """A whole checked step's bookkeeping and, when asked, its seed-rule defrag, in one call.
 
@@ -773,7 +774,10 @@ def _step_commit(
     (freed blocks to ``freed``) and leave, each allocation joins its table and sum, each
     of ``physical`` gets a reference (``max_used``, ``num_used``: before the step). With
     ``max_swaps > 0`` the seed rule's trigger, walk and move follow (pairs to ``sources``
-    / ``destinations``).
+    / ``destinations``). ``quarantine`` (``CacheConfigured.quarantine_released``): the
+    blocks the releases freed join ``pinned`` before the walk, as the caller's
+    ``State.quarantine`` of them would (no destination this step; the caller lifts the
+    quarantine at the step's end, which the move, reading no pins, does not see).
     Returns (ids needed first or 0, the arena's new top, ids turned garbage, blocks freed,
     highest used block after the step, the change of the tables' sum, pairs moved, the
     change of the mapping sum, blocks that became used), sums as wrapping uint64."""
@@ -784,6 +788,10 @@ def _step_commit(
         words, nonempty, notfull, refs, fwd, arena, starts, lengths, capacities, rows,
         num_released, sums, freed,
     )  # fmt: skip
+    if quarantine:
+        for i in range(num_freed):
+            p = freed[i]
+            pinned[p >> 6] |= _ONE << np.uint64(p & 63)
     top, moved, added = _append_rows(
         arena, starts, lengths, capacities, top, rows, num_released, keys, sums, logical
     )
@@ -874,7 +882,7 @@ def load() -> None:
     resolve_into(blocks, table[:, :1], table)
     step_commit(
         words, words, words, words, blocks, blocks, blocks, blocks, ids, ids, ids, 0, none,
-        none, none, 0, words, words, ids, ids, ids, -1, 0, 0, 0,
+        none, none, 0, words, words, ids, ids, ids, -1, 0, 0, 0, False,
     )  # fmt: skip
     int_lists([[0]], 1)  # a StepScheduled's ids read back (``kvlog.events.int_lists``)
     keys_into(["k"], [0], words, words, np.zeros(SCRATCH_WORDS, dtype=np.uint64))  # new rows

@@ -245,7 +245,7 @@ class State:
                     arena.top, ids[1], ids[0], row_array, num_released, digest.keys,
                     digest.sums, freed, self.pair_sources, self.pair_destinations,
                     self._max_used, used.count, config.threshold,
-                    config.max_swaps if walk else 0,
+                    config.max_swaps if walk else 0, config.quarantine_released,
                 )
             )  # fmt: skip
             if not need:

@@ -370,6 +370,7 @@ def apply_step_counted(state: State, event: Step, found: StepFound) -> list[Plan
     walked, num_pairs = _commit_bulk(state, event, found)
     if walked:
         state.step, state.counted_pairs = event.step, num_pairs
+        state.lift_quarantine()
         return []
     return defrag.end_step_at(state, event.step)
 

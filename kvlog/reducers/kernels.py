@@ -732,6 +732,25 @@ def _trigger_walk_move(
     return num_pairs, delta, max_used
 
 
+def _pin_freed(pinned: Any, freed: Any, count: int) -> None:
+    """Set the ``pinned`` bits of ``freed[:count]`` (a step's quarantine of what it freed)."""
+    for i in range(count):
+        p = freed[i]
+        pinned[p >> 6] |= _ONE << np.uint64(p & 63)
+
+
+def _max_after_releases(words: Any, nonempty: Any, max_used: int, num_freed: int) -> int:
+    """The highest used block once releases freed ``num_freed`` blocks: ``max_used``, or
+    the highest member below it where it was freed (-1: none)."""
+    if (
+        num_freed
+        and max_used >= 0
+        and not (words[max_used >> 6] >> np.uint64(max_used & 63)) & _ONE
+    ):
+        return _highest_member(words, nonempty, max_used)
+    return max_used
+
+
 def _step_commit(
     words: Any,
     nonempty: Any,
@@ -774,10 +793,8 @@ def _step_commit(
     (freed blocks to ``freed``) and leave, each allocation joins its table and sum, each
     of ``physical`` gets a reference (``max_used``, ``num_used``: before the step). With
     ``max_swaps > 0`` the seed rule's trigger, walk and move follow (pairs to ``sources``
-    / ``destinations``). ``quarantine`` (``CacheConfigured.quarantine_released``): the
-    blocks the releases freed join ``pinned`` before the walk, as the caller's
-    ``State.quarantine`` of them would (no destination this step; the caller lifts the
-    quarantine at the step's end, which the move, reading no pins, does not see).
+    / ``destinations``); with ``quarantine`` the blocks freed are pinned before the walk
+    (``State.quarantine``; the caller lifts it after the move, which reads no pins).
     Returns (ids needed first or 0, the arena's new top, ids turned garbage, blocks freed,
     highest used block after the step, the change of the tables' sum, pairs moved, the
     change of the mapping sum, blocks that became used), sums as wrapping uint64."""
@@ -788,22 +805,13 @@ def _step_commit(
         words, nonempty, notfull, refs, fwd, arena, starts, lengths, capacities, rows,
         num_released, sums, freed,
     )  # fmt: skip
-    if quarantine:
-        for i in range(num_freed):
-            p = freed[i]
-            pinned[p >> 6] |= _ONE << np.uint64(p & 63)
+    _pin_freed(pinned, freed, num_freed if quarantine else 0)
     top, moved, added = _append_rows(
         arena, starts, lengths, capacities, top, rows, num_released, keys, sums, logical
     )
     change += added
     fresh, peak = _take_blocks(words, nonempty, notfull, refs, physical)
-    if (
-        num_freed
-        and max_used >= 0
-        and not (words[max_used >> 6] >> np.uint64(max_used & 63)) & _ONE
-    ):
-        max_used = _highest_member(words, nonempty, max_used)
-    max_used = max(max_used, peak)
+    max_used = max(_max_after_releases(words, nonempty, max_used, num_freed), peak)
     num_used += fresh - num_freed
     num_pairs, delta, max_used = _trigger_walk_move(
         words, nonempty, notfull, pinned, refs, fwd, bwd, sources, destinations, max_used,
@@ -831,6 +839,8 @@ _arena_need = inline(_arena_need)
 _release_rows = inline(_release_rows)
 _append_rows = inline(_append_rows)
 _take_blocks = inline(_take_blocks)
+_pin_freed = inline(_pin_freed)
+_max_after_releases = inline(_max_after_releases)
 seed_walk = jit(_seed_walk, allocates=False)
 move = jit(_move, allocates=False)
 _move_pair = inline(_move_pair)

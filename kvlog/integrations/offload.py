@@ -238,8 +238,7 @@ class OffloadingWorker:
         """Pin a job the scheduler decided for request ``req_id`` (a load: ``sync`` if the
         request runs this step), before its ``submit_*`` runs it."""
         event = transfer_event(kind, _job_id(job_id), src_spec, dst_spec, deferred=True)
-        self._submit(event, req_id, sync)
-        self._declared[event.job_id] = kind
+        self._keep_declared(event, kind, req_id, sync)
 
     def declare_step(self, jobs: Sequence[DeclaredJob]) -> None:
         """``declare`` each of a step's jobs (job-id order), ``(kind, job_id, src_spec,
@@ -263,8 +262,20 @@ class OffloadingWorker:
         ]
         held = self._hold_first(events, jobs) if self._batch == [] else set()
         for event, (kind, _, _, _, req_id, sync) in zip(events, jobs, strict=True):
-            self._submit(event, req_id, sync, held=event.job_id in held)
-            self._declared[event.job_id] = kind
+            self._keep_declared(event, kind, req_id, sync, event.job_id in held)
+
+    def _keep_declared(
+        self,
+        event: StoreRequested | LoadRequested,
+        kind: JobKind,
+        req_id: str | None,
+        sync: bool | None,
+        held: bool = False,
+    ) -> None:
+        """A declared job's event applied or kept (``_submit``; ``held``: its load's hold
+        applied already), the job awaiting its ``submit_*``."""
+        self._submit(event, req_id, sync, held)
+        self._declared[event.job_id] = kind
 
     def _hold_first(
         self, events: list[StoreRequested | LoadRequested], jobs: Sequence[DeclaredJob]

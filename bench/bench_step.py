@@ -3,6 +3,7 @@
     python bench/bench_step.py            # 4200 timed steps per size (a snapshot included)
     python bench/bench_step.py --quick    # 600 timed steps, 32k blocks and the 4k/1M pair only
     python bench/bench_step.py --trace heavy   # the heavy trace only (2000 steps, --quick 600)
+    python bench/bench_step.py --split         # where the heavy 32k step's time goes
 
 A step is what the scheduler hands kvlog per step on a FIFO-pool trace with defrag firing:
 finishes while the pool is above 80% full, 0-2 arrivals of 4-64 blocks, 8 live requests
@@ -31,6 +32,15 @@ of 4,096 and of 32,768 blocks and each is applied, as one ``StepScheduled`` a st
 pool of its own size and to a 1M pool (the same block ids, a larger pool); the seed as
 shipped runs the same steps. Printed: the ratio to the seed at 32k and the 1M pool's cost
 over the 4k pool's.
+
+``--split`` times the heavy 32k trace's steps again (the seed as shipped beside them, same
+run) with a clock around each of the pieces a step cannot do without in this design (``SPLIT``:
+the check's and the commit's compiled kernels, the ids read in, the new requests' keys, the
+``SwapPlan``'s pairs as the plan's public tuples, the step's log form and its append) and
+prints each piece's share of the step, the rest (the Python between them: validation, the
+reducers' dispatch and per-request rows, the Engine, its figures), and the ratio to the seed
+that a step made of those pieces alone would reach: what no trim of the Python between
+them can pass. The clocks cost about 0.1 us a piece a step, counted in the rest.
 """
 
 from __future__ import annotations
@@ -38,7 +48,9 @@ from __future__ import annotations
 import argparse
 import array
 import collections
+import contextlib
 import gc
+import importlib
 import itertools
 import os
 import random
@@ -46,7 +58,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -449,6 +461,111 @@ def heavy_main(num_steps: int, repeat: int) -> int:
     return 0
 
 
+SPLIT: tuple[tuple[str, str, str], ...] = (
+    ("kvlog.reducers.kernels", "step_commit", "the commit's kernel (refs, tables, walk, move)"),
+    ("kvlog.reducers.kernels", "step_allocation", "the check's kernel"),
+    ("kvlog.events.validate", "int_lists", "the ids read in (msgspec encode, compiled read)"),
+    ("kvlog.reducers.running", "keys_into", "the new requests' keys (blake2b, compiled)"),
+    ("kvlog.reducers.defrag", "end_step_moved", "the SwapPlan (its pairs as tuples)"),
+    ("kvlog.reducers.step", "packed_step", "the step's log form (StepPacked)"),
+    ("kvlog.log.writer", "LogWriter.append", "the record's append (encode, CRC, buffer)"),
+)  # fmt: skip
+"""The pieces ``--split`` times: (module, attribute where the step's path looks it up,
+label). None calls another of them."""
+
+
+@contextlib.contextmanager
+def clocked(spent: collections.Counter[str]) -> Iterator[None]:
+    """Within the block, the time of every call of each ``SPLIT`` piece adds to
+    ``spent[label]`` (ns); the originals are back on the way out."""
+    saved: list[tuple[Any, str, Any]] = []
+    clock = time.perf_counter_ns
+
+    def timer(original: Callable[..., Any], label: str) -> Callable[..., Any]:
+        def timed_call(*args: Any, **kwargs: Any) -> Any:
+            t0 = clock()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                spent[label] += clock() - t0
+
+        return timed_call
+
+    try:
+        for module_name, name, label in SPLIT:
+            owner: Any = importlib.import_module(module_name)
+            if "." in name:
+                class_name, name = name.split(".")
+                owner = getattr(owner, class_name)
+            original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+            saved.append((owner, name, original))
+            setattr(owner, name, timer(original, label))
+        yield
+    finally:
+        for owner, name, original in reversed(saved):
+            setattr(owner, name, original)
+
+
+def split_run(
+    size: int, warm: list[Event], steps: list[list[Event]], directory: str
+) -> tuple[Run, dict[str, float]]:
+    """``kvlog_run`` (log on, ``sync="none"``) with the ``SPLIT`` pieces clocked over the
+    timed steps: the run, and each piece's mean us a step."""
+    config = CacheConfigured(num_gpu_blocks=size, block_size=16, threshold=THRESHOLD)
+    path = os.path.join(directory, f"{size}-split-{len(steps)}.kvlog")
+    spent: collections.Counter[str] = collections.Counter()
+    with clocked(spent):  # before the Engine binds its log's append
+        engine = Engine(config, log_path=path, sync="none")
+        for event in warm:
+            engine.apply(event)
+        engine.checkpoint()
+        spent.clear()
+        run = timed(steps, engine.apply, swap_pairs)
+    engine.close()
+    os.unlink(path)
+    return run, {label: spent[label] / 1e3 / len(steps) for _, _, label in SPLIT}
+
+
+def split_main(num_steps: int, repeat: int) -> int:
+    """The heavy 32k trace: each piece's share of kvlog's step (the best of ``repeat``
+    rounds, by mean), and the seed as shipped on the same steps."""
+    ids = max(HEAVY_TRACES)
+    trace = HeavyTrace(ids, seed=ids + 1)
+    warm, steps = trace.warm_up(), [trace.step(s) for s in range(num_steps)]
+    whole = as_steps(steps)
+    gc.collect()
+    gc.freeze()
+    seed = seed_run(ids, warm, steps, shipped=True)
+    best: tuple[Run, dict[str, float]] | None = None
+    with tempfile.TemporaryDirectory() as directory:
+        for _ in range(repeat):
+            got = split_run(ids, warm, whole, directory)
+            if best is None or got[0].mean_us < best[0].mean_us:
+                best = got
+    gc.unfreeze()
+    assert best is not None and best[0].pairs == seed.pairs, "kvlog and the seed disagree"
+    run, pieces = best
+    table = Table(title=f"heavy trace, {ids} ids: where kvlog's StepScheduled step goes (mean)")
+    for column in ("piece", "us a step", "share"):
+        table.add_column(column, justify="right" if column != "piece" else "left")
+    for label, us in pieces.items():
+        table.add_row(label, f"{us:.1f}", f"{100 * us / run.mean_us:.0f}%")
+    floor = sum(pieces.values())
+    rest = run.mean_us - floor
+    table.add_row(
+        "the rest: the Python between them", f"{rest:.1f}", f"{100 * rest / run.mean_us:.0f}%"
+    )
+    table.add_row("the step (Engine.apply)", f"{run.mean_us:.1f}", "100%")
+    Console(width=120).print(table)
+    print(
+        f"heavy {ids}: the seed as shipped {seed.mean_us:.0f} us a step, kvlog "
+        f"{run.mean_us:.1f} ({seed.mean_us / run.mean_us:.1f}x); its pieces alone "
+        f"{floor:.1f} us: with nothing between them {seed.mean_us / floor:.1f}x the seed "
+        "(target >= 100x)"
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="600 steps; 4k, 32k and 1M")
@@ -467,11 +584,19 @@ def main(argv: list[str] | None = None) -> int:
         help="the FIFO-pool trace (per pool size), the heavy trace (hundreds of running "
         "requests, defrag most steps), or both",
     )
+    parser.add_argument(
+        "--split",
+        action="store_true",
+        help="the heavy 32k trace only: each piece of kvlog's step timed (SPLIT), the rest, "
+        "and the ratio to the seed its pieces alone would reach",
+    )
     args = parser.parse_args(argv)
     global HAND_OVER
     HAND_OVER = not args.prebuilt
     num_steps = args.steps or (600 if args.quick else 4200)
     sizes = (4096, 32768, 1 << 20) if args.quick else SIZES
+    if args.split:
+        return split_main(args.steps or (600 if args.quick else 2000), args.repeat)
     handed = "prebuilt events" if args.prebuilt else "events handed over fresh per step"
     print(
         f"{num_steps} steps per size, best of {args.repeat} rounds, log on, default "

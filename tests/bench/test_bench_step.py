@@ -3,8 +3,10 @@ running ``bench/bench_step.py``)."""
 
 from __future__ import annotations
 
+import importlib
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import bench_step
@@ -53,3 +55,25 @@ def test_the_heavy_trace_runs_hundreds_of_requests_and_fires_defrag_in_most_step
     shipped = bench_step.seed_run(4096, warm, steps, shipped=True).pairs
     assert own == big == shipped
     assert sum(bool(p) for p in own) > 150  # defrag fires on most steps
+
+
+def test_the_split_clocks_every_piece_and_puts_each_back(tmp_path: Path) -> None:
+    """``--split`` times each piece of the step on the same decisions (the same pairs as
+    the unclocked run), every piece runs in the timed steps, they add up to less than the
+    step, and the originals are back afterwards."""
+    trace = bench_step.HeavyTrace(4096, seed=5)
+    warm = trace.warm_up()
+    whole = bench_step.as_steps([trace.step(s) for s in range(120)])
+    owners = []
+    for module_name, name, _ in bench_step.SPLIT:
+        owner: Any = importlib.import_module(module_name)
+        if "." in name:
+            class_name, name = name.split(".")
+            owner = getattr(owner, class_name)
+        owners.append((owner, name, getattr(owner, name)))
+    run, pieces = bench_step.split_run(4096, warm, whole, str(tmp_path))
+    assert run.pairs == bench_step.kvlog_run(4096, warm, whole, "none", str(tmp_path)).pairs
+    assert set(pieces) == {label for _, _, label in bench_step.SPLIT}
+    assert all(us > 0 for us in pieces.values()), pieces
+    assert sum(pieces.values()) < run.mean_us
+    assert all(getattr(owner, name) is original for owner, name, original in owners)

@@ -290,16 +290,26 @@ def swap_pairs(plans: list[Any]) -> list[tuple[int, int]]:
 
 
 def kvlog_run(
-    size: int, warm: list[Event], steps: list[list[Event]], sync: str, directory: str
+    size: int,
+    warm: list[Event],
+    steps: list[list[Event]],
+    sync: str,
+    directory: str,
+    spent: collections.Counter[str] | None = None,
 ) -> Run:
-    """kvlog's mean us per step (log on, default checkpoints), and its pairs per step."""
+    """kvlog's mean us per step (log on, default checkpoints), and its pairs per step.
+    ``spent``: the ``SPLIT`` pieces' ns over the timed steps add to it (``clocked``)."""
     config = CacheConfigured(num_gpu_blocks=size, block_size=16, threshold=THRESHOLD)
     path = os.path.join(directory, f"{size}-{sync}-{len(steps)}.kvlog")
-    engine = Engine(config, log_path=path, sync=sync)  # type: ignore[arg-type]
-    for event in warm:
-        engine.apply(event)
-    engine.checkpoint()  # untimed: the warm-up's own checkpoint (hashes what it built)
-    run = timed(steps, engine.apply, swap_pairs)
+    pieces = contextlib.nullcontext() if spent is None else clocked(spent)
+    with pieces:  # clocked before the Engine binds its log's append
+        engine = Engine(config, log_path=path, sync=sync)  # type: ignore[arg-type]
+        for event in warm:
+            engine.apply(event)
+        engine.checkpoint()  # untimed: the warm-up's own checkpoint (hashes what it built)
+        if spent is not None:
+            spent.clear()
+        run = timed(steps, engine.apply, swap_pairs)
     engine.close()
     os.unlink(path)
     return run
@@ -510,20 +520,10 @@ def clocked(spent: collections.Counter[str]) -> Iterator[None]:
 def split_run(
     size: int, warm: list[Event], steps: list[list[Event]], directory: str
 ) -> tuple[Run, dict[str, float]]:
-    """``kvlog_run`` (log on, ``sync="none"``) with the ``SPLIT`` pieces clocked over the
-    timed steps: the run, and each piece's mean us a step."""
-    config = CacheConfigured(num_gpu_blocks=size, block_size=16, threshold=THRESHOLD)
-    path = os.path.join(directory, f"{size}-split-{len(steps)}.kvlog")
+    """``kvlog_run`` (``sync="none"``) with the ``SPLIT`` pieces clocked over the timed
+    steps: the run, and each piece's mean us a step."""
     spent: collections.Counter[str] = collections.Counter()
-    with clocked(spent):  # before the Engine binds its log's append
-        engine = Engine(config, log_path=path, sync="none")
-        for event in warm:
-            engine.apply(event)
-        engine.checkpoint()
-        spent.clear()
-        run = timed(steps, engine.apply, swap_pairs)
-    engine.close()
-    os.unlink(path)
+    run = kvlog_run(size, warm, steps, "none", directory, spent)
     return run, {label: spent[label] / 1e3 / len(steps) for _, _, label in SPLIT}
 
 
